@@ -1,0 +1,29 @@
+"""Shared validation helpers for the config dataclasses.
+
+Every user-facing check raises ``ValueError`` with the field, its value and the rule, e.g.
+``moe.top_k (9) must be <= moe.num_experts (8)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def require(ok: bool, field: str, value: Any, rule: str) -> None:
+    """Raise ``ValueError("<field> (<value>) <rule>")`` unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{field} ({value!r}) {rule}")
+
+
+def require_choice(field: str, value: Any, choices: tuple) -> None:
+    require(value in choices, field, value, f"must be one of {', '.join(map(repr, choices))}")
+
+
+def require_positive(field: str, value: Any) -> None:
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+            field, value, "must be > 0")
+
+
+def require_non_negative(field: str, value: Any) -> None:
+    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
+            field, value, "must be >= 0")

@@ -1,0 +1,43 @@
+"""Auxiliary losses that keep routing balanced. They are returned by the layer, never stored
+in module-global state.
+
+Shape legend: T tokens, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def load_balancing_loss(probs_TE: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, *,
+                        top_k: int, num_tokens: int | None = None) -> torch.Tensor:
+    """Switch/GShard loss ``E * sum_e f_e * P_e``.
+
+    ``f_e`` is the fraction of the T*K routed token copies that chose expert e (before any
+    capacity drop; a constant, no gradient) and ``P_e`` the mean router probability of e.
+    Perfectly uniform routing gives 1.0.
+
+    Under data parallelism pass the counts summed over ranks and the global ``num_tokens``:
+    each rank's loss is then linear in its own probabilities and the mean over ranks equals
+    the single-process loss of the whole batch.
+    """
+    num_experts = probs_TE.shape[1]
+    num_tokens = probs_TE.shape[0] if num_tokens is None else num_tokens
+    f_E = num_tokens_per_expert_E.detach().float() / (num_tokens * top_k)
+    P_E = probs_TE.float().mean(dim=0)
+    return num_experts * torch.sum(f_E * P_E)
+
+
+def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
+    """ST-MoE z-loss ``mean_t logsumexp(logits_t)^2``: keeps router logits small so the fp32
+    softmax stays well conditioned."""
+    return torch.logsumexp(logits_TE.float(), dim=-1).square().mean()
+
+
+def all_reduce_counts(num_routed_E: torch.Tensor, group) -> torch.Tensor:
+    """Sum routing counts over ``group``. Counts carry no gradient, so a plain collective on a
+    copy is enough (no autograd, the local tensor is left untouched)."""
+    total_E = num_routed_E.clone()
+    dist.all_reduce(total_E, group=group)
+    return total_E

@@ -1,0 +1,115 @@
+"""Token dispatch: moves routed token copies to their experts and brings the results back.
+
+Every dispatcher has the same two calls, so the MoE layer never knows where its experts live:
+``dispatch(x_TD, idx_TK, weights_TK)`` returns the token copies grouped by local expert, and
+``combine(y_MD, state)`` returns the weighted sum of each token's K expert outputs.
+``LocalDispatcher`` (all experts on this process) is here; the all-to-all one for expert
+parallelism is in ``moetrain.distributed.expert_parallel``.
+
+Shape legend: T tokens, D model dim, E experts, K experts per token, N = T*K routed copies,
+M copies kept after capacity drops (M = N when dropless).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def expert_capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Token copies one expert takes per forward: ``ceil(factor * T * K / E)``."""
+    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+
+
+def count_per_expert(idx_N: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Routed copies per expert, without the host sync that ``bincount`` needs for its size."""
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=idx_N.device)
+    return counts_E.scatter_add_(0, idx_N, torch.ones_like(idx_N))
+
+
+def sort_by_expert(idx_TK: torch.Tensor, weights_TK: torch.Tensor, *, drop_policy: str) -> torch.Tensor:
+    """Order of the flattened (token-major) copies that makes each expert's copies contiguous.
+
+    The sort is stable, so inside one expert's block the copies keep token order ("position":
+    earlier tokens win capacity). With "score" the copies are pre-sorted by descending weight,
+    so the stable expert sort leaves the highest-weight copies first in each block.
+    """
+    idx_N = idx_TK.reshape(-1)
+    if drop_policy == "score":
+        by_score_N = torch.sort(weights_TK.reshape(-1), descending=True, stable=True).indices
+        return by_score_N[torch.sort(idx_N[by_score_N], stable=True).indices]
+    return torch.sort(idx_N, stable=True).indices
+
+
+def capacity_keep_mask(sorted_expert_N: torch.Tensor, num_routed_E: torch.Tensor,
+                       capacity: int) -> torch.Tensor:
+    """True for the sorted copies whose rank inside their expert's block is below capacity."""
+    block_start_E = torch.cumsum(num_routed_E, dim=0) - num_routed_E
+    rank_in_expert_N = torch.arange(sorted_expert_N.numel(), device=sorted_expert_N.device) \
+        - block_start_E[sorted_expert_N]
+    return rank_in_expert_N < capacity
+
+
+@dataclass
+class DispatchResult:
+    x_MD: torch.Tensor
+    """Token copies grouped by local expert (expert 0 first)."""
+    num_tokens_per_expert: torch.Tensor
+    """Copies each local expert receives (int64, on the device): the group sizes for the experts."""
+    num_routed_per_expert: torch.Tensor
+    """Copies routed to each of the E global experts by this process's tokens, before drops."""
+    num_dropped: torch.Tensor
+    """Copies dropped by capacity (0-dim int64 tensor; no host sync)."""
+    state: object
+    """Opaque state that ``combine`` needs."""
+
+
+@dataclass
+class _LocalState:
+    token_idx_M: torch.Tensor
+    weights_M: torch.Tensor
+    num_tokens: int
+
+
+class LocalDispatcher:
+    """All E experts live on this process: a sort-based permutation, no communication."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts
+
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 capacity: int | None = None, drop_policy: str = "position") -> DispatchResult:
+        num_tokens, top_k = idx_TK.shape
+        idx_N = idx_TK.reshape(-1)
+        num_routed_E = count_per_expert(idx_N, self.num_experts)
+        order_N = sort_by_expert(idx_TK, weights_TK, drop_policy=drop_policy)
+        if capacity is None:
+            order_M = order_N
+            num_kept_E = num_routed_E
+        else:
+            keep_N = capacity_keep_mask(idx_N[order_N], num_routed_E, capacity)
+            # Boolean indexing is a host sync (the kept count sizes the tensor); only capacity
+            # mode pays it, and it saves the expert FLOPs of every dropped copy.
+            order_M = order_N[keep_N]
+            num_kept_E = num_routed_E.clamp(max=capacity)
+        token_idx_M = torch.div(order_M, top_k, rounding_mode="floor")
+        x_MD = x_TD.index_select(0, token_idx_M)
+        weights_M = weights_TK.reshape(-1).index_select(0, order_M)
+        num_dropped = (num_routed_E - num_kept_E).sum()
+        return DispatchResult(x_MD=x_MD, num_tokens_per_expert=num_kept_E,
+                              num_routed_per_expert=num_routed_E, num_dropped=num_dropped,
+                              state=_LocalState(token_idx_M, weights_M, num_tokens))
+
+    def combine(self, y_MD: torch.Tensor, state: _LocalState) -> torch.Tensor:
+        return weighted_scatter(y_MD, state.weights_M, state.token_idx_M, state.num_tokens)
+
+
+def weighted_scatter(y_MD: torch.Tensor, weights_M: torch.Tensor, token_idx_M: torch.Tensor,
+                     num_tokens: int) -> torch.Tensor:
+    """``out[t] = sum of w * y over the kept copies of token t``; dropped copies add nothing."""
+    y_weighted_MD = y_MD * weights_M.to(y_MD.dtype).unsqueeze(-1)
+    out_TD = y_MD.new_zeros(num_tokens, y_MD.shape[-1])
+    return out_TD.index_add(0, token_idx_M, y_weighted_MD)

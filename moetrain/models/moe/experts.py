@@ -1,0 +1,87 @@
+"""Routed experts stored as stacked ``[E, D, F]`` weights.
+
+Shape legend: M token copies grouped by expert, D model dim, F expert hidden dim, E (local) experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _local(w: torch.Tensor) -> torch.Tensor:
+    # Under expert parallelism the weights are DTensors sharded over the ep mesh axis; the
+    # math below runs on this rank's experts only.
+    return w.to_local() if hasattr(w, "to_local") else w
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    # torch._grouped_mm needs 16-byte aligned strides (rows of D and F elements).
+    return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
+
+
+def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[e-1]:offsets[e]`` of x times ``w[e]``, all experts in one kernel."""
+    return torch._grouped_mm(x_MI, w_EIO, offs=offsets_E)
+
+
+class GroupedExperts(nn.Module):
+    """E independent FFNs evaluated together.
+
+    ``activation="gelu"``: ``gelu(x @ w1) @ w2``; ``"swiglu"``: ``(silu(x @ w1) * (x @ w3)) @ w2``.
+    ``impl="grouped"`` runs each projection as one ``torch._grouped_mm``; ``impl="loop"`` runs one
+    matmul per expert and is the oracle the grouped path is tested against.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "gelu",
+                 impl: str = "grouped", init_std: float = 0.02) -> None:
+        super().__init__()
+        self.dim, self.hidden_dim, self.num_experts = dim, hidden_dim, num_experts
+        self.activation, self.impl, self.init_std = activation, impl, init_std
+        self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
+        self.reset_parameters()
+
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        # Each expert is drawn from the generator in global expert order, so the same seed
+        # gives the same global experts whatever the expert-parallel layout.
+        for w in (self.w1, self.w2, self.w3):
+            if w is not None:
+                with torch.no_grad():
+                    w.normal_(0.0, self.init_std, generator=generator)
+
+    def _weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+        # Compute in the activation dtype (bf16 under mixed precision), master weights stay.
+        return [_local(w).to(dtype) if w is not None else None for w in (self.w1, self.w2, self.w3)]
+
+    def forward(self, x_MD: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = self._weights(x_MD.dtype)
+        use_grouped = self.impl == "grouped" and _HAS_GROUPED_MM and _aligned(x_MD, w1, w2)
+        if use_grouped:
+            return self._forward_grouped(x_MD, num_tokens_per_expert, w1, w2, w3)
+        return self._forward_loop(x_MD, num_tokens_per_expert, w1, w2, w3)
+
+    def _act(self, h_MF: torch.Tensor, gate_MF: torch.Tensor | None) -> torch.Tensor:
+        if self.activation == "swiglu":
+            return F.silu(h_MF) * gate_MF
+        return F.gelu(h_MF)
+
+    def _forward_grouped(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
+        offsets_E = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
+        h_MF = grouped_matmul(x_MD, w1, offsets_E)
+        gate_MF = grouped_matmul(x_MD, w3, offsets_E) if w3 is not None else None
+        return grouped_matmul(self._act(h_MF, gate_MF), w2, offsets_E)
+
+    def _forward_loop(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
+        # Host sync: the per-expert split sizes must be Python ints. Fine for the oracle.
+        sizes = num_tokens_per_expert.tolist()
+        w3s = w3.unbind(0) if w3 is not None else [None] * len(sizes)
+        outs = []
+        for x_md, w1_df, w2_fd, w3_df in zip(x_MD.split(sizes), w1.unbind(0), w2.unbind(0), w3s):
+            gate = x_md @ w3_df if w3_df is not None else None
+            outs.append(self._act(x_md @ w1_df, gate) @ w2_fd)
+        return torch.cat(outs) if outs else x_MD.new_zeros(0, self.dim)
