@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from moetrain.config.moe import MoEConfig
 from moetrain.models.moe import MoELayer
+from moetrain.utils.cpu_allocator import tune_cpu_allocator
 
 SHAPES = {
     # name: (T tokens, D, F, E, K, activation)
@@ -101,8 +102,12 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--no-loop", action="store_true", help="skip the per-expert loop path")
     p.add_argument("--json", action="store_true", help="one JSON object per shape")
+    p.add_argument("--no-tune-allocator", action="store_true",
+                   help="leave glibc's allocator as it is (the layer and the ideal both pay page faults)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if a.device == "cpu" and not a.no_tune_allocator:
+        tune_cpu_allocator()  # what `moetrain train` does on CPU; see moetrain/utils/cpu_allocator.py
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     for name in a.shapes.split(","):
         r = bench_shape(name, device=device, dtype=dtype, runs=a.runs, warmup=a.warmup, with_loop=not a.no_loop)

@@ -107,9 +107,32 @@ class LocalDispatcher:
         return weighted_scatter(y_MD, state.weights_M, state.token_idx_M, state.num_tokens)
 
 
+class _WeightedScatter(torch.autograd.Function):
+    """``out[t] = sum of w * y over the kept copies of token t``, with a hand-written backward.
+
+    Autograd's own graph (mul, then index_add) would write three [M, D] tensors in backward; this
+    one writes one: it gathers the output gradient per copy, takes the weight gradient as a row
+    dot product from it, then scales it in place into the gradient of y.
+    """
+
+    @staticmethod
+    def forward(ctx, y_MD, weights_M, token_idx_M, num_tokens):
+        ctx.save_for_backward(y_MD, weights_M, token_idx_M)
+        out_TD = y_MD.new_zeros(num_tokens, y_MD.shape[-1])
+        return out_TD.index_add_(0, token_idx_M, y_MD * weights_M.to(y_MD.dtype).unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx, grad_TD):
+        y_MD, weights_M, token_idx_M = ctx.saved_tensors
+        grad_MD = grad_TD.index_select(0, token_idx_M)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.linalg.vecdot(grad_MD, y_MD).to(weights_M.dtype)
+        grad_y = grad_MD.mul_(weights_M.to(grad_MD.dtype).unsqueeze(-1)) if ctx.needs_input_grad[0] else None
+        return grad_y, grad_w, None, None
+
+
 def weighted_scatter(y_MD: torch.Tensor, weights_M: torch.Tensor, token_idx_M: torch.Tensor,
                      num_tokens: int) -> torch.Tensor:
     """``out[t] = sum of w * y over the kept copies of token t``; dropped copies add nothing."""
-    y_weighted_MD = y_MD * weights_M.to(y_MD.dtype).unsqueeze(-1)
-    out_TD = y_MD.new_zeros(num_tokens, y_MD.shape[-1])
-    return out_TD.index_add(0, token_idx_M, y_weighted_MD)
+    return _WeightedScatter.apply(y_MD, weights_M, token_idx_M, num_tokens)

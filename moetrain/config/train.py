@@ -1,0 +1,110 @@
+"""Config of the training run itself: length, batch, precision, device, memory savers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config.base import require, require_choice
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps to train for."""
+
+    global_batch_size: int = 16
+    """Sequences per optimizer step, summed over all data-parallel ranks and accumulation steps:
+    global_batch_size = micro_batch_size * grad_accum * data-parallel size."""
+
+    micro_batch_size: int = 8
+    """Sequences per rank per forward/backward."""
+
+    grad_accum: int | None = None
+    """Micro-batches accumulated per optimizer step. None = derived from the other two and the
+    data-parallel size; when set it is checked against them."""
+
+    seed: int = 0
+    """Seed of the weight init and the data order. The same seed gives the same global weights
+    whatever the parallel layout."""
+
+    dtype: str = "fp32"
+    """Compute precision: "fp32", "bf16" (mixed precision, fp32 master weights) or "fp16" (mixed
+    precision with loss scaling). bf16 is about 100x slower than fp32 on CPUs without bf16 kernels."""
+
+    eval_every: int = 100
+    """Evaluate on the validation split every n steps (and at the end); 0 = never."""
+
+    eval_steps: int = 10
+    """Micro-batches per evaluation."""
+
+    device: str = "auto"
+    """"auto" (CUDA if available, else CPU), "cpu" or "cuda". Never picks CUDA when it is not available."""
+
+    deterministic: bool = False
+    """Request deterministic kernels (torch.use_deterministic_algorithms) at some speed cost."""
+
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: "none", "full" (every block), "moe" (only the MoE FFNs)
+    or "every_n" (every activation_checkpointing_every-th block)."""
+
+    activation_checkpointing_every: int = 2
+    """n of activation_checkpointing="every_n"."""
+
+    compile: bool = False
+    """torch.compile each transformer block."""
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch_size", "micro_batch_size"):
+            require(_is_int(getattr(self, name)) and getattr(self, name) > 0, f"train.{name}",
+                    getattr(self, name), "must be an int > 0")
+        require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+                self.global_batch_size, f"must be divisible by train.micro_batch_size ({self.micro_batch_size})")
+        if self.grad_accum is not None:
+            require(_is_int(self.grad_accum) and self.grad_accum > 0, "train.grad_accum", self.grad_accum,
+                    "must be None (derived) or an int > 0")
+            require(self.global_batch_size % (self.micro_batch_size * self.grad_accum) == 0,
+                    "train.global_batch_size", self.global_batch_size,
+                    f"must be divisible by train.micro_batch_size * train.grad_accum "
+                    f"({self.micro_batch_size} * {self.grad_accum})")
+        require(_is_int(self.seed) and self.seed >= 0, "train.seed", self.seed, "must be an int >= 0")
+        require_choice("train.dtype", self.dtype, ("fp32", "bf16", "fp16"))
+        require(_is_int(self.eval_every) and self.eval_every >= 0, "train.eval_every", self.eval_every,
+                "must be an int >= 0 (0 = never)")
+        require(_is_int(self.eval_steps) and self.eval_steps > 0, "train.eval_steps", self.eval_steps,
+                "must be an int > 0")
+        require_choice("train.device", self.device, ("auto", "cpu", "cuda"))
+        require(isinstance(self.deterministic, bool), "train.deterministic", self.deterministic, "must be a bool")
+        require_choice("train.activation_checkpointing", self.activation_checkpointing,
+                       ("none", "full", "moe", "every_n"))
+        require(_is_int(self.activation_checkpointing_every) and self.activation_checkpointing_every > 0,
+                "train.activation_checkpointing_every", self.activation_checkpointing_every, "must be an int > 0")
+        require(isinstance(self.compile, bool), "train.compile", self.compile, "must be a bool")
+
+    def grad_accum_steps(self, dp: int) -> int:
+        """Micro-batches per optimizer step on each of ``dp`` data-parallel ranks; checks
+        global_batch_size = micro_batch_size * grad_accum * dp."""
+        per_step = self.micro_batch_size * dp
+        require(self.global_batch_size % per_step == 0, "train.global_batch_size", self.global_batch_size,
+                f"must be divisible by train.micro_batch_size * data-parallel size "
+                f"({self.micro_batch_size} * {dp} = {per_step})")
+        accum = self.global_batch_size // per_step
+        require(self.grad_accum is None or self.grad_accum == accum, "train.grad_accum", self.grad_accum,
+                f"must equal train.global_batch_size / (train.micro_batch_size * data-parallel size) = "
+                f"{self.global_batch_size} / ({self.micro_batch_size} * {dp}) = {accum}")
+        return accum
+
+
+def resolve_device(name: str):
+    """``torch.device`` for train.device: "auto" is CUDA only when CUDA is available."""
+    import torch  # lazy: configs load without torch
+
+    require_choice("train.device", name, ("auto", "cpu", "cuda"))
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    require(name != "cuda" or torch.cuda.is_available(), "train.device", name,
+            'needs CUDA, which is not available here; use "auto" or "cpu"')
+    return torch.device(name)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

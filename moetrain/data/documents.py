@@ -1,0 +1,108 @@
+"""Text documents read from files: a registered corpus in the cache, or a user folder.
+
+A document is one ``.txt`` file, or the ``"text"`` field of one line of a ``.jsonl`` file. Files are
+taken in the order of their path relative to the root, so the same folder yields the same documents
+(and the same token stream) on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Iterator
+
+TEXT_SUFFIXES = (".txt", ".jsonl")
+TOKEN_SUFFIX = ".bin"
+
+
+def read_utf8(path: Path) -> str:
+    """A whole text file as UTF-8 (universal newlines), naming the file if it is not UTF-8."""
+    try:
+        with open(path, encoding="utf-8", newline=None) as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not valid UTF-8 ({e.reason} at byte {e.start}); "
+                         "moetrain reads .txt/.jsonl files as UTF-8") from None
+
+
+def _jsonl_texts(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg})") from None
+            text = record.get("text") if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise ValueError(f"{path}:{line_no} must be a JSON object with a string field \"text\"")
+            yield text
+
+
+class Documents:
+    """An ordered, re-iterable sequence of documents backed by files (read lazily, each pass).
+
+    Args:
+        files: ``.txt`` / ``.jsonl`` files, in the order their documents appear.
+        label: what the documents are, for messages (e.g. "corpus 'shakespeare'").
+    """
+
+    def __init__(self, files: list[Path], *, label: str) -> None:
+        self.files = [Path(f) for f in files]
+        self.label = label
+
+    def __iter__(self) -> Iterator[str]:
+        for path in self.files:
+            if path.suffix == ".jsonl":
+                texts = _jsonl_texts(path)
+            else:
+                texts = iter((read_utf8(path),))
+            for text in texts:
+                if text:  # an empty document would only add a lone end-of-text token
+                    yield text
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """sha256 of the documents themselves (not of paths or mtimes): the key of every cache entry
+        derived from them, so equal text gives equal tokenisers and token files anywhere."""
+        digest = hashlib.sha256(b"moetrain-documents-v1")
+        for text in self:
+            data = text.encode("utf-8")
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+        return digest.hexdigest()
+
+
+def scan_user_path(path: str | os.PathLike) -> tuple[str, list[Path]]:
+    """Classify ``data.path``: ("text", [.txt/.jsonl files]) or ("tokens", [one .bin file]).
+
+    ``path`` is a folder (searched recursively, hidden entries skipped) or a single file.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise ValueError(f"data.path ({str(path)!r}) does not exist")
+    if root.is_file():
+        candidates = [root]
+    else:
+        candidates = sorted(
+            (p for p in root.rglob("*")
+             if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)),
+            key=lambda p: p.relative_to(root).as_posix())
+    texts = [p for p in candidates if p.suffix in TEXT_SUFFIXES]
+    tokens = [p for p in candidates if p.suffix == TOKEN_SUFFIX]
+    if texts and tokens:
+        raise ValueError(f"data.path ({str(path)!r}) mixes text files ({texts[0].name}, ...) and token "
+                         f"files ({tokens[0].name}, ...); point it at one kind")
+    if tokens:
+        if len(tokens) > 1:
+            names = ", ".join(p.name for p in tokens[:4])
+            raise ValueError(f"data.path ({str(path)!r}) holds {len(tokens)} .bin files ({names}); only "
+                             "one token file is supported: concatenate them (same dtype) or pass one file")
+        return "tokens", tokens
+    if not texts:
+        raise ValueError(f"data.path ({str(path)!r}) has no .txt, .jsonl or .bin files")
+    return "text", texts

@@ -1,0 +1,135 @@
+"""Token files: the whole corpus tokenised once, stored flat and memory-mapped at startup.
+
+Format (also what a user supplies as pre-tokenised data, `data.corpus=path data.path=FILE.bin`):
+
+- ``NAME.bin``: the token ids back to back, no header, little-endian unsigned integers of
+  ``uint16`` when vocab_size <= 65536, else ``uint32`` (`token_dtype`). Writing one from numpy:
+  ``np.asarray(ids, dtype="<u2").tofile("NAME.bin")``.
+- ``NAME.bin.json`` (the sidecar, required): ``{"dtype": "uint16", "vocab_size": 50257}`` and,
+  optionally, ``"num_tokens"`` (checked against the file size) and ``"eos_id"``.
+
+A sidecar rather than a header keeps the .bin a plain array that ``np.memmap`` (or ``np.fromfile``)
+reads with no offset, and lets nanoGPT-style files be used by adding one small json next to them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+from moetrain.data.cache import atomic_path, atomic_write_text, resolve_cache_dir
+
+TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+
+# Texts encoded per `encode_batch` call: big enough for the Rust side to use every core, small enough
+# that a multi-GB corpus is never held in memory at once.
+_ENCODE_BATCH_CHARS = 8 << 20
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits (vocab_size <= 65536), else uint32."""
+    return TOKEN_DTYPES["uint16"] if vocab_size <= 1 << 16 else TOKEN_DTYPES["uint32"]
+
+
+def sidecar_path(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    return path.with_name(path.name + ".json")
+
+
+def write_token_file(path: str | os.PathLike, ids: Iterable, *, vocab_size: int, **meta) -> int:
+    """Write ``ids`` (an iterable of int sequences/arrays, written in order) and the sidecar.
+
+    Both files are written atomically, the sidecar last: a token file without a matching sidecar is
+    never trusted. Returns the number of tokens.
+    """
+    dtype = token_dtype(vocab_size)
+    num_tokens = 0
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for chunk in ids:
+            array = np.asarray(chunk, dtype=np.int64)
+            if array.size and (array.min() < 0 or array.max() >= vocab_size):
+                raise ValueError(f"token ids must be in [0, {vocab_size}), got [{array.min()}, {array.max()}]")
+            array.astype(dtype).tofile(f)
+            num_tokens += array.size
+    sidecar = {"dtype": dtype.name, "vocab_size": vocab_size, "num_tokens": num_tokens, **meta}
+    atomic_write_text(sidecar_path(path), json.dumps(sidecar, indent=1) + "\n")
+    return num_tokens
+
+
+def open_token_file(path: str | os.PathLike) -> tuple[np.ndarray, dict]:
+    """Memory-map a token file read-only; returns (tokens [N], sidecar dict). Reads no token data."""
+    path = Path(path)
+    side = sidecar_path(path)
+    example = '{"dtype": "uint16", "vocab_size": 50257}'
+    if not side.is_file():
+        raise ValueError(f"token file {path} has no sidecar {side.name}; write one, e.g. {example} "
+                         "(uint16 when vocab_size <= 65536, else uint32, little-endian, no header)")
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{side} is not valid JSON ({e})") from None
+    dtype_name, vocab_size = meta.get("dtype"), meta.get("vocab_size")
+    if dtype_name not in TOKEN_DTYPES:
+        raise ValueError(f"{side}: dtype ({dtype_name!r}) must be one of 'uint16', 'uint32'")
+    if not (isinstance(vocab_size, int) and 0 < vocab_size <= np.iinfo(TOKEN_DTYPES[dtype_name]).max + 1):
+        raise ValueError(f"{side}: vocab_size ({vocab_size!r}) must be an int in [1, "
+                         f"{np.iinfo(TOKEN_DTYPES[dtype_name]).max + 1}] for dtype {dtype_name}")
+    dtype = TOKEN_DTYPES[dtype_name]
+    num_bytes = path.stat().st_size
+    if num_bytes % dtype.itemsize:
+        raise ValueError(f"token file {path} has {num_bytes} bytes, not a multiple of {dtype.itemsize} "
+                         f"({dtype_name}); is the dtype in {side.name} right?")
+    num_tokens = num_bytes // dtype.itemsize
+    if "num_tokens" in meta and meta["num_tokens"] != num_tokens:
+        raise ValueError(f"{side}: num_tokens ({meta['num_tokens']}) does not match the {num_tokens} "
+                         f"tokens in {path.name}; the file is truncated or the sidecar is stale")
+    meta = {**meta, "num_tokens": num_tokens}
+    if num_tokens == 0:
+        return np.zeros(0, dtype=dtype), meta
+    return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), meta
+
+
+def _encoded_documents(documents: Iterable[str], tokenizer) -> Iterable[np.ndarray]:
+    """Token ids of every document, each followed by eos (BPE) or ending in a newline (bytes)."""
+    batch: list[str] = []
+    batch_chars = 0
+
+    def flush():
+        encoded = tokenizer.encode_batch(batch)
+        if tokenizer.eos_id is not None:
+            encoded = [ids + [tokenizer.eos_id] for ids in encoded]
+        return np.fromiter((i for ids in encoded for i in ids), dtype=np.int64)
+
+    for text in documents:
+        if tokenizer.eos_id is None and not text.endswith("\n"):
+            text += "\n"
+        batch.append(text)
+        batch_chars += len(text)
+        if batch_chars >= _ENCODE_BATCH_CHARS:
+            yield flush()
+            batch, batch_chars = [], 0
+    if batch:
+        yield flush()
+
+
+def load_or_build_tokens(documents, tokenizer, *, cache_dir: str | os.PathLike | None = None
+                         ) -> tuple[np.ndarray, dict, Path]:
+    """The token stream of ``documents`` under ``tokenizer``, memory-mapped from ``tokens/``.
+
+    Tokenised once and cached, keyed by the documents' content hash and the tokeniser's key; later
+    calls only map the file. Returns (tokens [N], sidecar, path).
+    """
+    path = resolve_cache_dir(cache_dir) / "tokens" / f"{documents.fingerprint[:16]}-{tokenizer.key}.bin"
+    try:
+        tokens, meta = open_token_file(path)
+        return tokens, meta, path
+    except (OSError, ValueError):
+        pass  # absent or half-written by a crashed run: rebuild
+    write_token_file(path, _encoded_documents(documents, tokenizer), vocab_size=tokenizer.vocab_size,
+                     eos_id=tokenizer.eos_id, tokenizer=tokenizer.key, documents=documents.fingerprint)
+    tokens, meta = open_token_file(path)
+    return tokens, meta, path

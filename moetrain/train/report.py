@@ -1,0 +1,98 @@
+"""`moetrain report RUN_DIR`: PNG plots from a run's metrics.jsonl."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: report runs on training nodes without a display
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from moetrain.train.metrics import read_metrics  # noqa: E402
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list]:
+    pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_loss(records, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    s, v = _series(records, "loss")
+    ax.plot(s, v, label="train loss", lw=1.2)
+    s, v = _series(records, "val_loss")
+    if s:
+        ax.plot(s, v, "o-", label="val loss", lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title("Loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out / "loss.png")
+
+
+def plot_throughput(records, out: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    s, v = _series(records, "tokens_per_s")
+    ax.plot(s, v, lw=1.2, color="tab:green")
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens / s (all ranks)")
+    ax.set_title("Throughput")
+    ax.grid(alpha=0.3)
+    return _save(fig, out / "throughput.png")
+
+
+def plot_expert_load(records, out: Path) -> Path | None:
+    """One heatmap per MoE layer: expert (rows) x log step (columns), colour = share of the
+    layer's routed copies. Uniform routing is 1/E everywhere; a bright row is a hot expert."""
+    steps, shares = _series(records, "expert_share")
+    if not steps:
+        return None
+    arr = np.asarray(shares, dtype=float)  # [steps, layers, experts]
+    num_layers, num_experts = arr.shape[1], arr.shape[2]
+    fig, axes = plt.subplots(num_layers, 1, figsize=(8, 1.2 + 1.6 * num_layers), squeeze=False, sharex=True)
+    vmax = max(2.0 / num_experts, float(arr.max()))
+    for i in range(num_layers):
+        ax = axes[i][0]
+        im = ax.imshow(arr[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest",
+                       extent=(steps[0], steps[-1], num_experts - 0.5, -0.5))
+        ax.set_ylabel(f"MoE layer {i}\nexpert")
+        fig.colorbar(im, ax=ax, label="share")
+    axes[-1][0].set_xlabel("step")
+    fig.suptitle(f"Expert load (uniform = {1 / num_experts:.3f})")
+    return _save(fig, out / "expert_load.png")
+
+
+def plot_dropped(records, out: Path) -> Path | None:
+    s, v = _series(records, "dropped_fraction")
+    if not s:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    arr = np.asarray(v, dtype=float).reshape(len(s), -1)
+    for i in range(arr.shape[1]):
+        ax.plot(s, arr[:, i], lw=1.0, label=f"layer {i}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("dropped token copies (fraction)")
+    ax.set_title("Capacity drops" + (" (dropless run: all zero)" if not arr.any() else ""))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return _save(fig, out / "dropped.png")
+
+
+def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
+    records = read_metrics(run_dir)
+    out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    made = [plot_loss(records, out), plot_throughput(records, out), plot_expert_load(records, out),
+            plot_dropped(records, out)]
+    return [p for p in made if p is not None]
