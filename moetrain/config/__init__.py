@@ -1,0 +1,26 @@
+"""Typed job configuration: one dataclass per concern, composed by ``JobConfig``.
+
+    cfg = load_config("configs/tiny.yaml", ["--train.steps=100"])
+    save_config(cfg, run_dir / "config.yaml")   # loads back to an equal config
+"""
+
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.deepspeed import apply_deepspeed_config, load_deepspeed_config
+from moetrain.config.job import JobConfig
+from moetrain.config.loader import (SECTIONS, config_from_dict, config_to_dict, format_config, load_config,
+                                    parse_overrides, save_config)
+from moetrain.config.log import LogConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.optim import OptimConfig
+from moetrain.config.parallel import ParallelConfig
+from moetrain.config.train import TrainConfig, resolve_device
+from moetrain.config.zero import ZeroConfig
+
+__all__ = [
+    "SECTIONS", "CheckpointConfig", "DataConfig", "JobConfig", "LogConfig", "ModelConfig", "MoEConfig",
+    "OptimConfig", "ParallelConfig", "TrainConfig", "ZeroConfig", "apply_deepspeed_config", "config_from_dict",
+    "config_to_dict", "format_config", "load_config", "load_deepspeed_config", "parse_overrides", "resolve_device",
+    "save_config",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice, require_positive
 
 
@@ -71,41 +72,33 @@ class ModelConfig:
             from moetrain.models.presets import PRESETS  # lazy: presets import this module
 
             require_choice("model.preset", self.preset, tuple(PRESETS))
-        if self.vocab_size is not None:
-            require(_is_int(self.vocab_size) and self.vocab_size >= 2, "model.vocab_size", self.vocab_size,
-                    "must be None (from the tokenizer) or an int >= 2")
+        require_int("model.vocab_size", self.vocab_size, min_value=2, none_ok=True, note=" (None = from the tokenizer)")
         for name in ("dim", "num_layers", "num_heads", "max_seq_len"):
-            value = getattr(self, name)
-            require(_is_int(value) and value > 0, f"model.{name}", value, "must be an int > 0")
+            require_int(f"model.{name}", getattr(self, name), min_value=1)
         require(self.dim % self.num_heads == 0, "model.dim", self.dim,
                 f"must be divisible by model.num_heads ({self.num_heads})")
         require(self.head_dim % 2 == 0, "model.dim", self.dim,
                 f"/ model.num_heads ({self.num_heads}) = head dim {self.head_dim} must be even (rotary)")
+        require_int("model.num_kv_heads", self.num_kv_heads, min_value=1, none_ok=True)
         if self.num_kv_heads is not None:
-            require(_is_int(self.num_kv_heads) and self.num_kv_heads > 0, "model.num_kv_heads",
-                    self.num_kv_heads, "must be None or an int > 0")
             require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
                     f"must divide model.num_heads ({self.num_heads})")
-        require(_is_int(self.moe_every) and self.moe_every >= 0, "model.moe_every", self.moe_every,
-                "must be an int >= 0 (0 = dense model)")
-        require(_is_int(self.moe_layer_offset) and self.moe_layer_offset >= 0, "model.moe_layer_offset",
-                self.moe_layer_offset, "must be an int >= 0")
+        require_int("model.moe_every", self.moe_every, note=" (0 = dense model)")
+        require_int("model.moe_layer_offset", self.moe_layer_offset)
         require(self.moe_every == 0 or self.moe_layer_offset < self.num_layers, "model.moe_layer_offset",
                 self.moe_layer_offset, f"must be < model.num_layers ({self.num_layers}) so that some block is "
                 "MoE (set model.moe_every=0 for a dense model)")
-        if self.dense_hidden_dim is not None:
-            require(_is_int(self.dense_hidden_dim) and self.dense_hidden_dim > 0, "model.dense_hidden_dim",
-                    self.dense_hidden_dim, "must be None (4 * dim) or an int > 0")
+        require_int("model.dense_hidden_dim", self.dense_hidden_dim, min_value=1, none_ok=True,
+                    note=" (None = 4 * dim)")
         require_choice("model.activation", self.activation, ("gelu", "swiglu"))
         require_positive("model.norm_eps", self.norm_eps)
         require_positive("model.rope_theta", self.rope_theta)
-        require(isinstance(self.tie_embeddings, bool), "model.tie_embeddings", self.tie_embeddings,
-                "must be a bool")
+        require_bool("model.tie_embeddings", self.tie_embeddings)
         require_positive("model.init_std", self.init_std)
         require_choice("model.head", self.head, ("lm", "classifier"))
         if self.head == "classifier" or self.num_classes is not None:
-            require(_is_int(self.num_classes) and self.num_classes >= 2, "model.num_classes", self.num_classes,
-                    'must be an int >= 2 (required when model.head is "classifier")')
+            require_int("model.num_classes", self.num_classes, min_value=2,
+                        note=' (required when model.head is "classifier")')
 
     @property
     def head_dim(self) -> int:
@@ -141,6 +134,3 @@ class ModelConfig:
                 f"must be >= the tokenizer's vocabulary ({tokenizer_vocab_size})")
         return self
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
+from moetrain.config._checks import require_int
 from moetrain.config.base import require, require_choice, require_non_negative, require_positive
 
 
@@ -31,7 +34,8 @@ class MoEConfig:
 
     renormalize: bool = True
     """Rescale the K selected router weights of a token to sum to 1 (Mixtral). False keeps the raw
-    softmax probabilities (Switch/GShard)."""
+    softmax probabilities (Switch/GShard). Ignored for top_k=1: a weight fixed at 1.0 would leave
+    the router without any gradient from the language-model loss."""
 
     router_init_std: float = 0.02
     """Std of the normal init of the router weight. Small, so that routing starts near uniform."""
@@ -53,19 +57,20 @@ class MoEConfig:
     (the test oracle; also the fallback where grouped_mm is unavailable)."""
 
     def __post_init__(self) -> None:
-        require_positive("moe.num_experts", self.num_experts)
-        require_positive("moe.top_k", self.top_k)
+        require_int("moe.num_experts", self.num_experts, min_value=1)
+        require_int("moe.top_k", self.top_k, min_value=1)
         require(self.top_k <= self.num_experts, "moe.top_k", self.top_k,
                 f"must be <= moe.num_experts ({self.num_experts})")
-        require_positive("moe.expert_hidden_dim", self.expert_hidden_dim)
+        require_int("moe.expert_hidden_dim", self.expert_hidden_dim, min_value=1)
         require_choice("moe.activation", self.activation, ("gelu", "swiglu"))
         if self.capacity_factor is not None:
             require_positive("moe.capacity_factor", self.capacity_factor)
+            require(math.isfinite(self.capacity_factor), "moe.capacity_factor", self.capacity_factor,
+                    "must be finite (use null for dropless)")
         require_choice("moe.drop_policy", self.drop_policy, ("position", "score"))
         require_positive("moe.router_init_std", self.router_init_std)
-        require_non_negative("moe.num_shared_experts", self.num_shared_experts)
-        if self.shared_hidden_dim is not None:
-            require_positive("moe.shared_hidden_dim", self.shared_hidden_dim)
+        require_int("moe.num_shared_experts", self.num_shared_experts, min_value=0)
+        require_int("moe.shared_hidden_dim", self.shared_hidden_dim, min_value=1, none_ok=True)
         require_non_negative("moe.aux_loss_coef", self.aux_loss_coef)
         require_non_negative("moe.z_loss_coef", self.z_loss_coef)
         require_choice("moe.expert_impl", self.expert_impl, ("grouped", "loop"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.config._checks import require_int
 from moetrain.config.base import require, require_choice, require_non_negative, require_positive
 
 
@@ -19,8 +20,8 @@ class OptimConfig:
     """Learning rate at the end of the cosine decay; None = lr / 10. Must be <= lr."""
 
     weight_decay: float = 0.1
-    """AdamW weight decay, applied to weight matrices only (not to norms, embeddings' biases or
-    router-free vectors)."""
+    """AdamW weight decay, applied to parameters with two or more dimensions (matrices, stacked
+    experts); norm scales get none."""
 
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (beta1, beta2), each in [0, 1)."""
@@ -29,7 +30,7 @@ class OptimConfig:
     """AdamW epsilon."""
 
     warmup_steps: int = 100
-    """Steps of linear warmup from 0 to lr. Must be <= train.steps."""
+    """Steps of linear warmup up to lr (a run shorter than this never reaches lr)."""
 
     schedule: str = "cosine"
     """After warmup: "cosine" decays to min_lr at train.steps; "constant" stays at lr."""
@@ -48,8 +49,7 @@ class OptimConfig:
                 and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
                 "optim.betas", self.betas, "must be two numbers in [0, 1)")
         require_positive("optim.eps", self.eps)
-        require(isinstance(self.warmup_steps, int) and not isinstance(self.warmup_steps, bool)
-                and self.warmup_steps >= 0, "optim.warmup_steps", self.warmup_steps, "must be an int >= 0")
+        require_int("optim.warmup_steps", self.warmup_steps)
         require_choice("optim.schedule", self.schedule, ("cosine", "constant"))
         require_non_negative("optim.grad_clip", self.grad_clip)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice
 
 
@@ -55,30 +56,25 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
-            require(_is_int(getattr(self, name)) and getattr(self, name) > 0, f"train.{name}",
-                    getattr(self, name), "must be an int > 0")
+            require_int(f"train.{name}", getattr(self, name), min_value=1)
         require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
                 self.global_batch_size, f"must be divisible by train.micro_batch_size ({self.micro_batch_size})")
         if self.grad_accum is not None:
-            require(_is_int(self.grad_accum) and self.grad_accum > 0, "train.grad_accum", self.grad_accum,
-                    "must be None (derived) or an int > 0")
+            require_int("train.grad_accum", self.grad_accum, min_value=1, none_ok=True, note=" (None = derived)")
             require(self.global_batch_size % (self.micro_batch_size * self.grad_accum) == 0,
                     "train.global_batch_size", self.global_batch_size,
                     f"must be divisible by train.micro_batch_size * train.grad_accum "
                     f"({self.micro_batch_size} * {self.grad_accum})")
-        require(_is_int(self.seed) and self.seed >= 0, "train.seed", self.seed, "must be an int >= 0")
+        require_int("train.seed", self.seed)
         require_choice("train.dtype", self.dtype, ("fp32", "bf16", "fp16"))
-        require(_is_int(self.eval_every) and self.eval_every >= 0, "train.eval_every", self.eval_every,
-                "must be an int >= 0 (0 = never)")
-        require(_is_int(self.eval_steps) and self.eval_steps > 0, "train.eval_steps", self.eval_steps,
-                "must be an int > 0")
+        require_int("train.eval_every", self.eval_every, note=" (0 = never)")
+        require_int("train.eval_steps", self.eval_steps, min_value=1)
         require_choice("train.device", self.device, ("auto", "cpu", "cuda"))
-        require(isinstance(self.deterministic, bool), "train.deterministic", self.deterministic, "must be a bool")
+        require_bool("train.deterministic", self.deterministic)
         require_choice("train.activation_checkpointing", self.activation_checkpointing,
                        ("none", "full", "moe", "every_n"))
-        require(_is_int(self.activation_checkpointing_every) and self.activation_checkpointing_every > 0,
-                "train.activation_checkpointing_every", self.activation_checkpointing_every, "must be an int > 0")
-        require(isinstance(self.compile, bool), "train.compile", self.compile, "must be a bool")
+        require_int("train.activation_checkpointing_every", self.activation_checkpointing_every, min_value=1)
+        require_bool("train.compile", self.compile)
 
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-batches per optimizer step on each of ``dp`` data-parallel ranks; checks
@@ -105,6 +101,3 @@ def resolve_device(name: str):
             'needs CUDA, which is not available here; use "auto" or "cpu"')
     return torch.device(name)
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

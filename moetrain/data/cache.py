@@ -27,8 +27,8 @@ import tarfile
 import tempfile
 import uuid
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from moetrain.data.registry import Corpus, get_corpus
 
@@ -98,7 +98,9 @@ def _read_manifest(folder: Path) -> dict | None:
 def _is_valid_entry(folder: Path, corpus: Corpus) -> bool:
     """A cache entry is trusted only if it came from the archive the registry pins now."""
     manifest = _read_manifest(folder)
-    if manifest is None or manifest.get("format") != MANIFEST_FORMAT or manifest.get("sha256") != corpus.sha256:
+    if manifest is None or manifest.get("format") != MANIFEST_FORMAT:
+        return False
+    if manifest.get("sha256") != corpus.sha256:
         return False
     return all((folder / "texts" / f["name"]).is_file() for f in manifest.get("files", []))
 
@@ -151,7 +153,7 @@ def _download(corpus: Corpus, root: Path) -> Path:
         tmp = Path(tmp)
         command = download_command(corpus, tmp / "out", tmp / "requirements.txt")
         try:
-            proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
             failure = None if proc.returncode == 0 else f"exit {proc.returncode}"
             output = (proc.stdout or "") + (proc.stderr or "")
         except (OSError, subprocess.TimeoutExpired) as e:

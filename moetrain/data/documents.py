@@ -10,9 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator
 
 TEXT_SUFFIXES = (".txt", ".jsonl")
 TOKEN_SUFFIX = ".bin"

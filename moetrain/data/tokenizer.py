@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, Protocol, Sequence
+from typing import Protocol
 
 from moetrain.data.cache import atomic_path, resolve_cache_dir
 
@@ -78,7 +79,7 @@ class BPETokenizer:
             self._tokenizer.save(str(tmp))
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike, *, key: str | None = None) -> "BPETokenizer":
+    def from_file(cls, path: str | os.PathLike, *, key: str | None = None) -> BPETokenizer:
         from tokenizers import Tokenizer as HFTokenizer
 
         return cls(HFTokenizer.from_file(str(path)), key=key or Path(path).stem)

@@ -8,6 +8,9 @@ Format (also what a user supplies as pre-tokenised data, `data.corpus=path data.
 - ``NAME.bin.json`` (the sidecar, required): ``{"dtype": "uint16", "vocab_size": 50257}`` and,
   optionally, ``"num_tokens"`` (checked against the file size) and ``"eos_id"``.
 
+Ids in a user's file are not range-checked when it is opened (that would read the whole file); the
+embedding lookup fails on an id >= vocab_size.
+
 A sidecar rather than a header keeps the .bin a plain array that ``np.memmap`` (or ``np.fromfile``)
 reads with no offset, and lets nanoGPT-style files be used by adding one small json next to them.
 """
@@ -16,8 +19,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
@@ -52,7 +55,8 @@ def write_token_file(path: str | os.PathLike, ids: Iterable, *, vocab_size: int,
         for chunk in ids:
             array = np.asarray(chunk, dtype=np.int64)
             if array.size and (array.min() < 0 or array.max() >= vocab_size):
-                raise ValueError(f"token ids must be in [0, {vocab_size}), got [{array.min()}, {array.max()}]")
+                raise ValueError(f"token ids must be in [0, {vocab_size}), "
+                                 f"got [{array.min()}, {array.max()}]")
             array.astype(dtype).tofile(f)
             num_tokens += array.size
     sidecar = {"dtype": dtype.name, "vocab_size": vocab_size, "num_tokens": num_tokens, **meta}
@@ -129,7 +133,10 @@ def load_or_build_tokens(documents, tokenizer, *, cache_dir: str | os.PathLike |
         return tokens, meta, path
     except (OSError, ValueError):
         pass  # absent or half-written by a crashed run: rebuild
-    write_token_file(path, _encoded_documents(documents, tokenizer), vocab_size=tokenizer.vocab_size,
-                     eos_id=tokenizer.eos_id, tokenizer=tokenizer.key, documents=documents.fingerprint)
+    num_tokens = write_token_file(path, _encoded_documents(documents, tokenizer),
+                                  vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                                  tokenizer=tokenizer.key, documents=documents.fingerprint)
+    if num_tokens == 0:
+        raise ValueError(f"{documents.label} has no text: every document is empty")
     tokens, meta = open_token_file(path)
     return tokens, meta, path

@@ -27,6 +27,9 @@ class FeedForward(nn.Module):
                 nn.init.normal_(lin.weight, std=self.init_std)
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        # Weights follow the activation dtype (bf16 compute over fp32 master weights), as the
+        # routed experts do; under autocast this cast is a no-op.
+        w1, w2 = self.w1.weight.to(x_TD.dtype), self.w2.weight.to(x_TD.dtype)
         if self.w3 is not None:
-            return self.w2(F.silu(self.w1(x_TD)) * self.w3(x_TD))
-        return self.w2(F.gelu(self.w1(x_TD)))
+            return F.linear(F.silu(F.linear(x_TD, w1)) * F.linear(x_TD, self.w3.weight.to(x_TD.dtype)), w2)
+        return F.linear(F.gelu(F.linear(x_TD, w1)), w2)

@@ -120,8 +120,9 @@ def reference_moe(x: torch.Tensor, params: dict[str, torch.Tensor], *, num_exper
     out_TD = torch.stack(out_rows)
     if "shared_experts.w1.weight" in p:
         sw3 = p.get("shared_experts.w3.weight")
-        out_TD = out_TD + reference_ffn(x_TD, p["shared_experts.w1.weight"].t(), p["shared_experts.w2.weight"].t(),
-                                        sw3.t() if sw3 is not None else None, activation)
+        shared_TD = reference_ffn(x_TD, p["shared_experts.w1.weight"].t(), p["shared_experts.w2.weight"].t(),
+                                  sw3.t() if sw3 is not None else None, activation)
+        out_TD = out_TD + shared_TD
 
     # 4. Aux losses: E * sum_e f_e * P_e (counts before drops) and mean(logsumexp^2).
     num_routed_E = [0] * num_experts

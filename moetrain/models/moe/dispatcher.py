@@ -13,14 +13,19 @@ M copies kept after capacity drops (M = N when dropless).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass
 
 import torch
 
 
 def expert_capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
-    """Token copies one expert takes per forward: ``ceil(factor * T * K / E)``."""
-    return math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    """Token copies one expert takes per forward: ``ceil(factor * T * K / E)``.
+
+    Computed on the decimal value of the factor: in floats 1.1 * 50 * 2 / 2 is 55.00000000000001
+    and would round up to 56.
+    """
+    return math.ceil(Fraction(str(capacity_factor)) * num_tokens * top_k / num_experts)
 
 
 def count_per_expert(idx_N: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -64,7 +64,9 @@ class MoELayer(nn.Module):
         # equals the loss of one process holding the whole global batch.
         self.balance_group = None
         # Routed copies per expert in the last forward; read by metrics, never synced here.
-        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts), persistent=False)
+        # int64 so a cast of the module to bf16 cannot round the counts.
+        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64),
+                             persistent=False)
 
     def capacity(self, num_tokens: int) -> int | None:
         c = self.config

@@ -1,0 +1,38 @@
+"""Config of checkpointing: where, how often, how many to keep, and resuming."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config._checks import require_bool, require_int
+from moetrain.config.base import require
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str | None = None
+    """Folder of the step checkpoints; None = <log.run_dir>/checkpoints."""
+
+    every: int = 0
+    """Save every n optimizer steps; 0 = only the final one (if save_final)."""
+
+    keep_last: int = 2
+    """Keep the newest n step checkpoints and delete older ones; 0 = keep all."""
+
+    resume: str = "auto"
+    """"auto": continue from the newest checkpoint in `dir` if there is one, else start fresh;
+    "never": always start fresh (existing checkpoints may be overwritten); or the path of one
+    checkpoint to load."""
+
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+
+    def __post_init__(self) -> None:
+        require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint.dir", self.dir,
+                "must be None (<log.run_dir>/checkpoints) or a non-empty path")
+        require_int("checkpoint.every", self.every, note=" (0 = only the final checkpoint)")
+        require_int("checkpoint.keep_last", self.keep_last, note=" (0 = keep all)")
+        require(isinstance(self.resume, str) and self.resume != ""
+                and self.resume.lower() not in ("none", "no", "false", "off"), "checkpoint.resume", self.resume,
+                'must be "auto", "never" or a checkpoint path')
+        require_bool("checkpoint.save_final", self.save_final)

@@ -1,0 +1,238 @@
+"""Import of a DeepSpeed JSON config (``--deepspeed ds_config.json``) into a ``JobConfig``.
+
+Mapped: the three batch sizes (checked as DeepSpeed does), fp16/bf16, gradient_clipping,
+optimizer (Adam/AdamW params), scheduler (WarmupLR, WarmupCosineLR), steps_per_print,
+zero_optimization (stage -> parallel.zero_stage, offload/overlap/bucket settings -> the `zero`
+section) and a top-level ``"moe": {"ep_size", "num_experts", "k", "capacity_factor", "drop_tokens"}``.
+Every other key is ignored with ONE warning naming them all. ``"auto"`` (the Hugging Face
+convention) counts as not set.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from moetrain.config.job import JobConfig
+from moetrain.config.loader import config_from_dict, config_to_dict
+
+# Keys accepted without a warning when they hold the value moetrain behaves as anyway.
+_MATCHING = {
+    "fp16.loss_scale": 0,  # 0 = dynamic loss scaling, what fp16 training here does
+    "zero_optimization.allgather_partitions": True,
+    "zero_optimization.reduce_scatter": True,
+    "moe.enabled": True,
+}
+_ZERO_FIELDS = {
+    "overlap_comm": "overlap_comm",
+    "contiguous_gradients": "contiguous_gradients",
+    "reduce_bucket_size": "reduce_bucket_size",
+    "allgather_bucket_size": "allgather_bucket_size",
+    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
+    "stage3_param_persistence_threshold": "param_persistence_threshold",
+    "stage3_max_live_parameters": "max_live_parameters",
+    "stage3_max_reuse_distance": "max_reuse_distance",
+}
+
+
+def load_deepspeed_config(path: str | Path) -> dict:
+    try:
+        ds = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
+    if not isinstance(ds, dict):
+        raise ValueError(f"DeepSpeed config {str(path)!r} must hold a JSON object")
+    return ds
+
+
+def apply_deepspeed_config(cfg: JobConfig, ds: Mapping[str, Any], *, world_size: int) -> JobConfig:
+    """``cfg`` with the settings of the DeepSpeed config ``ds`` for a job of ``world_size`` processes."""
+    d = config_to_dict(cfg)
+    ignored: list[str] = []
+    ds = {k: v for k, v in ds.items() if not _auto(v)}
+
+    _apply_batch(d, ds, cfg.data_parallel_size(world_size))
+    _apply_precision(d, ds, ignored)
+    if "gradient_clipping" in ds:
+        d["optim"]["grad_clip"] = ds["gradient_clipping"]
+    if "steps_per_print" in ds:
+        d["log"]["every"] = ds["steps_per_print"]
+    _apply_optimizer(d, ds.get("optimizer"), ignored)
+    _apply_scheduler(d, ds.get("scheduler"), ignored)
+    _apply_zero(d, ds.get("zero_optimization"), ignored)
+    _apply_moe(d, ds.get("moe"), ignored, world_size)
+
+    handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16", "bf16",
+               "bfloat16", "gradient_clipping", "steps_per_print", "optimizer", "scheduler", "zero_optimization",
+               "moe"}
+    ignored += [k for k in ds if k not in handled and not _matches(k, ds[k])]
+    if ignored:
+        warnings.warn(f"DeepSpeed config: ignoring keys moetrain does not support: {', '.join(ignored)}",
+                      UserWarning, stacklevel=2)
+    return config_from_dict(d)
+
+
+def _apply_batch(d: dict, ds: Mapping, dp: int) -> None:
+    """DeepSpeed's rule: train_batch_size = micro * gradient_accumulation_steps * data-parallel size;
+    any two give the third, one alone means no accumulation."""
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    for name in names:
+        if name in ds and not (isinstance(ds[name], int) and not isinstance(ds[name], bool) and ds[name] > 0):
+            raise ValueError(f"{name} ({ds[name]!r}) must be an int > 0")
+    batch, micro, accum = (ds.get(n) for n in names)
+    if batch is None and micro is None:
+        if accum is not None:
+            raise ValueError(f"gradient_accumulation_steps ({accum}) needs train_batch_size or "
+                             "train_micro_batch_size_per_gpu as well")
+        return
+    if batch is not None and micro is not None and accum is not None:
+        ok = batch == micro * accum * dp
+    elif batch is not None and micro is not None:
+        accum, ok = batch // (micro * dp), batch % (micro * dp) == 0
+    elif batch is not None and accum is not None:
+        micro, ok = batch // (accum * dp), batch % (accum * dp) == 0
+    elif batch is not None:
+        accum = 1
+        micro, ok = batch // dp, batch % dp == 0
+    else:
+        accum = 1 if accum is None else accum
+        batch, ok = micro * accum * dp, True
+    if not ok or micro == 0 or accum == 0:
+        raise ValueError(
+            f"DeepSpeed batch sizes are inconsistent: train_batch_size ({ds.get('train_batch_size')}) must equal "
+            f"train_micro_batch_size_per_gpu ({ds.get('train_micro_batch_size_per_gpu')}) * "
+            f"gradient_accumulation_steps ({ds.get('gradient_accumulation_steps')}) * data-parallel size ({dp})")
+    d["train"].update(global_batch_size=batch, micro_batch_size=micro, grad_accum=accum)
+
+
+def _apply_precision(d: dict, ds: Mapping, ignored: list[str]) -> None:
+    enabled, disabled = [], []
+    for key in ("fp16", "bf16", "bfloat16"):
+        block = ds.get(key)
+        if block is None:
+            continue
+        if not isinstance(block, Mapping):
+            raise ValueError(f"{key} ({block!r}) must be an object like {{\"enabled\": true}}")
+        flag = block.get("enabled", False)  # DeepSpeed's default
+        if flag is True:
+            enabled.append(key)
+        elif flag is False:
+            disabled.append(key)
+        elif not _auto(flag):
+            raise ValueError(f"{key}.enabled ({flag!r}) must be true, false or \"auto\"")
+        ignored += [f"{key}.{k}" for k, v in block.items() if k != "enabled" and not _matches(f"{key}.{k}", v)]
+    if len(enabled) > 1:
+        raise ValueError(f"{' and '.join(k + '.enabled' for k in enabled)} (all true): at most one may be enabled")
+    if enabled:
+        d["train"]["dtype"] = "fp16" if enabled[0] == "fp16" else "bf16"
+    elif disabled:
+        d["train"]["dtype"] = "fp32"
+
+
+def _apply_optimizer(d: dict, block: Any, ignored: list[str]) -> None:
+    if block is None:
+        return
+    kind = str(block.get("type", "")).lower()
+    if kind not in ("adam", "adamw"):
+        raise ValueError(f"optimizer.type ({block.get('type')!r}) must be 'Adam' or 'AdamW' (moetrain trains with AdamW)")
+    for key, value in (block.get("params") or {}).items():
+        if _auto(value):
+            continue
+        if key in ("lr", "eps", "weight_decay", "betas"):
+            d["optim"][key] = value
+        else:
+            ignored.append(f"optimizer.params.{key}")
+    ignored += [f"optimizer.{k}" for k in block if k not in ("type", "params")]
+
+
+def _apply_scheduler(d: dict, block: Any, ignored: list[str]) -> None:
+    if block is None:
+        return
+    kind = block.get("type")
+    if kind not in ("WarmupLR", "WarmupCosineLR"):
+        ignored.append(f"scheduler (type {kind!r})")
+        return
+    d["optim"]["schedule"] = "constant" if kind == "WarmupLR" else "cosine"
+    min_ratio = None
+    for key, value in (block.get("params") or {}).items():
+        if _auto(value):
+            continue
+        if key == "warmup_num_steps":
+            d["optim"]["warmup_steps"] = value
+        elif key == "warmup_max_lr":
+            d["optim"]["lr"] = value
+        elif key == "total_num_steps" and kind == "WarmupCosineLR":
+            d["train"]["steps"] = value
+        elif key == "cos_min_ratio" and kind == "WarmupCosineLR":
+            min_ratio = value
+        elif not (key == "warmup_min_lr" and value == 0) and not (key == "warmup_type" and value == "linear"):
+            # DeepSpeed's warmup starts at warmup_min_lr and defaults to a log curve; ours is linear from 0.
+            ignored.append(f"scheduler.params.{key}")
+    if min_ratio is not None:
+        d["optim"]["min_lr"] = min_ratio * float(d["optim"]["lr"])
+
+
+def _apply_zero(d: dict, block: Any, ignored: list[str]) -> None:
+    if block is None:
+        return
+    for key, value in block.items():
+        if _auto(value):
+            continue
+        if key == "stage":
+            d["parallel"]["zero_stage"] = value
+        elif key in ("offload_optimizer", "offload_param"):
+            _apply_offload(d, key, value, ignored)
+        elif key in _ZERO_FIELDS:
+            d["zero"][_ZERO_FIELDS[key]] = value
+        elif not _matches(f"zero_optimization.{key}", value):
+            ignored.append(f"zero_optimization.{key}")
+
+
+def _apply_offload(d: dict, key: str, block: Any, ignored: list[str]) -> None:
+    if not isinstance(block, Mapping):
+        raise ValueError(f"zero_optimization.{key} ({block!r}) must be an object like {{\"device\": \"cpu\"}}")
+    device = block.get("device", "none")
+    if device not in ("cpu", "none"):
+        raise ValueError(f"zero_optimization.{key}.device ({device!r}) must be 'cpu' or 'none' "
+                         "(NVMe offload is not supported)")
+    d["zero"][key] = device
+    if "pin_memory" in block:
+        d["zero"]["pin_memory"] = block["pin_memory"]
+    ignored += [f"zero_optimization.{key}.{k}" for k in block if k not in ("device", "pin_memory")]
+
+
+def _apply_moe(d: dict, block: Any, ignored: list[str], world_size: int) -> None:
+    if block is None:
+        return
+    if not isinstance(block, Mapping):
+        raise ValueError(f"moe ({block!r}) must be an object like {{\"ep_size\": 8}}")
+    block = {k: v for k, v in block.items() if not _auto(v)}
+    for key, value in block.items():
+        if key == "ep_size":
+            if not (isinstance(value, int) and value > 0 and world_size % value == 0):
+                raise ValueError(f"moe.ep_size ({value!r}) must be an int > 0 that divides the world size "
+                                 f"({world_size})")
+            d["parallel"]["ep"] = value
+        elif key == "num_experts":
+            d["moe"]["num_experts"] = value
+        elif key in ("k", "top_k"):
+            d["moe"]["top_k"] = value
+        elif key == "capacity_factor":
+            d["moe"]["capacity_factor"] = value
+        elif key != "drop_tokens" and not _matches(f"moe.{key}", value):
+            ignored.append(f"moe.{key}")
+    if block.get("drop_tokens") is False:
+        d["moe"]["capacity_factor"] = None  # dropless
+    elif block.get("drop_tokens") is True and d["moe"]["capacity_factor"] is None:
+        d["moe"]["capacity_factor"] = 1.0  # DeepSpeed's default capacity factor
+
+
+def _auto(value: Any) -> bool:
+    return value == "auto"
+
+
+def _matches(key: str, value: Any) -> bool:
+    return key in _MATCHING and value == _MATCHING[key] and type(value) is type(_MATCHING[key])

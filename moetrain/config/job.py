@@ -1,0 +1,82 @@
+"""The whole job: one dataclass per concern, composed, with the checks that span sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moetrain.config.base import require
+from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.data import DataConfig
+from moetrain.config.log import LogConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.optim import OptimConfig
+from moetrain.config.parallel import ParallelConfig
+from moetrain.config.train import TrainConfig
+from moetrain.config.zero import ZeroConfig
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Transformer backbone (sizes, positions, head, which blocks are MoE)."""
+
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    """The MoE FFN of the MoE blocks (unused when model.moe_every is 0)."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Parallel degrees (dp, ep, zero_stage, ...)."""
+
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO/FSDP offload, overlap and bucket settings."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Steps, batch, precision, device, activation checkpointing."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and loader."""
+
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Checkpoint folder, cadence, retention and resume."""
+
+    log: LogConfig = field(default_factory=LogConfig)
+    """Run folder and metric sinks."""
+
+    def __post_init__(self) -> None:
+        m, moe, par = self.model, self.moe, self.parallel
+        if m.is_moe:
+            require(moe.num_experts % par.ep == 0, "parallel.ep", par.ep,
+                    f"must divide moe.num_experts ({moe.num_experts})")
+        else:
+            require(par.ep == 1, "parallel.ep", par.ep, "must be 1 for a dense model (model.moe_every = 0)")
+        require(self.data.seq_len <= m.max_seq_len, "data.seq_len", self.data.seq_len,
+                f"must be <= model.max_seq_len ({m.max_seq_len})")
+        if m.vocab_size is not None:
+            tok_vocab = 256 if self.data.tokenizer == "bytes" else self.data.vocab_size
+            require(m.vocab_size >= tok_vocab, "model.vocab_size", m.vocab_size,
+                    f"must be >= the tokenizer vocabulary ({tok_vocab}, from data.tokenizer={self.data.tokenizer!r}"
+                    + (f", data.vocab_size={self.data.vocab_size})" if self.data.tokenizer == "bpe" else ")"))
+        if par.dp != -1:
+            self.train.grad_accum_steps(par.dp)
+        require(self.zero.offload_param == "none" or par.zero_stage == 3, "zero.offload_param",
+                self.zero.offload_param, f"needs parallel.zero_stage = 3 (is {par.zero_stage})")
+        require(self.zero.offload_optimizer == "none" or par.zero_stage >= 1, "zero.offload_optimizer",
+                self.zero.offload_optimizer, f"needs parallel.zero_stage >= 1 (is {par.zero_stage})")
+        require(self.train.activation_checkpointing != "moe" or m.is_moe, "train.activation_checkpointing",
+                self.train.activation_checkpointing, "cannot be \"moe\" for a dense model (model.moe_every = 0)")
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that see different data: parallel.dp, or world / (tp * pp) when dp is -1 (auto)."""
+        par = self.parallel
+        if par.dp != -1:
+            return par.dp
+        require(world_size % (par.tp * par.pp) == 0, "parallel.tp * parallel.pp", par.tp * par.pp,
+                f"must divide the world size ({world_size})")
+        return world_size // (par.tp * par.pp)
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro-batches per optimizer step on each rank for ``world_size`` processes (checked)."""
+        return self.train.grad_accum_steps(self.data_parallel_size(world_size))

@@ -1,0 +1,147 @@
+"""A deterministic, rank-sharded, resumable loader over a flat token stream.
+
+Shapes: ``B`` sequences per rank per step, ``G = B * dp_size`` the global batch, ``S`` = seq_len.
+
+The stream of N tokens is cut into W = (N - 1) // S fixed windows; window w covers tokens
+[w*S, w*S + S] (S + 1 tokens: inputs and the labels shifted by one, so neighbouring windows share one
+token). Each epoch visits the windows in a permutation seeded by (seed, epoch), G at a time; the last
+W mod G windows of an epoch are dropped so every step has a full global batch. At step t, rank r takes
+positions [t*G + r*B, t*G + (r+1)*B) of the permutation. Hence:
+
+- the ranks' batches are disjoint, and concatenated in rank order they are exactly the global batch
+  that one process (dp_size=1, same seed and G) gets at that step -- what the parity tests rely on;
+- the position (epoch, step) is global, so a state saved under one dp_size resumes under another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+
+class TokenLoader:
+    """Batches of (input_ids, labels), int64 tensors [B, S], from ``tokens``.
+
+    Args:
+        tokens: the token stream [N] (a numpy array or memmap of unsigned ints).
+        seq_len: S, tokens per sequence.
+        global_batch_size: G, sequences per step summed over the data-parallel ranks.
+        dp_rank, dp_size: this rank and the data-parallel degree; dp_size must divide G.
+        seed: seeds the epoch permutations (ignored when ``shuffle`` is False).
+        shuffle: False visits windows in stream order (validation: the same batches every time).
+        name: "train" / "val", for messages.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch_size: int, dp_rank: int = 0,
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, name: str = "train") -> None:
+        for field, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size),
+                             ("dp_size", dp_size)):
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{field} ({value!r}) must be an int >= 1")
+        if global_batch_size % dp_size:
+            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by "
+                             f"dp_size ({dp_size})")
+        if not (isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
+            raise ValueError(f"dp_rank ({dp_rank!r}) must be in [0, dp_size={dp_size})")
+        if not (isinstance(seed, int) and seed >= 0):
+            raise ValueError(f"seed ({seed!r}) must be an int >= 0")
+        self.tokens = tokens
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.local_batch_size = global_batch_size // dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.name = name
+        self.num_windows = max(len(tokens) - 1, 0) // seq_len
+        self.steps_per_epoch = self.num_windows // global_batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"the {name} split has {len(tokens)} tokens = {self.num_windows} windows of data.seq_len="
+                f"{seq_len}, fewer than one global batch of {global_batch_size}; use more data, a smaller "
+                f"batch or seq_len" + (", or a larger data.val_fraction" if name == "val" else ""))
+        self._epoch = 0
+        self._step = 0
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        return self.steps_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def step(self) -> int:
+        """Steps taken in the current epoch."""
+        return self._step
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        """Window indices [W] in the order epoch ``epoch`` visits them."""
+        if not self.shuffle:
+            return np.arange(self.num_windows)
+        if self._order_epoch != epoch:
+            # SeedSequence mixes (seed, epoch) into independent streams: seed s epoch 1 and seed s+1
+            # epoch 0 do not share an order.
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
+            self._order, self._order_epoch = rng.permutation(self.num_windows), epoch
+        return self._order
+
+    def _batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start = step * self.global_batch_size + self.dp_rank * self.local_batch_size
+        windows_B = self._epoch_order(epoch)[start:start + self.local_batch_size]
+        offsets_BS1 = windows_B[:, None] * self.seq_len + np.arange(self.seq_len + 1)
+        # Fancy indexing reads just these B*(S+1) tokens from the memmap.
+        chunk_BS1 = torch.from_numpy(np.asarray(self.tokens[offsets_BS1], dtype=np.int64))
+        return chunk_BS1[:, :-1].contiguous(), chunk_BS1[:, 1:].contiguous()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next (input_ids [B, S], labels [B, S]); rolls over into the next epoch."""
+        batch = self._batch(self._epoch, self._step)
+        self._step += 1
+        if self._step == self.steps_per_epoch:
+            self._epoch, self._step = self._epoch + 1, 0
+        return batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless: the trainer decides when to stop."""
+        while True:
+            yield self.next_batch()
+
+    def epoch_batches(self, max_batches: int | None = None, *, epoch: int = 0
+                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """One epoch from its start (at most ``max_batches`` steps), without moving the position.
+
+        For evaluation: with ``shuffle=False`` every call yields the same batches.
+        """
+        num_steps = self.steps_per_epoch if max_batches is None else min(max_batches, self.steps_per_epoch)
+        for step in range(num_steps):
+            yield self._batch(epoch, step)
+
+    def state_dict(self) -> dict:
+        """The global position plus what must match on resume (plain ints/bools)."""
+        return {"epoch": self._epoch, "step": self._step, "seed": self.seed, "shuffle": self.shuffle,
+                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
+                "num_windows": self.num_windows}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``'s position: the next batches equal those the saved loader would give.
+
+        dp_size/dp_rank may differ from the saved run's; the data, seed and batch geometry may not.
+        """
+        for key in ("seed", "shuffle", "seq_len", "global_batch_size", "num_windows"):
+            if state.get(key) != getattr(self, key):
+                raise ValueError(f"cannot resume the {self.name} loader: saved {key} ({state.get(key)!r}) "
+                                 f"differs from this run's ({getattr(self, key)!r}); the data or "
+                                 "batch settings changed since the checkpoint")
+        epoch, step = state["epoch"], state["step"]
+        if not (isinstance(epoch, int) and epoch >= 0 and isinstance(step, int)
+                and 0 <= step < self.steps_per_epoch):
+            raise ValueError(f"loader state epoch ({epoch!r}) / step ({step!r}) must be ints with "
+                             f"epoch >= 0 and 0 <= step < {self.steps_per_epoch}")
+        self._epoch, self._step = epoch, step

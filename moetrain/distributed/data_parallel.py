@@ -1,0 +1,100 @@
+"""Data parallelism (replicated parameters, DDP) with expert-aware gradient scaling.
+
+Why expert gradients need their own rule. Each rank's loss is the mean over its own T_local
+tokens and the single-process loss of the global batch is the mean of the W per-rank losses, so
+every gradient must equal (1/W) * sum over ranks of that rank's local gradient.
+
+* Non-expert parameters are replicated on all W ranks and see only local tokens: DDP's average
+  over the dp group (sum / W) is exactly right.
+* An expert shard receives, through the all-to-all's backward, the gradient contributions of all
+  ``ep`` ranks of its ep group. Its ``edp`` copies (one per ep group) together cover all W ranks,
+  so the right gradient is (sum over edp) / W. Averaging over edp (sum / edp) instead leaves it
+  ``ep`` times too large: the classic silent EP bug.
+
+DDP handles the non-expert parameters (bucketed, overlapped with backward); the expert shards
+(DTensors) are hidden from it and reduced by hooks here, with the same ``no_sync`` switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel
+
+from moetrain.distributed.expert_parallel import is_expert_shard
+
+
+class MoEDataParallel(DistributedDataParallel):
+    """DDP over the ``dp`` group for the replicated parameters, plus the expert-shard reduction
+    over ``edp`` with the 1/W scale (see the module docstring).
+
+    ``no_sync()`` (from DDP) skips both reductions, for the non-final micro-steps of gradient
+    accumulation; the gradients keep accumulating locally and the next synced backward reduces
+    the sum.
+    """
+
+    def __init__(self, module: nn.Module, dims, *, bucket_cap_mb: float = 25.0) -> None:
+        expert_names = [n for n, p in module.named_parameters() if is_expert_shard(p)]
+        # DDP cannot all-reduce DTensor shards and must not average them over all ranks anyway.
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, expert_names)
+        # broadcast_buffers=False: the model's buffers are deterministic or per-rank statistics
+        # (tokens_per_expert), so a broadcast from rank 0 before every forward would only cost time.
+        super().__init__(module, process_group=dims.dp_group, broadcast_buffers=False,
+                         bucket_cap_mb=bucket_cap_mb)
+        params = dict(module.named_parameters())
+        self._expert_params = [params[n] for n in expert_names]
+        self._edp_group = dims.edp_group if dims.edp > 1 else None
+        self._expert_grad_scale = 1.0 / dims.dp
+        self._sync_experts = False
+        self._callback_queued = False
+        self._pending: list[dist.Work] = []
+        self._num_reduced = 0
+        for p in self._expert_params:
+            p.register_post_accumulate_grad_hook(self._expert_grad_ready)
+
+    def forward(self, *args, **kwargs):
+        # Decided at forward time, like DDP itself: a backward belongs to the forward before it.
+        self._sync_experts = torch.is_grad_enabled() and self.require_backward_grad_sync
+        return super().forward(*args, **kwargs)
+
+    def _expert_grad_ready(self, p: torch.Tensor) -> None:
+        if not self._sync_experts:
+            return
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._finish_expert_sync)
+            self._callback_queued = True
+        with torch.no_grad():
+            grad = p.grad.to_local()  # under no_grad, the DTensor's own local storage
+            # Divide before the sum: keeps low-precision gradients in range.
+            grad.mul_(self._expert_grad_scale)
+            if self._edp_group is not None:
+                self._pending.append(dist.all_reduce(grad, group=self._edp_group, async_op=True))
+        self._num_reduced += 1
+
+    def _finish_expert_sync(self) -> None:
+        for work in self._pending:
+            work.wait()
+        # Internal invariant: the hooks fire in the same order on every rank only if every expert
+        # weight took part in the forward (GroupedExperts uses its weights even with no tokens).
+        assert self._num_reduced == len(self._expert_params), \
+            f"{self._num_reduced} of {len(self._expert_params)} expert gradients were reduced"
+        self._pending, self._num_reduced, self._callback_queued = [], 0, False
+
+
+def apply_data_parallel(model: nn.Module, dims, *, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """Wrap ``model`` for data parallelism when ``dims.dp > 1``; otherwise return it unchanged."""
+    if dims.dp == 1:
+        return model
+    return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb)
+
+
+def no_sync(model: nn.Module):
+    """Context that skips the gradient reduction (non-final micro-steps of gradient accumulation).
+    A no-op for a model that is not data-parallel, so the trainer calls it unconditionally."""
+    if isinstance(model, DistributedDataParallel):
+        return model.no_sync()
+    return contextlib.nullcontext()

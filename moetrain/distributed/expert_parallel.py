@@ -1,0 +1,352 @@
+"""Expert parallelism: each rank of an ep group holds E/ep experts, and token copies travel to
+them by all-to-all and come back.
+
+``AllToAllDispatcher`` has the interface of ``LocalDispatcher`` (``dispatch``/``combine``), so the
+MoE layer does not know where its experts live. ``apply_expert_parallel`` swaps it in, shards the
+expert weights as DTensors over the ``ep`` mesh axis, and points the load-balancing loss at the
+data-parallel group.
+
+Equivalence with one process: the reference is one process holding the global batch (the ranks'
+batches concatenated in rank order) and all experts. Dropless, every copy reaches the same expert
+with the same input. With a capacity factor, capacity is ``ceil(f * T_global * K / E)`` and the
+copies kept are exactly those the single process keeps ("position": earliest global position;
+"score": highest router weight, ties by global position), which needs the per-rank routing
+counts (and for "score" the router weights) of every data-parallel rank.
+
+Shape legend: T tokens on this rank, D model dim, E experts, L = E/ep local experts, K experts
+per token, N = T*K routed copies, M copies this rank sends (kept), R copies it receives,
+P ranks in the ep group, W data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.tensor import DTensor, Shard
+
+from moetrain.config.moe import MoEConfig
+from moetrain.models.moe.dispatcher import (
+    DispatchResult,
+    LocalDispatcher,
+    capacity_keep_mask,
+    count_per_expert,
+    expert_capacity,
+    sort_by_expert,
+    weighted_scatter,
+)
+from moetrain.models.moe.experts import GroupedExperts
+from moetrain.models.moe.layer import MoELayer
+
+_COUNT_BYTES = torch.empty((), dtype=torch.int64).element_size()
+
+
+@dataclass
+class CommStats:
+    """Bytes moved by the expert-parallel exchanges of this rank since the last reset.
+
+    Token exchanges are counted in the forward pass only; backward repeats each of them in reverse
+    with the same sizes, so the ratio is the same with or without it.
+    """
+
+    bytes_sent: int = 0
+    """Token rows and routing counts sent to other ranks (a rank's chunk to itself is not sent)."""
+    bytes_received: int = 0
+    min_bytes: int = 0
+    """What must move, sent plus received: every kept routed copy whose expert lives on another
+    rank goes there and comes back (D * bytes per element each way), plus the dropless count
+    exchange. Summed over ranks this is ``2 * remote copies * D * bytes_per_element`` each way."""
+
+    @property
+    def ratio(self) -> float:
+        """Actual / minimum traffic; 1.0 when nothing was exchanged."""
+        if self.min_bytes == 0:
+            return 1.0 if self.bytes_sent + self.bytes_received == 0 else float("inf")
+        return (self.bytes_sent + self.bytes_received) / self.min_bytes
+
+    def __add__(self, other: CommStats) -> CommStats:
+        return CommStats(self.bytes_sent + other.bytes_sent, self.bytes_received + other.bytes_received,
+                         self.min_bytes + other.min_bytes)
+
+
+@dataclass
+class _A2AState:
+    token_idx_M: torch.Tensor
+    """Local token of each sent copy, in send order."""
+    weights_M: torch.Tensor
+    num_tokens: int
+    ungroup_R: torch.Tensor | None
+    """Position in expert-grouped order of each received row (None: already grouped, ep=1)."""
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+class AllToAllDispatcher:
+    """Sends routed token copies to the ranks that hold their experts and brings the outputs back.
+
+    Expert ``e`` lives on ep rank ``e // L`` as its local expert ``e % L``. ``ep_group=None`` means
+    ep=1 (used for data parallelism with a capacity factor, where only the global drops matter).
+    ``dp_group`` (all data-parallel ranks, in global rank order) is needed in capacity mode only.
+    """
+
+    def __init__(self, num_experts: int, *, ep_group: dist.ProcessGroup | None,
+                 dp_group: dist.ProcessGroup | None = None, capacity_factor: float | None = None) -> None:
+        self.num_experts = num_experts
+        self.ep_group = ep_group
+        self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+        self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+        if num_experts % self.ep_size != 0:
+            raise ValueError(f"parallel.ep ({self.ep_size}) must divide moe.num_experts ({num_experts})")
+        self.num_local_experts = num_experts // self.ep_size
+        self.capacity_factor = capacity_factor
+        self.dp_group = dp_group
+        if dp_group is not None:
+            self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+            dp_ranks = dist.get_process_group_ranks(dp_group)
+            ep_ranks = [dist.get_rank()] if ep_group is None else dist.get_process_group_ranks(ep_group)
+            # Row in the all-gathered [W, E] counts of each member of this ep group.
+            self._ep_members_in_dp = torch.tensor([dp_ranks.index(r) for r in ep_ranks])
+        self.stats = CommStats()
+
+    def read_comm_stats(self, *, reset: bool = True) -> CommStats:
+        stats = self.stats
+        if reset:
+            self.stats = CommStats()
+        return stats
+
+    # ----- dispatch ------------------------------------------------------------------------------
+
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 capacity: int | None = None, drop_policy: str = "position") -> DispatchResult:
+        """Route copies to their experts' ranks; returns them grouped by local expert.
+
+        ``capacity`` not None switches capacity mode on. Its value (the layer computes it from
+        this rank's T) is replaced by the capacity of the global batch of W ranks,
+        ``expert_capacity(T * W, ...)``, because drops are decided over the global batch, as one
+        process would decide them. Capacity mode needs the same T on every rank.
+        """
+        num_tokens, top_k = idx_TK.shape
+        E, P, L, j = self.num_experts, self.ep_size, self.num_local_experts, self.ep_rank
+        idx_N = idx_TK.reshape(-1)
+        row_bytes = x_TD.shape[1] * x_TD.element_size()
+
+        # 1. Tokens per expert. Sorting by global expert id also orders the copies by destination
+        #    rank, because rank s holds experts s*L .. s*L+L-1.
+        num_routed_E = count_per_expert(idx_N, E)
+        order_N = sort_by_expert(idx_TK, weights_TK, drop_policy=drop_policy)
+
+        # 2. Exchange counts: how many copies each ep peer sends to each of my local experts.
+        if capacity is None:
+            num_send_E = num_routed_E
+            num_recv_PL = self._exchange_counts(num_send_E.view(P, L))
+            count_sent = count_received = (P - 1) * L * _COUNT_BYTES
+        else:
+            if self.dp_group is None or self.capacity_factor is None:
+                raise ValueError("capacity mode under expert/data parallelism needs dp_group and "
+                                 "capacity_factor on the AllToAllDispatcher")
+            # Capacity of the global batch; every rank holds T tokens (ParallelDims.check_batch),
+            # which the host sync below verifies.
+            capacity = expert_capacity(num_tokens * self.dp_size, num_experts=E, top_k=top_k,
+                                       capacity_factor=self.capacity_factor)
+            num_routed_WE, kept_WE, count_sent, count_received = self._global_keep_counts(
+                num_routed_E, idx_TK, weights_TK, capacity=capacity, drop_policy=drop_policy)
+            num_send_E = kept_WE[self.dp_rank]
+            # Every rank's kept counts are known after the all-gather: no second exchange needed.
+            num_recv_PL = kept_WE.index_select(0, self._ep_members_in_dp)[:, j * L:(j + 1) * L]
+        send_P = num_send_E.view(P, L).sum(dim=1)
+        recv_P = num_recv_PL.sum(dim=1)
+        # Minimum traffic: kept copies whose expert is on another rank. Dropless, counted from the
+        # routing itself (independent of the split sizes that the exchange uses).
+        if capacity is None:
+            num_remote = (torch.div(idx_N, L, rounding_mode="floor") != j).sum()
+        else:
+            num_remote = num_send_E.sum() - num_send_E[j * L:(j + 1) * L].sum()
+        # The one host sync of the layer: all_to_all_single takes its split sizes as Python ints.
+        to_host = [send_P, recv_P, num_remote.view(1)]
+        if capacity is not None:
+            to_host.append(num_routed_WE.sum(dim=1))
+        host = torch.cat(to_host).tolist()
+        send_splits, recv_splits, num_send_remote = host[:P], host[P:2 * P], host[2 * P]
+        if capacity is not None and any(n != num_tokens * top_k for n in host[2 * P + 1:]):
+            raise ValueError(f"capacity mode under data parallelism needs the same token count on every "
+                             f"rank; routed copies per rank: {host[2 * P + 1:]}")
+        num_recv_remote = sum(recv_splits) - recv_splits[j]
+        self.stats.bytes_sent += count_sent
+        self.stats.bytes_received += count_received
+        self.stats.min_bytes += 2 * (num_send_remote + num_recv_remote) * row_bytes \
+            + 2 * (P - 1) * L * _COUNT_BYTES
+
+        # 3. Permute by destination rank and expert: keep the first kept_e copies of each expert's
+        #    block (the sort put them in drop-priority order), gather their token rows.
+        num_send = sum(send_splits)
+        if capacity is None:
+            order_M = order_N
+        else:
+            order_M = order_N.index_select(0, _kept_positions(num_routed_E, num_send_E, num_send))
+        token_idx_M = torch.div(order_M, top_k, rounding_mode="floor")
+        x_send_MD = x_TD.index_select(0, token_idx_M)
+        weights_M = weights_TK.reshape(-1).index_select(0, order_M)
+
+        # 4. Variable-size all-to-all; autograd sends the gradients back the same way.
+        x_recv_RD = self._all_to_all(x_send_MD, output_splits=recv_splits, input_splits=send_splits,
+                                     row_bytes=row_bytes)
+
+        # 5. Group the received rows by local expert: they arrive as [source rank][local expert]
+        #    and the experts want [local expert][source rank].
+        num_recv = sum(recv_splits)
+        ungroup_R = None
+        x_MD = x_recv_RD
+        if P > 1:
+            local_expert_R = torch.repeat_interleave(
+                torch.arange(L, device=idx_N.device).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
+            group_R = torch.sort(local_expert_R, stable=True).indices
+            ungroup_R = torch.empty_like(group_R).scatter_(
+                0, group_R, torch.arange(num_recv, device=group_R.device))
+            x_MD = x_recv_RD.index_select(0, group_R)
+        # (6. The experts run in the layer, between dispatch and combine.)
+        return DispatchResult(
+            x_MD=x_MD, num_tokens_per_expert=num_recv_PL.sum(dim=0),
+            num_routed_per_expert=num_routed_E, num_dropped=(num_routed_E - num_send_E).sum(),
+            state=_A2AState(token_idx_M, weights_M, num_tokens, ungroup_R, send_splits, recv_splits))
+
+    # ----- combine -------------------------------------------------------------------------------
+
+    def combine(self, y_MD: torch.Tensor, state: _A2AState) -> torch.Tensor:
+        # 7. Reverse all-to-all: back to [source rank][local expert] order, then home.
+        y_recv_RD = y_MD if state.ungroup_R is None else y_MD.index_select(0, state.ungroup_R)
+        y_back_MD = self._all_to_all(y_recv_RD, output_splits=state.send_splits,
+                                     input_splits=state.recv_splits,
+                                     row_bytes=y_MD.shape[1] * y_MD.element_size())
+        # 8. Unpermute and weighted combine: out[t] = sum over t's kept copies of w * y.
+        return weighted_scatter(y_back_MD, state.weights_M, state.token_idx_M, state.num_tokens)
+
+    # ----- communication helpers -----------------------------------------------------------------
+
+    def _all_to_all(self, x_MD: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
+                    row_bytes: int) -> torch.Tensor:
+        if self.ep_group is None:
+            return x_MD
+        j = self.ep_rank
+        self.stats.bytes_sent += (sum(input_splits) - input_splits[j]) * row_bytes
+        self.stats.bytes_received += (sum(output_splits) - output_splits[j]) * row_bytes
+        return all_to_all_single_autograd(x_MD.contiguous(), output_splits, input_splits, self.ep_group)
+
+    def _exchange_counts(self, num_send_PL: torch.Tensor) -> torch.Tensor:
+        if self.ep_group is None:
+            return num_send_PL
+        num_recv_PL = torch.empty_like(num_send_PL)
+        dist.all_to_all_single(num_recv_PL, num_send_PL.contiguous(), group=self.ep_group)
+        return num_recv_PL
+
+    def _global_keep_counts(self, num_routed_E: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor,
+                            *, capacity: int, drop_policy: str) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """Copies each data-parallel rank routes and keeps per expert, ``[W, E]`` each, with the
+        copies kept exactly as one process holding the global batch (the ranks' batches
+        concatenated in rank order) keeps them."""
+        E, W, K = self.num_experts, self.dp_size, idx_TK.shape[1]
+        num_routed_WE = num_routed_E.new_empty(W * E)  # gloo wants the output flat along dim 0
+        dist.all_gather_into_tensor(num_routed_WE, num_routed_E, group=self.dp_group)
+        num_routed_WE = num_routed_WE.view(W, E)
+        sent = received = (W - 1) * E * _COUNT_BYTES
+        if drop_policy == "position":
+            # Earlier ranks' copies come first in the global batch and win capacity.
+            earlier_WE = torch.cumsum(num_routed_WE, dim=0) - num_routed_WE
+            kept_WE = torch.minimum(num_routed_WE, (capacity - earlier_WE).clamp(min=0))
+            return num_routed_WE, kept_WE, sent, received
+        # "score": the top-capacity copies of each expert by router weight over the global batch,
+        # ties to the earlier global position. Gather every rank's (expert, weight) pairs, which
+        # are D times smaller than the tokens, and replay the single-process selection.
+        idx_WTK = idx_TK.new_empty(W * idx_TK.shape[0], K)
+        weights_WTK = weights_TK.new_empty(W * weights_TK.shape[0], K)
+        dist.all_gather_into_tensor(idx_WTK, idx_TK.contiguous(), group=self.dp_group)
+        dist.all_gather_into_tensor(weights_WTK, weights_TK.detach().contiguous(), group=self.dp_group)
+        per_rank = idx_TK.numel() * (idx_TK.element_size() + weights_TK.element_size())
+        sent, received = sent + (W - 1) * per_rank, received + (W - 1) * per_rank
+        order_G = sort_by_expert(idx_WTK, weights_WTK, drop_policy="score")
+        idx_G = idx_WTK.reshape(-1)
+        keep_G = capacity_keep_mask(idx_G[order_G], num_routed_WE.sum(dim=0), capacity)
+        rank_G = torch.div(order_G, idx_TK.numel(), rounding_mode="floor")
+        kept_WE = torch.zeros_like(num_routed_WE).index_put_(
+            (rank_G, idx_G[order_G]), keep_G.long(), accumulate=True)
+        return num_routed_WE, kept_WE, sent, received
+
+
+def _kept_positions(num_routed_E: torch.Tensor, num_kept_E: torch.Tensor, num_kept: int) -> torch.Tensor:
+    """Positions, in expert-sorted order, of the first ``num_kept_E[e]`` copies of each expert's
+    block. ``num_kept`` (their total, known on the host) sizes the result without a host sync."""
+    E = num_routed_E.numel()
+    block_start_E = torch.cumsum(num_routed_E, dim=0) - num_routed_E
+    kept_start_E = torch.cumsum(num_kept_E, dim=0) - num_kept_E
+    expert_M = torch.repeat_interleave(torch.arange(E, device=num_routed_E.device), num_kept_E,
+                                       output_size=num_kept)
+    return block_start_E[expert_M] + torch.arange(num_kept, device=num_routed_E.device) - kept_start_E[expert_M]
+
+
+# ----- applying expert parallelism to a model ------------------------------------------------------
+
+
+def build_dispatcher(dims, moe: MoEConfig):
+    """The dispatcher a layout needs: all-to-all when experts are split (ep > 1), or when data
+    parallelism meets a capacity factor (drops are decided over the global batch); otherwise local."""
+    if dims.ep > 1 or (dims.dp > 1 and moe.capacity_factor is not None):
+        return AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group if dims.ep > 1 else None,
+                                  dp_group=dims.dp_group if dims.dp > 1 else None,
+                                  capacity_factor=moe.capacity_factor)
+    return LocalDispatcher(moe.num_experts)
+
+
+def shard_experts(experts: GroupedExperts, dims) -> None:
+    """Replace the full ``[E, ...]`` expert weights by DTensors sharded ``Shard(0)`` over ``ep``.
+
+    The model was built full-size with the same seed on every rank (experts initialised by global
+    index), so each rank slices its own experts out: no communication, and the global model is
+    the same for any ep. As DTensors, the shards carry their global shape and offsets into
+    checkpoints, which therefore reshard across ep degrees.
+    """
+    for name in ("w1", "w2", "w3"):
+        w = getattr(experts, name)
+        if w is None or isinstance(w, DTensor):
+            continue
+        num_local = w.shape[0] // dims.ep
+        lo = dims.ep_rank * num_local
+        local = w.detach()[lo:lo + num_local].clone()
+        shard = DTensor.from_local(local, dims.ep_mesh, [Shard(0)], run_check=False,
+                                   shape=w.shape, stride=w.stride())
+        setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
+
+
+def is_expert_shard(p: torch.Tensor) -> bool:
+    """True for expert weights sharded over the ``ep`` mesh axis by :func:`shard_experts`."""
+    return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
+
+
+def apply_expert_parallel(model: nn.Module, dims) -> nn.Module:
+    """For each ``MoELayer``: swap in the dispatcher the layout needs, shard the experts over ``ep``,
+    and sum the load-balancing counts over all data-parallel ranks (so the mean of the per-rank
+    aux losses is the single-process aux loss). In place; returns ``model``."""
+    for name, layer in model.named_modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        num_experts = layer.config.num_experts
+        if num_experts % dims.ep != 0:
+            raise ValueError(f"parallel.ep ({dims.ep}) must divide moe.num_experts ({num_experts}) "
+                             f"of layer {name!r}")
+        layer.dispatcher = dims.dispatcher(layer.config)
+        if dims.ep > 1:
+            shard_experts(layer.experts, dims)
+        if dims.dp > 1:
+            layer.balance_group = dims.dp_group
+    return model
+
+
+def collect_comm_stats(model: nn.Module, *, reset: bool = True) -> CommStats:
+    """Sum of the all-to-all byte counters of every MoE layer of ``model`` on this rank."""
+    total = CommStats()
+    for module in model.modules():
+        dispatcher = getattr(module, "dispatcher", None)
+        if isinstance(module, MoELayer) and isinstance(dispatcher, AllToAllDispatcher):
+            total = total + dispatcher.read_comm_stats(reset=reset)
+    return total

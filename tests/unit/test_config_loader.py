@@ -1,0 +1,166 @@
+"""YAML files, --section.field=value overrides, presets, and the save/load round trip."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from moetrain.config import (JobConfig, ModelConfig, config_from_dict, config_to_dict, format_config, load_config,
+                             parse_overrides, save_config)
+from moetrain.models.presets import PRESETS
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURES = ROOT / "tests" / "fixtures"
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_no_file_no_overrides_is_the_default():
+    assert load_config(None, []) == JobConfig()
+
+
+OVERRIDES = [
+    # (override, section, field, value after loading)
+    ("--train.steps=100", "train", "steps", 100),
+    ("train.steps=7", "train", "steps", 7),
+    ("--optim.lr=3e-4", "optim", "lr", 3e-4),  # PyYAML reads 3e-4 as a string
+    ("--optim.lr=1", "optim", "lr", 1.0),  # int -> float field
+    ("--optim.min_lr=null", "optim", "min_lr", None),
+    ("--optim.min_lr=None", "optim", "min_lr", None),
+    ("--optim.betas=[0.8, 0.99]", "optim", "betas", (0.8, 0.99)),
+    ("--moe.capacity_factor=1.25", "moe", "capacity_factor", 1.25),
+    ("--moe.capacity_factor=null", "moe", "capacity_factor", None),
+    ("--model.tie_embeddings=true", "model", "tie_embeddings", True),
+    ("--model.vocab_size=8192", "model", "vocab_size", 8192),
+    ("--zero.reduce_bucket_size=5e8", "zero", "reduce_bucket_size", 500_000_000),
+    ("--log.run_dir=runs/2024", "log", "run_dir", "runs/2024"),  # string field keeps the text
+    ("--checkpoint.resume=never", "checkpoint", "resume", "never"),
+    ("--checkpoint.dir=null", "checkpoint", "dir", None),
+    ("--data.path=/data/my corpus", "data", "path", "/data/my corpus"),
+    ("--parallel.ep=2", "parallel", "ep", 2),
+]
+
+
+@pytest.mark.parametrize("override, section, field, value", OVERRIDES, ids=[o[0] for o in OVERRIDES])
+def test_override_is_parsed_to_the_field_type(override, section, field, value):
+    got = getattr(getattr(load_config(None, [override]), section), field)
+    assert got == value and type(got) is type(value)
+
+
+def test_override_as_two_tokens():
+    cfg = load_config(None, ["--train.steps", "12", "--train.seed=3"])
+    assert (cfg.train.steps, cfg.train.seed) == (12, 3)
+
+
+BAD_OVERRIDES = [
+    ("--moe.top_k=abc", r"moe\.top_k \('abc'\) must be an int"),
+    ("--train.steps=1.5", r"train\.steps \(1\.5\) must be an int"),
+    ("--train.steps=null", r"train\.steps \(None\) must not be null"),
+    ("--optim.lr=fast", r"optim\.lr \('fast'\) must be a number"),
+    ("--model.tie_embeddings=maybe", r"model\.tie_embeddings \('maybe'\) must be true or false"),
+    ("--optim.betas=0.9", r"optim\.betas \(0\.9\) must be a list"),
+    ("--optim.betas=[0.9, x]", r"optim\.betas\[1\] \('x'\) must be a number"),
+    ("--model.dim=0", r"model\.dim \(0\)"),
+    ("--modle.dim=64", r"unknown config section 'modle'; valid sections: model, moe, parallel"),
+    ("--model.dimm=64", r"unknown field model\.dimm; valid fields of model: preset, vocab_size, dim"),
+    ("--model=64", r"must look like --section\.field=value"),
+    ("--model.dim", r"must look like --section\.field=value"),
+    ("--model.preset=gpt-5", r"model\.preset \('gpt-5'\) must be one of 'tiny'"),
+]
+
+
+@pytest.mark.parametrize("override, message", BAD_OVERRIDES, ids=[o[0] for o in BAD_OVERRIDES])
+def test_bad_override_names_it(override, message):
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [override])
+
+
+def test_parse_overrides_only_names():
+    assert parse_overrides(["--train.steps=5", "--log.run_dir=007"]) == [("train", "steps", 5),
+                                                                          ("log", "run_dir", "007")]
+
+
+def test_preset_then_explicit_fields_then_overrides():
+    cfg = load_config(FIXTURES / "job_small.yaml", [])
+    tiny = PRESETS["tiny"]
+    assert cfg.model.preset == "tiny" and cfg.model.num_layers == 2  # the file overrides the preset
+    assert cfg.model.dim == tiny.model.dim and cfg.model.tie_embeddings is True  # the rest from the preset
+    assert cfg.moe.top_k == 1 and cfg.moe.num_experts == tiny.moe.num_experts
+    assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.8, 0.9)
+
+    cfg = load_config(FIXTURES / "job_small.yaml", ["--model.num_layers=3", "--moe.top_k=2"])
+    assert cfg.model.num_layers == 3 and cfg.moe.top_k == 2
+
+
+def test_preset_override_on_the_command_line():
+    cfg = load_config(FIXTURES / "job_small.yaml", ["--model.preset=tiny-dense"])
+    assert cfg.model.preset == "tiny-dense" and cfg.model.moe_every == 0 and cfg.model.dense_hidden_dim == 512
+    assert cfg.model.num_layers == 2  # still the file's explicit value
+
+    cfg = load_config(None, ["--model.preset=mixtral-8x7b", "--data.vocab_size=32000", "--parallel.ep=8"])
+    assert (cfg.model.dim, cfg.model.num_kv_heads, cfg.moe.expert_hidden_dim, cfg.moe.activation) == \
+        (4096, 8, 14336, "swiglu")
+
+
+def test_bad_file_section_and_field(tmp_path):
+    for text, message in [("modle:\n  dim: 3\n", "unknown config section 'modle'"),
+                          ("model:\n  dimm: 3\n", r"unknown field model\.dimm"),
+                          ("model: 3\n", r"model \(3\) must be a mapping"),
+                          ("- 1\n", "must hold a mapping of sections"),
+                          ("model:\n  dim: [1\n", "is not valid YAML"),
+                          ("moe:\n  top_k: abc\n", r"moe\.top_k \('abc'\) must be an int")]:
+        path = tmp_path / "bad.yaml"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            load_config(path, [])
+
+
+def _non_default_job():
+    return load_config(FIXTURES / "job_small.yaml",
+                       ["--model.vocab_size=8192", "--data.vocab_size=8000", "--optim.min_lr=1e-5",
+                        "--moe.capacity_factor=1.5", "--zero.offload_optimizer=cpu", "--parallel.zero_stage=1",
+                        "--checkpoint.dir=/tmp/ckpt", "--train.dtype=bf16"])
+
+
+@pytest.mark.parametrize("make", [JobConfig, _non_default_job], ids=["default", "non-default"])
+def test_yaml_round_trip(tmp_path, make):
+    cfg = make()
+    save_config(cfg, tmp_path / "run" / "config.yaml")
+    text = (tmp_path / "run" / "config.yaml").read_text()
+    assert text.startswith("# Resolved moetrain config: moetrain train --config")
+    assert load_config(tmp_path / "run" / "config.yaml", []) == cfg
+    assert config_from_dict(yaml.safe_load(text)) == cfg
+    assert config_from_dict(config_to_dict(cfg)) == cfg
+
+
+def test_config_to_dict_is_plain_yaml():
+    d = config_to_dict(JobConfig())
+    assert list(d) == ["model", "moe", "parallel", "zero", "optim", "train", "data", "checkpoint", "log"]
+    assert d["optim"]["betas"] == [0.9, 0.95]
+    yaml.safe_dump(d)  # no Python-only types
+
+
+def test_format_config_marks_changed_fields():
+    text = format_config(load_config(None, ["--train.steps=5"]))
+    lines = {line[2:].split(" = ")[0].strip(): line for line in text.splitlines()}
+    assert lines["train.steps"].startswith("*") and lines["train.steps"].endswith("= 5")
+    assert lines["train.seed"].startswith(" ")
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_shipped_configs_load_and_start_with_their_command(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and "train --config configs/" + path.name in first
+    cfg = load_config(path, [])
+    assert cfg.model.preset == path.stem
+
+
+def test_tiny_config_is_the_cpu_demo():
+    cfg = load_config(ROOT / "configs" / "tiny.yaml", [])
+    assert "--nproc 2" in (ROOT / "configs" / "tiny.yaml").read_text().splitlines()[0]
+    assert (cfg.parallel.ep, cfg.data.corpus, cfg.train.dtype) == (2, "shakespeare", "fp32")
+    assert cfg.grad_accum_steps(2) >= 1
+    dense = load_config(ROOT / "configs" / "tiny-dense.yaml", [])
+    # Same data and schedule: only the model differs.
+    for section in ("data", "train", "optim"):
+        assert getattr(dense, section) == getattr(cfg, section)
+    assert isinstance(dense.model, ModelConfig) and dense.model.moe_every == 0

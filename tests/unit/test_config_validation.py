@@ -1,0 +1,150 @@
+"""Every bad value a user can write raises ValueError naming the field and the value."""
+
+import dataclasses
+
+import pytest
+
+from moetrain.config import (CheckpointConfig, JobConfig, LogConfig, ModelConfig, MoEConfig, OptimConfig,
+                             ParallelConfig, TrainConfig, ZeroConfig, resolve_device)
+
+BAD_SECTION_VALUES = [
+    # (config class, kwargs, field named in the error, value shown in the error)
+    (ModelConfig, dict(dim=0), "model.dim", "0"),
+    (ModelConfig, dict(dim=130, num_heads=4), "model.dim", "130"),
+    (ModelConfig, dict(dim=12, num_heads=4), "model.dim", "12"),  # head dim 3 is odd: no rotary pairs
+    (ModelConfig, dict(num_layers=-1), "model.num_layers", "-1"),
+    (ModelConfig, dict(num_heads=True), "model.num_heads", "True"),
+    (ModelConfig, dict(num_kv_heads=3), "model.num_kv_heads", "3"),
+    (ModelConfig, dict(num_kv_heads=0), "model.num_kv_heads", "0"),
+    (ModelConfig, dict(vocab_size=1), "model.vocab_size", "1"),
+    (ModelConfig, dict(max_seq_len=0), "model.max_seq_len", "0"),
+    (ModelConfig, dict(moe_every=-1), "model.moe_every", "-1"),
+    (ModelConfig, dict(moe_layer_offset=4, num_layers=4), "model.moe_layer_offset", "4"),
+    (ModelConfig, dict(dense_hidden_dim=0), "model.dense_hidden_dim", "0"),
+    (ModelConfig, dict(activation="relu"), "model.activation", "'relu'"),
+    (ModelConfig, dict(norm_eps=0.0), "model.norm_eps", "0.0"),
+    (ModelConfig, dict(rope_theta=-1.0), "model.rope_theta", "-1.0"),
+    (ModelConfig, dict(tie_embeddings="yes"), "model.tie_embeddings", "'yes'"),
+    (ModelConfig, dict(init_std=0), "model.init_std", "0"),
+    (ModelConfig, dict(head="seq2seq"), "model.head", "'seq2seq'"),
+    (ModelConfig, dict(head="classifier"), "model.num_classes", "None"),
+    (ModelConfig, dict(head="classifier", num_classes=1), "model.num_classes", "1"),
+    (ModelConfig, dict(preset="gpt-5"), "model.preset", "'gpt-5'"),
+    (OptimConfig, dict(name="sgd"), "optim.name", "'sgd'"),
+    (OptimConfig, dict(lr=0.0), "optim.lr", "0.0"),
+    (OptimConfig, dict(lr=1e-3, min_lr=1e-2), "optim.min_lr", "0.01"),
+    (OptimConfig, dict(min_lr=-1.0), "optim.min_lr", "-1.0"),
+    (OptimConfig, dict(weight_decay=-0.1), "optim.weight_decay", "-0.1"),
+    (OptimConfig, dict(betas=(0.9, 1.0)), "optim.betas", "(0.9, 1.0)"),
+    (OptimConfig, dict(betas=(0.9,)), "optim.betas", "(0.9,)"),
+    (OptimConfig, dict(eps=0.0), "optim.eps", "0.0"),
+    (OptimConfig, dict(warmup_steps=-5), "optim.warmup_steps", "-5"),
+    (OptimConfig, dict(schedule="linear"), "optim.schedule", "'linear'"),
+    (OptimConfig, dict(grad_clip=-1.0), "optim.grad_clip", "-1.0"),
+    (TrainConfig, dict(steps=0), "train.steps", "0"),
+    (TrainConfig, dict(global_batch_size=10, micro_batch_size=4), "train.global_batch_size", "10"),
+    (TrainConfig, dict(micro_batch_size=0), "train.micro_batch_size", "0"),
+    (TrainConfig, dict(grad_accum=0), "train.grad_accum", "0"),
+    (TrainConfig, dict(global_batch_size=16, micro_batch_size=8, grad_accum=4), "train.global_batch_size", "16"),
+    (TrainConfig, dict(seed=-1), "train.seed", "-1"),
+    (TrainConfig, dict(dtype="fp8"), "train.dtype", "'fp8'"),
+    (TrainConfig, dict(eval_every=-1), "train.eval_every", "-1"),
+    (TrainConfig, dict(eval_steps=0), "train.eval_steps", "0"),
+    (TrainConfig, dict(device="tpu"), "train.device", "'tpu'"),
+    (TrainConfig, dict(deterministic=1), "train.deterministic", "1"),
+    (TrainConfig, dict(activation_checkpointing="some"), "train.activation_checkpointing", "'some'"),
+    (TrainConfig, dict(activation_checkpointing_every=0), "train.activation_checkpointing_every", "0"),
+    (TrainConfig, dict(compile="no"), "train.compile", "'no'"),
+    (CheckpointConfig, dict(dir=""), "checkpoint.dir", "''"),
+    (CheckpointConfig, dict(every=-1), "checkpoint.every", "-1"),
+    (CheckpointConfig, dict(keep_last=-2), "checkpoint.keep_last", "-2"),
+    (CheckpointConfig, dict(resume="none"), "checkpoint.resume", "'none'"),
+    (CheckpointConfig, dict(save_final=None), "checkpoint.save_final", "None"),
+    (LogConfig, dict(run_dir=""), "log.run_dir", "''"),
+    (LogConfig, dict(every=0), "log.every", "0"),
+    (LogConfig, dict(tensorboard="true"), "log.tensorboard", "'true'"),
+    (LogConfig, dict(level="trace"), "log.level", "'trace'"),
+    (ZeroConfig, dict(offload_optimizer="nvme"), "zero.offload_optimizer", "'nvme'"),
+    (ZeroConfig, dict(offload_param="gpu"), "zero.offload_param", "'gpu'"),
+    (ZeroConfig, dict(overlap_comm=0), "zero.overlap_comm", "0"),
+    (ZeroConfig, dict(reduce_bucket_size=0), "zero.reduce_bucket_size", "0"),
+    (ZeroConfig, dict(max_live_parameters=-1), "zero.max_live_parameters", "-1"),
+]
+
+
+@pytest.mark.parametrize("cls, kwargs, field, shown", BAD_SECTION_VALUES,
+                         ids=[f"{c[2]}={c[3]}" for c in BAD_SECTION_VALUES])
+def test_bad_section_value_names_field_and_value(cls, kwargs, field, shown):
+    with pytest.raises(ValueError) as err:
+        cls(**kwargs)
+    assert str(err.value).startswith(f"{field} ({shown})"), str(err.value)
+
+
+def _job(**sections):
+    return JobConfig(**sections)
+
+
+BAD_JOBS = [
+    # Cross-section rules of JobConfig.
+    (dict(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(ep=4)), "parallel.ep", "4"),
+    (dict(model=ModelConfig(moe_every=0), parallel=ParallelConfig(ep=2)), "parallel.ep", "2"),
+    (dict(model=ModelConfig(max_seq_len=128)), "data.seq_len", "256"),  # DataConfig default seq_len 256
+    (dict(model=ModelConfig(vocab_size=1000)), "model.vocab_size", "1000"),  # < data.vocab_size 4096
+    (dict(parallel=ParallelConfig(dp=3)), "train.global_batch_size", "16"),  # 16 % (8 * 3) != 0
+    (dict(parallel=ParallelConfig(dp=2), train=TrainConfig(grad_accum=2)), "train.grad_accum", "2"),
+    (dict(zero=ZeroConfig(offload_param="cpu"), parallel=ParallelConfig(zero_stage=2)), "zero.offload_param", "'cpu'"),
+    (dict(zero=ZeroConfig(offload_optimizer="cpu")), "zero.offload_optimizer", "'cpu'"),
+    (dict(model=ModelConfig(moe_every=0), train=TrainConfig(activation_checkpointing="moe")),
+     "train.activation_checkpointing", "'moe'"),
+]
+
+
+@pytest.mark.parametrize("sections, field, shown", BAD_JOBS, ids=[f"{c[1]}={c[2]}" for c in BAD_JOBS])
+def test_bad_job_names_field_and_value(sections, field, shown):
+    with pytest.raises(ValueError) as err:
+        _job(**sections)
+    assert str(err.value).startswith(f"{field} ({shown})"), str(err.value)
+
+
+def test_defaults_are_valid_and_cpu_safe():
+    cfg = JobConfig()
+    assert cfg.train.device == "auto"
+    for section in dataclasses.fields(cfg):
+        for f in dataclasses.fields(getattr(cfg, section.name)):
+            assert f.name != "device" or getattr(getattr(cfg, section.name), f.name) != "cuda"
+
+
+def test_auto_device_never_picks_missing_cuda(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto").type == "cpu"
+    assert resolve_device("cpu").type == "cpu"
+    with pytest.raises(ValueError, match=r"train.device \('cuda'\)"):
+        resolve_device("cuda")
+
+
+@pytest.mark.parametrize("global_bs, micro, dp, accum", [(16, 8, 1, 2), (16, 8, 2, 1), (64, 2, 8, 4), (8, 1, 1, 8)])
+def test_grad_accum_is_derived(global_bs, micro, dp, accum):
+    train = TrainConfig(global_batch_size=global_bs, micro_batch_size=micro)
+    assert train.grad_accum_steps(dp) == accum
+    assert TrainConfig(global_batch_size=global_bs, micro_batch_size=micro, grad_accum=accum).grad_accum_steps(dp) == accum
+
+
+def test_grad_accum_checks_the_data_parallel_size():
+    with pytest.raises(ValueError, match=r"train.global_batch_size \(16\).*8 \* 4 = 32"):
+        TrainConfig(global_batch_size=16, micro_batch_size=8).grad_accum_steps(4)
+    cfg = JobConfig(train=TrainConfig(global_batch_size=32, micro_batch_size=4))
+    assert cfg.data_parallel_size(4) == 4 and cfg.grad_accum_steps(4) == 2
+
+
+def test_model_helpers():
+    m = ModelConfig(num_layers=6, moe_every=2, moe_layer_offset=1, dim=64, num_heads=4, num_kv_heads=2)
+    assert m.moe_layer_ids == [1, 3, 5]
+    assert m.head_dim == 16 and m.resolved_num_kv_heads == 2 and m.resolved_dense_hidden_dim == 256
+    assert not ModelConfig(moe_every=0).is_moe
+    assert ModelConfig().with_vocab_size(300).vocab_size == 300
+    assert ModelConfig(vocab_size=512).with_vocab_size(300).vocab_size == 512
+    with pytest.raises(ValueError, match=r"model.vocab_size \(256\)"):
+        ModelConfig(vocab_size=256).with_vocab_size(300)
+    assert OptimConfig(lr=1e-3).resolved_min_lr == pytest.approx(1e-4)
