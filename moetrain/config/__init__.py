@@ -8,8 +8,15 @@ from moetrain.config.checkpoint import CheckpointConfig
 from moetrain.config.data import DataConfig
 from moetrain.config.deepspeed import apply_deepspeed_config, load_deepspeed_config
 from moetrain.config.job import JobConfig
-from moetrain.config.loader import (SECTIONS, config_from_dict, config_to_dict, format_config, load_config,
-                                    parse_overrides, save_config)
+from moetrain.config.loader import (
+                                    SECTIONS,
+                                    config_from_dict,
+                                    config_to_dict,
+                                    format_config,
+                                    load_config,
+                                    parse_overrides,
+                                    save_config,
+)
 from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -19,8 +26,24 @@ from moetrain.config.train import TrainConfig, resolve_device
 from moetrain.config.zero import ZeroConfig
 
 __all__ = [
-    "SECTIONS", "CheckpointConfig", "DataConfig", "JobConfig", "LogConfig", "ModelConfig", "MoEConfig",
-    "OptimConfig", "ParallelConfig", "TrainConfig", "ZeroConfig", "apply_deepspeed_config", "config_from_dict",
-    "config_to_dict", "format_config", "load_config", "load_deepspeed_config", "parse_overrides", "resolve_device",
-    "save_config",
+                                    "SECTIONS",
+                                    "CheckpointConfig",
+                                    "DataConfig",
+                                    "JobConfig",
+                                    "LogConfig",
+                                    "MoEConfig",
+                                    "ModelConfig",
+                                    "OptimConfig",
+                                    "ParallelConfig",
+                                    "TrainConfig",
+                                    "ZeroConfig",
+                                    "apply_deepspeed_config",
+                                    "config_from_dict",
+                                    "config_to_dict",
+                                    "format_config",
+                                    "load_config",
+                                    "load_deepspeed_config",
+                                    "parse_overrides",
+                                    "resolve_device",
+                                    "save_config",
 ]

@@ -28,11 +28,11 @@ class CheckpointConfig:
     """Save a checkpoint after the last step."""
 
     def __post_init__(self) -> None:
-        require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint.dir", self.dir,
-                "must be None (<log.run_dir>/checkpoints) or a non-empty path")
+        require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint.dir",
+                self.dir, "must be None (<log.run_dir>/checkpoints) or a non-empty path")
         require_int("checkpoint.every", self.every, note=" (0 = only the final checkpoint)")
         require_int("checkpoint.keep_last", self.keep_last, note=" (0 = keep all)")
-        require(isinstance(self.resume, str) and self.resume != ""
-                and self.resume.lower() not in ("none", "no", "false", "off"), "checkpoint.resume", self.resume,
-                'must be "auto", "never" or a checkpoint path')
+        # "none"/"no"/... would silently be read as a checkpoint path: make the user say "never".
+        ok = isinstance(self.resume, str) and self.resume.lower() not in ("", "none", "no", "false", "off")
+        require(ok, "checkpoint.resume", self.resume, 'must be "auto", "never" or a checkpoint path')
         require_bool("checkpoint.save_final", self.save_final)

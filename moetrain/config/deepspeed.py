@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from moetrain.config.base import require
 from moetrain.config.job import JobConfig
 from moetrain.config.loader import config_from_dict, config_to_dict
 
@@ -43,8 +44,7 @@ def load_deepspeed_config(path: str | Path) -> dict:
         ds = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
-    if not isinstance(ds, dict):
-        raise ValueError(f"DeepSpeed config {str(path)!r} must hold a JSON object")
+    require(isinstance(ds, dict), f"DeepSpeed config {str(path)!r}", type(ds).__name__, "must hold a JSON object")
     return ds
 
 
@@ -65,9 +65,9 @@ def apply_deepspeed_config(cfg: JobConfig, ds: Mapping[str, Any], *, world_size:
     _apply_zero(d, ds.get("zero_optimization"), ignored)
     _apply_moe(d, ds.get("moe"), ignored, world_size)
 
-    handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16", "bf16",
-               "bfloat16", "gradient_clipping", "steps_per_print", "optimizer", "scheduler", "zero_optimization",
-               "moe"}
+    handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16",
+               "bf16", "bfloat16", "gradient_clipping", "steps_per_print", "optimizer", "scheduler",
+               "zero_optimization", "moe"}
     ignored += [k for k in ds if k not in handled and not _matches(k, ds[k])]
     if ignored:
         warnings.warn(f"DeepSpeed config: ignoring keys moetrain does not support: {', '.join(ignored)}",
@@ -102,9 +102,9 @@ def _apply_batch(d: dict, ds: Mapping, dp: int) -> None:
         batch, ok = micro * accum * dp, True
     if not ok or micro == 0 or accum == 0:
         raise ValueError(
-            f"DeepSpeed batch sizes are inconsistent: train_batch_size ({ds.get('train_batch_size')}) must equal "
-            f"train_micro_batch_size_per_gpu ({ds.get('train_micro_batch_size_per_gpu')}) * "
-            f"gradient_accumulation_steps ({ds.get('gradient_accumulation_steps')}) * data-parallel size ({dp})")
+            f"DeepSpeed batch sizes are inconsistent: train_batch_size ({ds.get(names[0])}) must equal "
+            f"train_micro_batch_size_per_gpu ({ds.get(names[1])}) * "
+            f"gradient_accumulation_steps ({ds.get(names[2])}) * data-parallel size ({dp})")
     d["train"].update(global_batch_size=batch, micro_batch_size=micro, grad_accum=accum)
 
 
@@ -114,8 +114,7 @@ def _apply_precision(d: dict, ds: Mapping, ignored: list[str]) -> None:
         block = ds.get(key)
         if block is None:
             continue
-        if not isinstance(block, Mapping):
-            raise ValueError(f"{key} ({block!r}) must be an object like {{\"enabled\": true}}")
+        require(isinstance(block, Mapping), key, block, 'must be an object like {"enabled": true}')
         flag = block.get("enabled", False)  # DeepSpeed's default
         if flag is True:
             enabled.append(key)
@@ -123,9 +122,10 @@ def _apply_precision(d: dict, ds: Mapping, ignored: list[str]) -> None:
             disabled.append(key)
         elif not _auto(flag):
             raise ValueError(f"{key}.enabled ({flag!r}) must be true, false or \"auto\"")
-        ignored += [f"{key}.{k}" for k, v in block.items() if k != "enabled" and not _matches(f"{key}.{k}", v)]
-    if len(enabled) > 1:
-        raise ValueError(f"{' and '.join(k + '.enabled' for k in enabled)} (all true): at most one may be enabled")
+        ignored += [f"{key}.{k}" for k, v in block.items()
+                    if k != "enabled" and not _matches(f"{key}.{k}", v)]
+    require(len(enabled) <= 1, " and ".join(k + ".enabled" for k in enabled), True,
+            "at most one precision may be enabled")
     if enabled:
         d["train"]["dtype"] = "fp16" if enabled[0] == "fp16" else "bf16"
     elif disabled:
@@ -137,7 +137,8 @@ def _apply_optimizer(d: dict, block: Any, ignored: list[str]) -> None:
         return
     kind = str(block.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
-        raise ValueError(f"optimizer.type ({block.get('type')!r}) must be 'Adam' or 'AdamW' (moetrain trains with AdamW)")
+        raise ValueError(f"optimizer.type ({block.get('type')!r}) must be 'Adam' or 'AdamW' "
+                         "(moetrain trains with AdamW)")
     for key, value in (block.get("params") or {}).items():
         if _auto(value):
             continue
@@ -192,8 +193,7 @@ def _apply_zero(d: dict, block: Any, ignored: list[str]) -> None:
 
 
 def _apply_offload(d: dict, key: str, block: Any, ignored: list[str]) -> None:
-    if not isinstance(block, Mapping):
-        raise ValueError(f"zero_optimization.{key} ({block!r}) must be an object like {{\"device\": \"cpu\"}}")
+    require(isinstance(block, Mapping), f"zero_optimization.{key}", block, 'must be an object like {"device": "cpu"}')
     device = block.get("device", "none")
     if device not in ("cpu", "none"):
         raise ValueError(f"zero_optimization.{key}.device ({device!r}) must be 'cpu' or 'none' "
@@ -207,8 +207,7 @@ def _apply_offload(d: dict, key: str, block: Any, ignored: list[str]) -> None:
 def _apply_moe(d: dict, block: Any, ignored: list[str], world_size: int) -> None:
     if block is None:
         return
-    if not isinstance(block, Mapping):
-        raise ValueError(f"moe ({block!r}) must be an object like {{\"ep_size\": 8}}")
+    require(isinstance(block, Mapping), "moe", block, 'must be an object like {"ep_size": 8}')
     block = {k: v for k, v in block.items() if not _auto(v)}
     for key, value in block.items():
         if key == "ep_size":

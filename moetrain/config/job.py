@@ -55,18 +55,21 @@ class JobConfig:
         require(self.data.seq_len <= m.max_seq_len, "data.seq_len", self.data.seq_len,
                 f"must be <= model.max_seq_len ({m.max_seq_len})")
         if m.vocab_size is not None:
-            tok_vocab = 256 if self.data.tokenizer == "bytes" else self.data.vocab_size
+            if self.data.tokenizer == "bytes":
+                tok_vocab, source = 256, 'data.tokenizer="bytes"'
+            else:
+                tok_vocab, source = self.data.vocab_size, "data.vocab_size"
             require(m.vocab_size >= tok_vocab, "model.vocab_size", m.vocab_size,
-                    f"must be >= the tokenizer vocabulary ({tok_vocab}, from data.tokenizer={self.data.tokenizer!r}"
-                    + (f", data.vocab_size={self.data.vocab_size})" if self.data.tokenizer == "bpe" else ")"))
+                    f"must be >= the tokenizer vocabulary ({tok_vocab}, from {source})")
         if par.dp != -1:
             self.train.grad_accum_steps(par.dp)
         require(self.zero.offload_param == "none" or par.zero_stage == 3, "zero.offload_param",
                 self.zero.offload_param, f"needs parallel.zero_stage = 3 (is {par.zero_stage})")
         require(self.zero.offload_optimizer == "none" or par.zero_stage >= 1, "zero.offload_optimizer",
                 self.zero.offload_optimizer, f"needs parallel.zero_stage >= 1 (is {par.zero_stage})")
-        require(self.train.activation_checkpointing != "moe" or m.is_moe, "train.activation_checkpointing",
-                self.train.activation_checkpointing, "cannot be \"moe\" for a dense model (model.moe_every = 0)")
+        ckpt = self.train.activation_checkpointing
+        require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
+                'cannot be "moe" for a dense model (model.moe_every = 0)')
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different data: parallel.dp, or world / (tp * pp) when dp is -1 (auto)."""

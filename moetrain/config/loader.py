@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from moetrain.config.base import require
 from moetrain.config.job import JobConfig
 
 SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
@@ -42,7 +43,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
         from moetrain.config.deepspeed import apply_deepspeed_config, load_deepspeed_config
 
         if world_size is None:
-            raise ValueError("world_size (None) must be given with a DeepSpeed config (its batch sizes are per rank)")
+            raise ValueError("world_size (None) must be given with a DeepSpeed config "
+                             "(its batch sizes are per rank)")
         ds = deepspeed if isinstance(deepspeed, Mapping) else load_deepspeed_config(deepspeed)
         cfg = apply_deepspeed_config(cfg, ds, world_size=world_size)
     return cfg
@@ -119,8 +121,7 @@ def format_config(cfg: JobConfig) -> str:
 
 
 def require_mapping(where: str, value: Any) -> None:
-    if value is not None and not isinstance(value, Mapping):
-        raise ValueError(f"{where} ({value!r}) must be a mapping of fields")
+    require(value is None or isinstance(value, Mapping), where, value, "must be a mapping of fields")
 
 
 # --- internals ----------------------------------------------------------------------------------
@@ -134,14 +135,15 @@ def _read_yaml(path: str | Path) -> dict:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     if raw is None:
         return {}
-    if not isinstance(raw, dict):
-        raise ValueError(f"config file {str(path)!r} must hold a mapping of sections, got {type(raw).__name__}")
+    require(isinstance(raw, dict), f"config file {str(path)!r}", type(raw).__name__,
+            "must hold a mapping of sections")
     return {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
 
 
 def _section_cls(section: str, *, where: str) -> type:
     if section not in SECTIONS:
-        raise ValueError(f"{where}: unknown config section {section!r}; valid sections: {', '.join(SECTIONS)}")
+        raise ValueError(f"{where}: unknown config section {section!r}; "
+                         f"valid sections: {', '.join(SECTIONS)}")
     return SECTIONS[section]
 
 
@@ -149,7 +151,8 @@ def _field_types(cls: type, section: str, name: str, *, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     if name not in names:
-        raise ValueError(f"{where}: unknown field {section}.{name}; valid fields of {section}: {', '.join(names)}")
+        raise ValueError(f"{where}: unknown field {section}.{name}; "
+                         f"valid fields of {section}: {', '.join(names)}")
     return hints[name]
 
 

@@ -72,7 +72,8 @@ class ModelConfig:
             from moetrain.models.presets import PRESETS  # lazy: presets import this module
 
             require_choice("model.preset", self.preset, tuple(PRESETS))
-        require_int("model.vocab_size", self.vocab_size, min_value=2, none_ok=True, note=" (None = from the tokenizer)")
+        require_int("model.vocab_size", self.vocab_size, min_value=2, none_ok=True,
+                    note=" (None = from the tokenizer)")
         for name in ("dim", "num_layers", "num_heads", "max_seq_len"):
             require_int(f"model.{name}", getattr(self, name), min_value=1)
         require(self.dim % self.num_heads == 0, "model.dim", self.dim,
@@ -86,8 +87,8 @@ class ModelConfig:
         require_int("model.moe_every", self.moe_every, note=" (0 = dense model)")
         require_int("model.moe_layer_offset", self.moe_layer_offset)
         require(self.moe_every == 0 or self.moe_layer_offset < self.num_layers, "model.moe_layer_offset",
-                self.moe_layer_offset, f"must be < model.num_layers ({self.num_layers}) so that some block is "
-                "MoE (set model.moe_every=0 for a dense model)")
+                self.moe_layer_offset, f"must be < model.num_layers ({self.num_layers}) so that some block "
+                "is MoE (set model.moe_every=0 for a dense model)")
         require_int("model.dense_hidden_dim", self.dense_hidden_dim, min_value=1, none_ok=True,
                     note=" (None = 4 * dim)")
         require_choice("model.activation", self.activation, ("gelu", "swiglu"))

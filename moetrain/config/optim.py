@@ -45,9 +45,9 @@ class OptimConfig:
             require_non_negative("optim.min_lr", self.min_lr)
             require(self.min_lr <= self.lr, "optim.min_lr", self.min_lr, f"must be <= optim.lr ({self.lr})")
         require_non_negative("optim.weight_decay", self.weight_decay)
-        require(isinstance(self.betas, tuple) and len(self.betas) == 2
-                and all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas),
-                "optim.betas", self.betas, "must be two numbers in [0, 1)")
+        ok = isinstance(self.betas, tuple) and len(self.betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) and 0 <= b < 1 for b in self.betas)
+        require(ok, "optim.betas", self.betas, "must be two numbers in [0, 1)")
         require_positive("optim.eps", self.eps)
         require_int("optim.warmup_steps", self.warmup_steps)
         require_choice("optim.schedule", self.schedule, ("cosine", "constant"))

@@ -58,9 +58,10 @@ class TrainConfig:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
             require_int(f"train.{name}", getattr(self, name), min_value=1)
         require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
-                self.global_batch_size, f"must be divisible by train.micro_batch_size ({self.micro_batch_size})")
+                self.global_batch_size,
+                f"must be divisible by train.micro_batch_size ({self.micro_batch_size})")
         if self.grad_accum is not None:
-            require_int("train.grad_accum", self.grad_accum, min_value=1, none_ok=True, note=" (None = derived)")
+            require_int("train.grad_accum", self.grad_accum, min_value=1, note=" (or None = derived)")
             require(self.global_batch_size % (self.micro_batch_size * self.grad_accum) == 0,
                     "train.global_batch_size", self.global_batch_size,
                     f"must be divisible by train.micro_batch_size * train.grad_accum "

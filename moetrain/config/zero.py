@@ -44,7 +44,8 @@ class ZeroConfig:
     """ZeRO-3: elements of parameters gathered ahead of their use (DeepSpeed stage3_prefetch_bucket_size)."""
 
     param_persistence_threshold: int = 100_000
-    """ZeRO-3: parameters with fewer elements stay unsharded (DeepSpeed stage3_param_persistence_threshold)."""
+    """ZeRO-3: parameters with fewer elements stay unsharded (DeepSpeed
+    stage3_param_persistence_threshold)."""
 
     max_live_parameters: int = 1_000_000_000
     """ZeRO-3: most gathered parameter elements held at once (DeepSpeed stage3_max_live_parameters)."""

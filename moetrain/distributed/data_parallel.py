@@ -18,6 +18,7 @@ DDP handles the non-expert parameters (bucketed, overlapped with backward); the 
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -26,6 +27,8 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.distributed.expert_parallel import is_expert_shard
+
+_DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 
 
 class MoEDataParallel(DistributedDataParallel):
@@ -41,10 +44,12 @@ class MoEDataParallel(DistributedDataParallel):
         expert_names = [n for n, p in module.named_parameters() if is_expert_shard(p)]
         # DDP cannot all-reduce DTensor shards and must not average them over all ranks anyway.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, expert_names)
-        # broadcast_buffers=False: the model's buffers are deterministic or per-rank statistics
-        # (tokens_per_expert), so a broadcast from rank 0 before every forward would only cost time.
-        super().__init__(module, process_group=dims.dp_group, broadcast_buffers=False,
-                         bucket_cap_mb=bucket_cap_mb)
+        # No buffer broadcast before every forward: the model's buffers are deterministic or
+        # per-rank statistics (tokens_per_expert), so it would only cost time. (The flag was
+        # renamed in torch 2.13; older releases only know broadcast_buffers.)
+        no_buffer_sync = ({"forward_sync_buffers": False} if _DDP_HAS_FORWARD_SYNC_BUFFERS
+                          else {"broadcast_buffers": False})
+        super().__init__(module, process_group=dims.dp_group, bucket_cap_mb=bucket_cap_mb, **no_buffer_sync)
         params = dict(module.named_parameters())
         self._expert_params = [params[n] for n in expert_names]
         self._edp_group = dims.edp_group if dims.edp > 1 else None

@@ -49,6 +49,7 @@ class ParallelDims:
     num_experts: int | None = None
     """Routed experts per MoE layer; ``ep`` must divide it. None skips that check (dense model)."""
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp == -1 and isinstance(self.world_size, int) and self.world_size > 0:
@@ -150,7 +151,8 @@ class ParallelDims:
         self._warn_if_ep_crosses_nodes()
         # Row-major (edp, ep): consecutive ranks share the ep axis, see the module docstring.
         mesh = init_device_mesh(device_type, (self.edp, self.ep), mesh_dim_names=("edp", "ep"))
-        mesh[("edp", "ep")]._flatten("dp")
+        # Kept here: slicing a flattened axis from the root mesh is deprecated.
+        self._dp_mesh = mesh[("edp", "ep")]._flatten("dp")
         self.mesh = mesh
         return mesh
 
@@ -175,7 +177,10 @@ class ParallelDims:
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("dp")
+        """All ranks (edp x ep flattened), for the non-expert parameters."""
+        if self.mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh() first")
+        return self._dp_mesh
 
     @property
     def ep_group(self) -> dist.ProcessGroup:

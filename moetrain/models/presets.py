@@ -20,22 +20,25 @@ class Preset:
     description: str
 
 
-_TINY_MODEL = dict(dim=128, num_layers=4, num_heads=4, max_seq_len=256, activation="gelu", tie_embeddings=True)
+_TINY_MODEL = {"dim": 128, "num_layers": 4, "num_heads": 4, "max_seq_len": 256, "activation": "gelu",
+               "tie_embeddings": True}
 _TINY_MOE = MoEConfig(num_experts=8, top_k=2, expert_hidden_dim=256, activation="gelu")
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset(
         model=ModelConfig(**_TINY_MODEL, moe_every=1),
         moe=_TINY_MOE,
-        description="CPU demo: 4 blocks of dim 128, 8 experts top-2 (hidden 256) in every block; "
-                    "vocabulary from the tokenizer (~4096). Trains a few hundred steps on 2 cores in minutes.",
+        description="CPU demo: 4 blocks of dim 128, 8 experts top-2 (hidden 256) in every block; vocabulary "
+                    "from the tokenizer (~4096). Trains a few hundred steps on 2 cores in minutes.",
     ),
     "tiny-dense": Preset(
         # Dense twin of "tiny" with the same active parameters per token: the dense hidden dim is
         # top_k * expert_hidden_dim = 2 * 256 (the only difference is tiny's 128x8 router per block).
-        model=ModelConfig(**_TINY_MODEL, moe_every=0, dense_hidden_dim=_TINY_MOE.top_k * _TINY_MOE.expert_hidden_dim),
+        model=ModelConfig(**_TINY_MODEL, moe_every=0,
+                          dense_hidden_dim=_TINY_MOE.top_k * _TINY_MOE.expert_hidden_dim),
         moe=_TINY_MOE,
-        description="Dense baseline for the MoE-vs-dense comparison: tiny with one FFN of hidden 512 per block.",
+        description="Dense baseline for the MoE-vs-dense comparison: tiny with one FFN of hidden 512 "
+                    "per block.",
     ),
     "mixtral-8x7b": Preset(
         model=ModelConfig(vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=8,
@@ -50,8 +53,8 @@ PRESETS: dict[str, Preset] = {
                           norm_eps=1e-6, rope_theta=10000.0, tie_embeddings=False),
         # Fine-grained experts: 64 routed of hidden 1408, top-6, plus 2 always-on shared experts;
         # the top-k weights are not renormalised (DeepSeekMoE), the first block is dense.
-        moe=MoEConfig(num_experts=64, top_k=6, expert_hidden_dim=1408, activation="swiglu", num_shared_experts=2,
-                      renormalize=False, aux_loss_coef=0.001),
+        moe=MoEConfig(num_experts=64, top_k=6, expert_hidden_dim=1408, activation="swiglu",
+                      num_shared_experts=2, renormalize=False, aux_loss_coef=0.001),
         description="DeepSeekMoE 16B-like: 16.4B parameters, 2.8B active per token.",
     ),
 }

@@ -122,7 +122,8 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.is_moe = config.is_moe_layer(layer_id)
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config.dim, num_heads=config.num_heads, num_kv_heads=config.resolved_num_kv_heads)
+        self.attention = Attention(config.dim, num_heads=config.num_heads,
+                                   num_kv_heads=config.resolved_num_kv_heads)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward: nn.Module = (
             MoELayer(config.dim, moe) if self.is_moe
@@ -153,7 +154,8 @@ class Transformer(nn.Module):
         moe = MoEConfig() if moe is None else moe
         self.config, self.moe_config = config, moe
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(TransformerBlock(config, moe, layer_id=i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerBlock(config, moe, layer_id=i)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         if config.head == "classifier":
             self.output = nn.Linear(config.dim, config.num_classes, bias=False)
@@ -312,5 +314,6 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     if hasattr(param, "device_mesh") and hasattr(param, "placements"):
         from torch.distributed.tensor import distribute_tensor
 
-        full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements, src_data_rank=None)
+        full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
+                                 src_data_rank=None)
     param.copy_(full)

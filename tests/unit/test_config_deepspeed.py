@@ -25,7 +25,8 @@ def test_zero3_moe_skeleton_from_the_design_notes():
         cfg = load_config(None, [], deepspeed=FIXTURES / "ds_zero3_moe.json", world_size=16)
     assert len(record) == 1
     message = str(record[0].message)
-    assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in message and "moe.use_tutel" in message
+    assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in message
+    assert "moe.use_tutel" in message
     assert "moe.enabled" not in message and "pin_memory" not in message  # supported, no warning
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.grad_accum) == (64, 1, 4)
     assert cfg.grad_accum_steps(16) == 4
@@ -81,7 +82,8 @@ def test_inconsistent_batch_sizes_name_the_three_values(ds, world):
     ({"fp16": True}, r"fp16 \(True\) must be an object"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}},
      r"zero_optimization\.offload_optimizer\.device \('nvme'\)"),
-    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, r"zero\.offload_param \('cpu'\)"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
+     r"zero\.offload_param \('cpu'\)"),
     ({"zero_optimization": {"stage": 5}}, r"parallel\.zero_stage \(5\)"),
     ({"moe": {"ep_size": 3}}, r"moe\.ep_size \(3\) must be .* divides the world size \(8\)"),
     ({"moe": {"ep_size": 8, "num_experts": 4}}, r"parallel\.ep \(8\) must divide moe\.num_experts \(4\)"),
@@ -123,14 +125,16 @@ def test_zero_optimizer_scheduler_and_moe_fields():
     }
     cfg = _apply(ds, world_size=8)
     assert cfg.optim.grad_clip == 0.5 and cfg.log.every == 25
-    assert (cfg.optim.lr, cfg.optim.betas, cfg.optim.eps, cfg.optim.weight_decay) == (2e-4, (0.9, 0.99), 1e-6, 0.05)
+    o = cfg.optim
+    assert (o.lr, o.betas, o.eps, o.weight_decay) == (2e-4, (0.9, 0.99), 1e-6, 0.05)
     assert (cfg.optim.schedule, cfg.optim.warmup_steps, cfg.train.steps) == ("cosine", 10, 200)
     assert cfg.optim.min_lr == pytest.approx(2e-5)
     assert cfg.parallel.zero_stage == 2
     z = cfg.zero
-    assert (z.offload_optimizer, z.offload_param, z.pin_memory, z.overlap_comm) == ("cpu", "none", False, False)
-    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.prefetch_bucket_size) == (200_000_000, 300_000_000,
-                                                                                      10_000_000)
+    assert (z.offload_optimizer, z.offload_param, z.pin_memory, z.overlap_comm) == \
+        ("cpu", "none", False, False)
+    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.prefetch_bucket_size) == \
+        (200_000_000, 300_000_000, 10_000_000)
     assert (z.param_persistence_threshold, z.max_live_parameters, z.max_reuse_distance) == \
         (10_000, 100_000_000, 100_000_000)
     assert (cfg.parallel.ep, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor) == (4, 8, 1, 1.25)

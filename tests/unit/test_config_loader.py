@@ -5,8 +5,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from moetrain.config import (JobConfig, ModelConfig, config_from_dict, config_to_dict, format_config, load_config,
-                             parse_overrides, save_config)
+from moetrain.config import (
+    JobConfig,
+    ModelConfig,
+    config_from_dict,
+    config_to_dict,
+    format_config,
+    load_config,
+    parse_overrides,
+    save_config,
+)
 from moetrain.models.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,7 +43,7 @@ OVERRIDES = [
     ("--log.run_dir=runs/2024", "log", "run_dir", "runs/2024"),  # string field keeps the text
     ("--checkpoint.resume=never", "checkpoint", "resume", "never"),
     ("--checkpoint.dir=null", "checkpoint", "dir", None),
-    ("--data.path=/data/my corpus", "data", "path", "/data/my corpus"),
+    ("--log.run_dir=runs/my run", "log", "run_dir", "runs/my run"),
     ("--parallel.ep=2", "parallel", "ep", 2),
 ]
 
@@ -117,8 +125,8 @@ def test_bad_file_section_and_field(tmp_path):
 def _non_default_job():
     return load_config(FIXTURES / "job_small.yaml",
                        ["--model.vocab_size=8192", "--data.vocab_size=8000", "--optim.min_lr=1e-5",
-                        "--moe.capacity_factor=1.5", "--zero.offload_optimizer=cpu", "--parallel.zero_stage=1",
-                        "--checkpoint.dir=/tmp/ckpt", "--train.dtype=bf16"])
+                        "--moe.capacity_factor=1.5", "--zero.offload_optimizer=cpu",
+                        "--parallel.zero_stage=1", "--checkpoint.dir=/tmp/ckpt", "--train.dtype=bf16"])
 
 
 @pytest.mark.parametrize("make", [JobConfig, _non_default_job], ids=["default", "non-default"])

@@ -4,71 +4,82 @@ import dataclasses
 
 import pytest
 
-from moetrain.config import (CheckpointConfig, JobConfig, LogConfig, ModelConfig, MoEConfig, OptimConfig,
-                             ParallelConfig, TrainConfig, ZeroConfig, resolve_device)
+from moetrain.config import (
+    CheckpointConfig,
+    JobConfig,
+    LogConfig,
+    ModelConfig,
+    MoEConfig,
+    OptimConfig,
+    ParallelConfig,
+    TrainConfig,
+    ZeroConfig,
+    resolve_device,
+)
 
 BAD_SECTION_VALUES = [
     # (config class, kwargs, field named in the error, value shown in the error)
-    (ModelConfig, dict(dim=0), "model.dim", "0"),
-    (ModelConfig, dict(dim=130, num_heads=4), "model.dim", "130"),
-    (ModelConfig, dict(dim=12, num_heads=4), "model.dim", "12"),  # head dim 3 is odd: no rotary pairs
-    (ModelConfig, dict(num_layers=-1), "model.num_layers", "-1"),
-    (ModelConfig, dict(num_heads=True), "model.num_heads", "True"),
-    (ModelConfig, dict(num_kv_heads=3), "model.num_kv_heads", "3"),
-    (ModelConfig, dict(num_kv_heads=0), "model.num_kv_heads", "0"),
-    (ModelConfig, dict(vocab_size=1), "model.vocab_size", "1"),
-    (ModelConfig, dict(max_seq_len=0), "model.max_seq_len", "0"),
-    (ModelConfig, dict(moe_every=-1), "model.moe_every", "-1"),
-    (ModelConfig, dict(moe_layer_offset=4, num_layers=4), "model.moe_layer_offset", "4"),
-    (ModelConfig, dict(dense_hidden_dim=0), "model.dense_hidden_dim", "0"),
-    (ModelConfig, dict(activation="relu"), "model.activation", "'relu'"),
-    (ModelConfig, dict(norm_eps=0.0), "model.norm_eps", "0.0"),
-    (ModelConfig, dict(rope_theta=-1.0), "model.rope_theta", "-1.0"),
-    (ModelConfig, dict(tie_embeddings="yes"), "model.tie_embeddings", "'yes'"),
-    (ModelConfig, dict(init_std=0), "model.init_std", "0"),
-    (ModelConfig, dict(head="seq2seq"), "model.head", "'seq2seq'"),
-    (ModelConfig, dict(head="classifier"), "model.num_classes", "None"),
-    (ModelConfig, dict(head="classifier", num_classes=1), "model.num_classes", "1"),
-    (ModelConfig, dict(preset="gpt-5"), "model.preset", "'gpt-5'"),
-    (OptimConfig, dict(name="sgd"), "optim.name", "'sgd'"),
-    (OptimConfig, dict(lr=0.0), "optim.lr", "0.0"),
-    (OptimConfig, dict(lr=1e-3, min_lr=1e-2), "optim.min_lr", "0.01"),
-    (OptimConfig, dict(min_lr=-1.0), "optim.min_lr", "-1.0"),
-    (OptimConfig, dict(weight_decay=-0.1), "optim.weight_decay", "-0.1"),
-    (OptimConfig, dict(betas=(0.9, 1.0)), "optim.betas", "(0.9, 1.0)"),
-    (OptimConfig, dict(betas=(0.9,)), "optim.betas", "(0.9,)"),
-    (OptimConfig, dict(eps=0.0), "optim.eps", "0.0"),
-    (OptimConfig, dict(warmup_steps=-5), "optim.warmup_steps", "-5"),
-    (OptimConfig, dict(schedule="linear"), "optim.schedule", "'linear'"),
-    (OptimConfig, dict(grad_clip=-1.0), "optim.grad_clip", "-1.0"),
-    (TrainConfig, dict(steps=0), "train.steps", "0"),
-    (TrainConfig, dict(global_batch_size=10, micro_batch_size=4), "train.global_batch_size", "10"),
-    (TrainConfig, dict(micro_batch_size=0), "train.micro_batch_size", "0"),
-    (TrainConfig, dict(grad_accum=0), "train.grad_accum", "0"),
-    (TrainConfig, dict(global_batch_size=16, micro_batch_size=8, grad_accum=4), "train.global_batch_size", "16"),
-    (TrainConfig, dict(seed=-1), "train.seed", "-1"),
-    (TrainConfig, dict(dtype="fp8"), "train.dtype", "'fp8'"),
-    (TrainConfig, dict(eval_every=-1), "train.eval_every", "-1"),
-    (TrainConfig, dict(eval_steps=0), "train.eval_steps", "0"),
-    (TrainConfig, dict(device="tpu"), "train.device", "'tpu'"),
-    (TrainConfig, dict(deterministic=1), "train.deterministic", "1"),
-    (TrainConfig, dict(activation_checkpointing="some"), "train.activation_checkpointing", "'some'"),
-    (TrainConfig, dict(activation_checkpointing_every=0), "train.activation_checkpointing_every", "0"),
-    (TrainConfig, dict(compile="no"), "train.compile", "'no'"),
-    (CheckpointConfig, dict(dir=""), "checkpoint.dir", "''"),
-    (CheckpointConfig, dict(every=-1), "checkpoint.every", "-1"),
-    (CheckpointConfig, dict(keep_last=-2), "checkpoint.keep_last", "-2"),
-    (CheckpointConfig, dict(resume="none"), "checkpoint.resume", "'none'"),
-    (CheckpointConfig, dict(save_final=None), "checkpoint.save_final", "None"),
-    (LogConfig, dict(run_dir=""), "log.run_dir", "''"),
-    (LogConfig, dict(every=0), "log.every", "0"),
-    (LogConfig, dict(tensorboard="true"), "log.tensorboard", "'true'"),
-    (LogConfig, dict(level="trace"), "log.level", "'trace'"),
-    (ZeroConfig, dict(offload_optimizer="nvme"), "zero.offload_optimizer", "'nvme'"),
-    (ZeroConfig, dict(offload_param="gpu"), "zero.offload_param", "'gpu'"),
-    (ZeroConfig, dict(overlap_comm=0), "zero.overlap_comm", "0"),
-    (ZeroConfig, dict(reduce_bucket_size=0), "zero.reduce_bucket_size", "0"),
-    (ZeroConfig, dict(max_live_parameters=-1), "zero.max_live_parameters", "-1"),
+    (ModelConfig, {"dim": 0}, "model.dim", "0"),
+    (ModelConfig, {"dim": 130, "num_heads": 4}, "model.dim", "130"),
+    (ModelConfig, {"dim": 12, "num_heads": 4}, "model.dim", "12"),  # head dim 3 is odd: no rotary pairs
+    (ModelConfig, {"num_layers": -1}, "model.num_layers", "-1"),
+    (ModelConfig, {"num_heads": True}, "model.num_heads", "True"),
+    (ModelConfig, {"num_kv_heads": 3}, "model.num_kv_heads", "3"),
+    (ModelConfig, {"num_kv_heads": 0}, "model.num_kv_heads", "0"),
+    (ModelConfig, {"vocab_size": 1}, "model.vocab_size", "1"),
+    (ModelConfig, {"max_seq_len": 0}, "model.max_seq_len", "0"),
+    (ModelConfig, {"moe_every": -1}, "model.moe_every", "-1"),
+    (ModelConfig, {"moe_layer_offset": 4, "num_layers": 4}, "model.moe_layer_offset", "4"),
+    (ModelConfig, {"dense_hidden_dim": 0}, "model.dense_hidden_dim", "0"),
+    (ModelConfig, {"activation": "relu"}, "model.activation", "'relu'"),
+    (ModelConfig, {"norm_eps": 0.0}, "model.norm_eps", "0.0"),
+    (ModelConfig, {"rope_theta": -1.0}, "model.rope_theta", "-1.0"),
+    (ModelConfig, {"tie_embeddings": "yes"}, "model.tie_embeddings", "'yes'"),
+    (ModelConfig, {"init_std": 0}, "model.init_std", "0"),
+    (ModelConfig, {"head": "seq2seq"}, "model.head", "'seq2seq'"),
+    (ModelConfig, {"head": "classifier"}, "model.num_classes", "None"),
+    (ModelConfig, {"head": "classifier", "num_classes": 1}, "model.num_classes", "1"),
+    (ModelConfig, {"preset": "gpt-5"}, "model.preset", "'gpt-5'"),
+    (OptimConfig, {"name": "sgd"}, "optim.name", "'sgd'"),
+    (OptimConfig, {"lr": 0.0}, "optim.lr", "0.0"),
+    (OptimConfig, {"lr": 1e-3, "min_lr": 1e-2}, "optim.min_lr", "0.01"),
+    (OptimConfig, {"min_lr": -1.0}, "optim.min_lr", "-1.0"),
+    (OptimConfig, {"weight_decay": -0.1}, "optim.weight_decay", "-0.1"),
+    (OptimConfig, {"betas": (0.9, 1.0)}, "optim.betas", "(0.9, 1.0)"),
+    (OptimConfig, {"betas": (0.9,)}, "optim.betas", "(0.9,)"),
+    (OptimConfig, {"eps": 0.0}, "optim.eps", "0.0"),
+    (OptimConfig, {"warmup_steps": -5}, "optim.warmup_steps", "-5"),
+    (OptimConfig, {"schedule": "linear"}, "optim.schedule", "'linear'"),
+    (OptimConfig, {"grad_clip": -1.0}, "optim.grad_clip", "-1.0"),
+    (TrainConfig, {"steps": 0}, "train.steps", "0"),
+    (TrainConfig, {"global_batch_size": 10, "micro_batch_size": 4}, "train.global_batch_size", "10"),
+    (TrainConfig, {"micro_batch_size": 0}, "train.micro_batch_size", "0"),
+    (TrainConfig, {"grad_accum": 0}, "train.grad_accum", "0"),
+    (TrainConfig, {"global_batch_size": 16, "micro_batch_size": 8, "grad_accum": 4},
+     "train.global_batch_size", "16"),
+    (TrainConfig, {"seed": -1}, "train.seed", "-1"),
+    (TrainConfig, {"dtype": "fp8"}, "train.dtype", "'fp8'"),
+    (TrainConfig, {"eval_every": -1}, "train.eval_every", "-1"),
+    (TrainConfig, {"eval_steps": 0}, "train.eval_steps", "0"),
+    (TrainConfig, {"device": "tpu"}, "train.device", "'tpu'"),
+    (TrainConfig, {"deterministic": 1}, "train.deterministic", "1"),
+    (TrainConfig, {"activation_checkpointing": "some"}, "train.activation_checkpointing", "'some'"),
+    (TrainConfig, {"activation_checkpointing_every": 0}, "train.activation_checkpointing_every", "0"),
+    (TrainConfig, {"compile": "no"}, "train.compile", "'no'"),
+    (CheckpointConfig, {"dir": ""}, "checkpoint.dir", "''"),
+    (CheckpointConfig, {"every": -1}, "checkpoint.every", "-1"),
+    (CheckpointConfig, {"keep_last": -2}, "checkpoint.keep_last", "-2"),
+    (CheckpointConfig, {"resume": "none"}, "checkpoint.resume", "'none'"),
+    (CheckpointConfig, {"save_final": None}, "checkpoint.save_final", "None"),
+    (LogConfig, {"run_dir": ""}, "log.run_dir", "''"),
+    (LogConfig, {"every": 0}, "log.every", "0"),
+    (LogConfig, {"tensorboard": "true"}, "log.tensorboard", "'true'"),
+    (LogConfig, {"level": "trace"}, "log.level", "'trace'"),
+    (ZeroConfig, {"offload_optimizer": "nvme"}, "zero.offload_optimizer", "'nvme'"),
+    (ZeroConfig, {"offload_param": "gpu"}, "zero.offload_param", "'gpu'"),
+    (ZeroConfig, {"overlap_comm": 0}, "zero.overlap_comm", "0"),
+    (ZeroConfig, {"reduce_bucket_size": 0}, "zero.reduce_bucket_size", "0"),
+    (ZeroConfig, {"max_live_parameters": -1}, "zero.max_live_parameters", "-1"),
 ]
 
 
@@ -86,15 +97,16 @@ def _job(**sections):
 
 BAD_JOBS = [
     # Cross-section rules of JobConfig.
-    (dict(moe=MoEConfig(num_experts=6), parallel=ParallelConfig(ep=4)), "parallel.ep", "4"),
-    (dict(model=ModelConfig(moe_every=0), parallel=ParallelConfig(ep=2)), "parallel.ep", "2"),
-    (dict(model=ModelConfig(max_seq_len=128)), "data.seq_len", "256"),  # DataConfig default seq_len 256
-    (dict(model=ModelConfig(vocab_size=1000)), "model.vocab_size", "1000"),  # < data.vocab_size 4096
-    (dict(parallel=ParallelConfig(dp=3)), "train.global_batch_size", "16"),  # 16 % (8 * 3) != 0
-    (dict(parallel=ParallelConfig(dp=2), train=TrainConfig(grad_accum=2)), "train.grad_accum", "2"),
-    (dict(zero=ZeroConfig(offload_param="cpu"), parallel=ParallelConfig(zero_stage=2)), "zero.offload_param", "'cpu'"),
-    (dict(zero=ZeroConfig(offload_optimizer="cpu")), "zero.offload_optimizer", "'cpu'"),
-    (dict(model=ModelConfig(moe_every=0), train=TrainConfig(activation_checkpointing="moe")),
+    ({"moe": MoEConfig(num_experts=6), "parallel": ParallelConfig(ep=4)}, "parallel.ep", "4"),
+    ({"model": ModelConfig(moe_every=0), "parallel": ParallelConfig(ep=2)}, "parallel.ep", "2"),
+    ({"model": ModelConfig(max_seq_len=128)}, "data.seq_len", "256"),  # DataConfig default seq_len 256
+    ({"model": ModelConfig(vocab_size=1000)}, "model.vocab_size", "1000"),  # < data.vocab_size 4096
+    ({"parallel": ParallelConfig(dp=3)}, "train.global_batch_size", "16"),  # 16 % (8 * 3) != 0
+    ({"parallel": ParallelConfig(dp=2), "train": TrainConfig(grad_accum=2)}, "train.grad_accum", "2"),
+    ({"zero": ZeroConfig(offload_param="cpu"), "parallel": ParallelConfig(zero_stage=2)},
+     "zero.offload_param", "'cpu'"),
+    ({"zero": ZeroConfig(offload_optimizer="cpu")}, "zero.offload_optimizer", "'cpu'"),
+    ({"model": ModelConfig(moe_every=0), "train": TrainConfig(activation_checkpointing="moe")},
      "train.activation_checkpointing", "'moe'"),
 ]
 
@@ -124,11 +136,12 @@ def test_auto_device_never_picks_missing_cuda(monkeypatch):
         resolve_device("cuda")
 
 
-@pytest.mark.parametrize("global_bs, micro, dp, accum", [(16, 8, 1, 2), (16, 8, 2, 1), (64, 2, 8, 4), (8, 1, 1, 8)])
+@pytest.mark.parametrize("global_bs, micro, dp, accum",
+                         [(16, 8, 1, 2), (16, 8, 2, 1), (64, 2, 8, 4), (8, 1, 1, 8)])
 def test_grad_accum_is_derived(global_bs, micro, dp, accum):
-    train = TrainConfig(global_batch_size=global_bs, micro_batch_size=micro)
-    assert train.grad_accum_steps(dp) == accum
-    assert TrainConfig(global_batch_size=global_bs, micro_batch_size=micro, grad_accum=accum).grad_accum_steps(dp) == accum
+    assert TrainConfig(global_batch_size=global_bs, micro_batch_size=micro).grad_accum_steps(dp) == accum
+    explicit = TrainConfig(global_batch_size=global_bs, micro_batch_size=micro, grad_accum=accum)
+    assert explicit.grad_accum_steps(dp) == accum
 
 
 def test_grad_accum_checks_the_data_parallel_size():

@@ -1,0 +1,182 @@
+"""`moetrain` command line: train, demo, config, data, report.
+
+    moetrain train --config configs/tiny.yaml --nproc 2 --train.steps=100
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m moetrain.cli train --config X     (multi-node)
+    moetrain demo
+    moetrain config show --config X [--section.field=value ...]
+    moetrain data list | moetrain data fetch shakespeare
+    moetrain report RUN_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+DEMO_CONFIG = REPO_CONFIGS / "tiny.yaml"
+
+
+def _under_launcher() -> bool:
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _launch(nproc: int, argv: list[str]) -> int:
+    """Re-run this command in ``nproc`` local processes through torch.distributed.run (what
+    torchrun is), single node, with its own rendezvous on a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "moetrain.cli", *argv]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
+def _strip_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--nproc":
+            skip = True
+            continue
+        if a.startswith("--nproc="):
+            continue
+        out.append(a)
+    return out
+
+
+def _load(args, overrides: list[str]):
+    from moetrain.config.loader import load_config
+
+    world = int(os.environ.get("WORLD_SIZE", getattr(args, "nproc", None) or 1))
+    return load_config(args.config, overrides, deepspeed=getattr(args, "deepspeed", None), world_size=world)
+
+
+def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False) -> int:
+    if args.nproc and args.nproc > 1 and not _under_launcher():
+        cfg = _load(args, overrides)  # validate before starting processes: errors show once, early
+        return _launch(args.nproc, _strip_nproc(argv))
+    from moetrain.train.report import write_report
+    from moetrain.train.trainer import Trainer
+
+    cfg = _load(args, overrides)
+    trainer = Trainer(cfg)
+    try:
+        final = trainer.fit()
+        sample = trainer.generate(args.prompt, max_new_tokens=args.sample_tokens) if args.sample_tokens else None
+    finally:
+        trainer.close()
+    if trainer.is_main:
+        pngs = write_report(trainer.run_dir)
+        print()
+        if "val_loss" in final:
+            print(f"final val loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.1f}) "
+                  f"after {trainer.step} steps; {final['tokens_per_s']:.0f} tokens/s")
+        if sample is not None:
+            print("--- sample ---")
+            print(sample)
+            print("--------------")
+        print(f"run directory: {trainer.run_dir}  (config.yaml, metrics.jsonl, tensorboard/, report/: "
+              f"{', '.join(p.name for p in pngs)})")
+    return 0
+
+
+def cmd_config(args, overrides: list[str]) -> int:
+    from moetrain.config.loader import format_config
+
+    print(format_config(_load(args, overrides)))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from moetrain.data import fetch_corpus, is_cached, list_corpora
+
+    if args.data_cmd == "list":
+        for c in list_corpora():
+            print(f"{c.name:14s} {'cached' if is_cached(c.name) else 'not cached':10s} ~{c.approx_mb} MB  "
+                  f"{c.licence}  {c.description}")
+        return 0
+    path = fetch_corpus(args.name, cache_dir=args.cache_dir, force=args.force)
+    print(f"{args.name}: {path}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from moetrain.train.report import write_report
+
+    for p in write_report(args.run_dir, args.out):
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
+                                epilog="Any --section.field=value argument overrides the config.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def add_train_args(sp, *, default_config=None):
+        sp.add_argument("--config", default=default_config, help="YAML config (a run's config.yaml reproduces it)")
+        sp.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
+        sp.add_argument("--nproc", type=int, default=None,
+                        help="launch N local processes (torch.distributed.run); not needed under torchrun")
+        sp.add_argument("--prompt", default="ROMEO:", help="prompt of the sample printed at the end")
+        sp.add_argument("--sample-tokens", type=int, default=0, help="tokens to sample at the end (0 = none)")
+
+    add_train_args(sub.add_parser("train", help="train a model"))
+    demo = sub.add_parser("demo", help="the default job: tiny MoE LM on Shakespeare, EP=2 on 2 processes")
+    add_train_args(demo, default_config=str(DEMO_CONFIG))
+    demo.set_defaults(nproc=2, sample_tokens=120)
+
+    cfg = sub.add_parser("config", help="show the resolved config")
+    cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
+    show = cfg_sub.add_parser("show")
+    show.add_argument("--config", default=None)
+    show.add_argument("--deepspeed", default=None)
+    show.add_argument("--nproc", type=int, default=None, help="world size (for --deepspeed batch checks)")
+
+    data = sub.add_parser("data", help="corpora")
+    data_sub = data.add_subparsers(dest="data_cmd", required=True)
+    data_sub.add_parser("list")
+    fetch = data_sub.add_parser("fetch")
+    fetch.add_argument("name")
+    fetch.add_argument("--cache-dir", default=None)
+    fetch.add_argument("--force", action="store_true")
+
+    rep = sub.add_parser("report", help="write PNG plots of a run")
+    rep.add_argument("run_dir")
+    rep.add_argument("--out", default=None, help="folder of the PNGs (default RUN_DIR/report)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    overrides = [a for a in rest]
+    bad = [a for a in overrides if "." not in a.split("=")[0]]
+    if bad and args.cmd in ("train", "demo", "config"):
+        parser.error(f"unrecognised arguments: {' '.join(bad)}")
+    try:
+        if args.cmd in ("train", "demo"):
+            return cmd_train(args, overrides, argv, demo=args.cmd == "demo")
+        if args.cmd == "config":
+            return cmd_config(args, overrides)
+        if overrides:
+            parser.error(f"unrecognised arguments: {' '.join(overrides)}")
+        if args.cmd == "data":
+            return cmd_data(args)
+        if args.cmd == "report":
+            return cmd_report(args)
+    except ValueError as e:
+        # Bad input: one clear line, no traceback (the config is validated before any work).
+        print(f"moetrain: error: {e}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
