@@ -114,7 +114,6 @@ def _expert_parallel(shape: str, runs: int, warmup: int, capacity_factor) -> dic
         per_rank = torch.load(io.BytesIO(out_q.get(timeout=1800)))
         for p in procs:
             p.join()
-    T, D = SHAPES[shape][:2]
     return {
         "ep_step_ms": round(per_rank[:, 0].max().item(), 2),
         "bytes_ratio": round(per_rank[:, 1].sum().item() / per_rank[:, 2].sum().item(), 4),

@@ -44,7 +44,8 @@ def load_deepspeed_config(path: str | Path) -> dict:
         ds = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
-    require(isinstance(ds, dict), f"DeepSpeed config {str(path)!r}", type(ds).__name__, "must hold a JSON object")
+    require(isinstance(ds, dict), f"DeepSpeed config {str(path)!r}", type(ds).__name__,
+            "must hold a JSON object")
     return ds
 
 
@@ -135,6 +136,7 @@ def _apply_precision(d: dict, ds: Mapping, ignored: list[str]) -> None:
 def _apply_optimizer(d: dict, block: Any, ignored: list[str]) -> None:
     if block is None:
         return
+    require(isinstance(block, Mapping), "optimizer", block, 'must be an object like {"type": "AdamW"}')
     kind = str(block.get("type", "")).lower()
     if kind not in ("adam", "adamw"):
         raise ValueError(f"optimizer.type ({block.get('type')!r}) must be 'Adam' or 'AdamW' "
@@ -152,6 +154,7 @@ def _apply_optimizer(d: dict, block: Any, ignored: list[str]) -> None:
 def _apply_scheduler(d: dict, block: Any, ignored: list[str]) -> None:
     if block is None:
         return
+    require(isinstance(block, Mapping), "scheduler", block, 'must be an object like {"type": "WarmupLR"}')
     kind = block.get("type")
     if kind not in ("WarmupLR", "WarmupCosineLR"):
         ignored.append(f"scheduler (type {kind!r})")
@@ -179,6 +182,7 @@ def _apply_scheduler(d: dict, block: Any, ignored: list[str]) -> None:
 def _apply_zero(d: dict, block: Any, ignored: list[str]) -> None:
     if block is None:
         return
+    require(isinstance(block, Mapping), "zero_optimization", block, 'must be an object like {"stage": 2}')
     for key, value in block.items():
         if _auto(value):
             continue
@@ -193,7 +197,8 @@ def _apply_zero(d: dict, block: Any, ignored: list[str]) -> None:
 
 
 def _apply_offload(d: dict, key: str, block: Any, ignored: list[str]) -> None:
-    require(isinstance(block, Mapping), f"zero_optimization.{key}", block, 'must be an object like {"device": "cpu"}')
+    require(isinstance(block, Mapping), f"zero_optimization.{key}", block,
+            'must be an object like {"device": "cpu"}')
     device = block.get("device", "none")
     if device not in ("cpu", "none"):
         raise ValueError(f"zero_optimization.{key}.device ({device!r}) must be 'cpu' or 'none' "

@@ -82,7 +82,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> JobConfig:
     for section, values in raw.items():
         cls = _section_cls(section, where="config")
         require_mapping(section, values)
-        for name in values:
+        for name in values or {}:
             _field_types(cls, section, name, where="config")
     merged = {section: dict(raw.get(section) or {}) for section in SECTIONS}
     preset = merged["model"].get("preset")

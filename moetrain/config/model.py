@@ -12,8 +12,9 @@ from moetrain.config.base import require, require_choice, require_positive
 class ModelConfig:
     preset: str | None = None
     """Name of a preset in ``moetrain.models.presets`` ("tiny", "tiny-dense", "mixtral-8x7b",
-    "deepseek-moe-16b"). When loading a config, the preset's model and moe values come first and
-    every field written in the file or on the command line overrides them."""
+    "deepseek-moe-16b"). ``load_config`` applies it: the preset's model and moe values come first
+    and every field written in the file or on the command line overrides them. (Built directly in
+    Python, a ModelConfig only records the name.)"""
 
     vocab_size: int | None = None
     """Vocabulary size V. None = take it from the tokenizer when the model is built."""

@@ -42,6 +42,8 @@ from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.layer import MoELayer
 
 _COUNT_BYTES = torch.empty((), dtype=torch.int64).element_size()
+# torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @dataclass
@@ -49,7 +51,8 @@ class CommStats:
     """Bytes moved by the expert-parallel exchanges of this rank since the last reset.
 
     Token exchanges are counted in the forward pass only; backward repeats each of them in reverse
-    with the same sizes, so the ratio is the same with or without it.
+    with the same sizes, so the ratio is the same with or without it. Under activation
+    checkpointing the recomputed forward counts again, actual and minimum alike.
     """
 
     bytes_sent: int = 0
@@ -155,7 +158,8 @@ class AllToAllDispatcher:
                 num_routed_E, idx_TK, weights_TK, capacity=capacity, drop_policy=drop_policy)
             num_send_E = kept_WE[self.dp_rank]
             # Every rank's kept counts are known after the all-gather: no second exchange needed.
-            num_recv_PL = kept_WE.index_select(0, self._ep_members_in_dp)[:, j * L:(j + 1) * L]
+            members_P = self._ep_members_in_dp.to(kept_WE.device)
+            num_recv_PL = kept_WE.index_select(0, members_P)[:, j * L:(j + 1) * L]
         send_P = num_send_E.view(P, L).sum(dim=1)
         recv_P = num_recv_PL.sum(dim=1)
         # Minimum traffic: kept copies whose expert is on another rank. Dropless, counted from the
@@ -248,7 +252,7 @@ class AllToAllDispatcher:
         concatenated in rank order) keeps them."""
         E, W, K = self.num_experts, self.dp_size, idx_TK.shape[1]
         num_routed_WE = num_routed_E.new_empty(W * E)  # gloo wants the output flat along dim 0
-        dist.all_gather_into_tensor(num_routed_WE, num_routed_E, group=self.dp_group)
+        _all_gather_single(num_routed_WE, num_routed_E, group=self.dp_group)
         num_routed_WE = num_routed_WE.view(W, E)
         sent = received = (W - 1) * E * _COUNT_BYTES
         if drop_policy == "position":
@@ -261,8 +265,8 @@ class AllToAllDispatcher:
         # are D times smaller than the tokens, and replay the single-process selection.
         idx_WTK = idx_TK.new_empty(W * idx_TK.shape[0], K)
         weights_WTK = weights_TK.new_empty(W * weights_TK.shape[0], K)
-        dist.all_gather_into_tensor(idx_WTK, idx_TK.contiguous(), group=self.dp_group)
-        dist.all_gather_into_tensor(weights_WTK, weights_TK.detach().contiguous(), group=self.dp_group)
+        _all_gather_single(idx_WTK, idx_TK.contiguous(), group=self.dp_group)
+        _all_gather_single(weights_WTK, weights_TK.detach().contiguous(), group=self.dp_group)
         per_rank = idx_TK.numel() * (idx_TK.element_size() + weights_TK.element_size())
         sent, received = sent + (W - 1) * per_rank, received + (W - 1) * per_rank
         order_G = sort_by_expert(idx_WTK, weights_WTK, drop_policy="score")

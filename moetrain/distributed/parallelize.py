@@ -49,6 +49,9 @@ def parallelize(model: nn.Module, dims, *, activation_checkpointing: bool = Fals
                 bucket_cap_mb: float = 25.0) -> nn.Module:
     """Apply the parallel layout ``dims`` (a ``ParallelDims`` with its mesh built) to ``model``.
 
+    ``blocks(model)`` picks the modules to checkpoint; compile always goes per block of
+    ``default_blocks`` (so checkpointing only every n-th block does not change what compiles).
+
     ``model`` must have been built full-size with the same seed on every rank. Returns the module
     to train: a ``MoEDataParallel`` when ``dims.dp > 1`` (use ``no_sync(model)`` on non-final
     micro-steps), else ``model`` itself.
@@ -61,7 +64,7 @@ def parallelize(model: nn.Module, dims, *, activation_checkpointing: bool = Fals
     # 3. Compile, per block (the all-to-all's host sync would split a whole-model graph anyway).
     #    Off by default: on CPU, fp32 torch._grouped_mm cannot be traced yet.
     if compile:
-        for block in blocks(model):
+        for block in default_blocks(model):
             block.compile()
     # 4. Data parallelism.
     return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb)

@@ -40,7 +40,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "w", buffering=1)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

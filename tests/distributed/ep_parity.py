@@ -19,10 +19,19 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed import ParallelDims, collect_comm_stats, grad_norm, is_expert_shard, no_sync, parallelize
+from moetrain.distributed import (
+    ParallelDims,
+    clip_grad_norm_,
+    collect_comm_stats,
+    grad_norm,
+    is_expert_shard,
+    no_sync,
+    parallelize,
+)
 from moetrain.distributed.utils import unwrap
 from moetrain.models.moe import MoELayer
 
@@ -43,6 +52,8 @@ class Case:
     micro_batches: int = 1
     activation_checkpointing: bool = False
     lr: float = 1e-2
+    max_grad_norm: float | None = None
+    """Clip the global gradient norm before each step (moetrain's clip vs torch's on one process)."""
     seed: int = 0
 
     def moe_config(self) -> MoEConfig:
@@ -148,8 +159,12 @@ def _train(model, train_model, case: Case, x, target, slices, dims) -> dict:
         if dims is not None:
             rec["grad_norm"] = grad_norm(train_model, dims).item()
             rec["comm"] = collect_comm_stats(train_model)
+            if case.max_grad_norm is not None:
+                clip_grad_norm_(train_model, case.max_grad_norm, dims)
         else:
             rec["grad_norm"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm().item()
+            if case.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm)
         steps.append(rec)
         opt.step()
     return {"steps": steps, "params": _params(model, dims)}
@@ -165,8 +180,26 @@ def run_reference(case: Case, world_size: int) -> dict:
     return _train(model, model, case, x, target, slices, None)
 
 
-def parity_worker(rank: int, world_size: int, layouts: list[tuple[int, list[Case]]]) -> dict:
-    """Runs on every rank: for each (ep, cases) layout, build the mesh and train every case."""
+def _count_dispatches(model: nn.Module) -> list[int]:
+    """Spy on the dispatchers: shows that activation checkpointing really recomputes the layer
+    (all-to-all included) in backward. The returned list fills in as the model runs."""
+    calls = [0]
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):
+            inner = layer.dispatcher.dispatch
+
+            def dispatch(*args, _inner=inner, **kwargs):
+                calls[0] += 1
+                return _inner(*args, **kwargs)
+
+            layer.dispatcher.dispatch = dispatch
+    return calls
+
+
+def parity_worker(rank: int, world_size: int, layouts: list[tuple[int, list[Case]]],
+                  checkpoint: tuple[str, str] | None = None) -> dict:
+    """Runs on every rank: for each (ep, cases) layout, build the mesh and train every case.
+    ``checkpoint=(case name, directory)`` saves that case's final model with DCP."""
     results = {}
     for ep, cases in layouts:
         dims = ParallelDims(world_size=world_size, ep=ep, num_experts=8)
@@ -175,23 +208,27 @@ def parity_worker(rank: int, world_size: int, layouts: list[tuple[int, list[Case
             "ep": dist.get_process_group_ranks(dims.ep_group),
             "edp": dist.get_process_group_ranks(dims.edp_group),
             "dp": dist.get_process_group_ranks(dims.dp_group),
-            "node": int(os.environ.get("GROUP_RANK", 0)),
+            "node": int(os.environ.get("GROUP_RANK", "0")),
         }
         for case in cases:
             dims.check_batch(global_batch_size=world_size * case.tokens_per_rank,
                              micro_batch_size=case.tokens_per_rank // case.micro_batches)
             model = build_model(case)
             train_model = parallelize(model, dims, activation_checkpointing=case.activation_checkpointing)
+            calls = _count_dispatches(model)
             x, target = make_data(case, world_size)
             results[f"ep{ep}/{case.name}"] = _train(model, train_model, case, x, target,
                                                     _micro_slices(case, rank, world_size), dims)
+            results[f"ep{ep}/{case.name}"]["dispatch_calls"] = calls
+            if checkpoint is not None and checkpoint[0] == case.name:
+                dcp.save(model.state_dict(), checkpoint_id=checkpoint[1])
     return results
 
 
 # ----- comparison -------------------------------------------------------------------------------
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
+def assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
     """Norm-wise relative error: robust to individual near-zero entries, strict on the tensor."""
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     err = (actual.double() - expected.double()).norm().item()
@@ -216,10 +253,10 @@ def _compare_tensors(per_rank: list[dict], expected: dict, ep: int, what: str) -
     for name, (_, exp) in expected.items():
         if per_rank[0][name][0] is None:  # replicated: every rank must hold the reference value
             for r, d in enumerate(per_rank):
-                _close(d[name][1], exp, f"{what} {name} on rank {r}")
+                assert_rel_close(d[name][1], exp, f"{what} {name} on rank {r}")
         else:
             for g, full in enumerate(_assemble(per_rank, name, ep)):
-                _close(full, exp, f"{what} {name} (experts of ep group {g})")
+                assert_rel_close(full, exp, f"{what} {name} (experts of ep group {g})")
 
 
 def assert_parity(case: Case, ranks: list[dict], ref: dict, *, ep: int) -> None:
@@ -228,14 +265,14 @@ def assert_parity(case: Case, ranks: list[dict], ref: dict, *, ep: int) -> None:
         steps = [r["steps"][s] for r in ranks]
         at = f"[{case.name}, ep={ep}, step {s}]"
         for m in range(n):
-            _close(torch.cat([st["out"][m] for st in steps]), ref_step["out"][m], f"{at} output (micro {m})")
+            assert_rel_close(torch.cat([st["out"][m] for st in steps]), ref_step["out"][m], f"{at} output (micro {m})")
             dropped = [sum(st["dropped"][m][i] for st in steps) for i in range(len(ref_step["dropped"][m]))]
             assert dropped == ref_step["dropped"][m], f"{at} dropped copies per layer {dropped} != {ref_step['dropped'][m]}"
         # The single-process loss of the global batch is the mean of the per-rank losses.
-        _close(torch.tensor(sum(st["loss"] for st in steps) / W), torch.tensor(ref_step["loss"]), f"{at} loss")
-        _close(torch.tensor(sum(st["aux"] for st in steps) / W), torch.tensor(ref_step["aux"]), f"{at} aux loss")
+        assert_rel_close(torch.tensor(sum(st["loss"] for st in steps) / W), torch.tensor(ref_step["loss"]), f"{at} loss")
+        assert_rel_close(torch.tensor(sum(st["aux"] for st in steps) / W), torch.tensor(ref_step["aux"]), f"{at} aux loss")
         for r, st in enumerate(steps):
-            _close(torch.tensor(st["grad_norm"]), torch.tensor(ref_step["grad_norm"]), f"{at} grad norm rank {r}")
+            assert_rel_close(torch.tensor(st["grad_norm"]), torch.tensor(ref_step["grad_norm"]), f"{at} grad norm rank {r}")
         _compare_tensors([st["grads"] for st in steps], ref_step["grads"], ep, f"{at} grad")
     _compare_tensors([r["params"] for r in ranks], ref["params"], ep, f"[{case.name}, ep={ep}] params after "
                      f"{case.steps} steps")

@@ -7,21 +7,24 @@ the tiny models, dominates the time on the 2-core CI machine.
 """
 
 import pytest
+import torch.distributed.checkpoint as dcp
 from dist_launcher import run_ranks
-from ep_parity import Case, assert_parity, run_reference
+from ep_parity import Case, assert_parity, assert_rel_close, build_model, parity_worker, run_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
 DROPLESS = Case("dropless")
-SWIGLU_SHARED_LOOP = Case("swiglu_shared_loop", moe=dict(activation="swiglu", num_shared_experts=1,
-                                                         expert_impl="loop", renormalize=False))
-CAPACITY_POSITION = Case("capacity_position", moe=dict(capacity_factor=1.0))
-CAPACITY_SCORE = Case("capacity_score", moe=dict(capacity_factor=0.75, drop_policy="score"))
+SWIGLU_SHARED_LOOP = Case("swiglu_shared_loop", moe={"activation": "swiglu", "num_shared_experts": 1,
+                                                         "expert_impl": "loop", "renormalize": False})
+CAPACITY_POSITION = Case("capacity_position", moe={"capacity_factor": 1.0})
+CAPACITY_SCORE = Case("capacity_score", moe={"capacity_factor": 0.75, "drop_policy": "score"})
 # Layer 0 routes everything to experts 0 and 1: only ep rank 0 receives tokens.
 EMPTY_RANKS = Case("empty_ranks", force="first_experts")
-ONE_EXPERT = Case("one_expert", moe=dict(top_k=1), force="one_expert")
+ONE_EXPERT = Case("one_expert", moe={"top_k": 1}, force="one_expert")
 # Gradient accumulation (no_sync on the first micro-step) under activation checkpointing.
 ACCUMULATE_AC = Case("accumulate_ac", micro_batches=2, activation_checkpointing=True)
+# Global-norm clipping over plain and DTensor (expert) gradients; 1e-3 is below every norm here.
+CLIPPED = Case("clipped", max_grad_norm=1e-3)
 
 
 def _check(layouts, results, world_size):
@@ -38,6 +41,9 @@ def _check(layouts, results, world_size):
             ref = run_reference(case, world_size)
             assert_parity(case, ranks, ref, ep=ep)
             _check_case_is_what_it_claims(case, ref, ep)
+            # Activation checkpointing runs every MoE forward (all-to-alls included) twice.
+            forwards = 2 * case.steps * case.micro_batches  # 2 MoE layers
+            assert ranks[0]["dispatch_calls"] == [forwards * (2 if case.activation_checkpointing else 1)]
             comm = [st["comm"] for st in ranks[0]["steps"]]
             if ep > 1 and case.moe.get("capacity_factor") is None:
                 # Dropless: exactly the minimum traffic on every rank and step.
@@ -57,20 +63,32 @@ def _check_case_is_what_it_claims(case, ref, ep):
         assert ep == 1 or 8 // ep >= 2, "experts 0 and 1 must share ep rank 0"
     if case.force == "one_expert":
         assert all(n == 0 for n in routed_E[1:]), routed_E
+    if case.max_grad_norm is not None:
+        assert min(st["grad_norm"] for st in ref["steps"]) > case.max_grad_norm
     if case.moe.get("capacity_factor") is not None:
         assert sum(sum(d) for st in ref["steps"] for d in st["dropped"]) > 0, "no copy was dropped"
 
 
-def test_ep2_world2_matches_single_process():
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the plain-process load
+def test_ep2_world2_matches_single_process(tmp_path):
     layouts = [(2, [DROPLESS, SWIGLU_SHARED_LOOP, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ONE_EXPERT,
                     ACCUMULATE_AC]),
                # Plain data parallelism with a capacity factor drops over the global batch too.
-               (1, [CAPACITY_POSITION, CAPACITY_SCORE])]
-    _check(layouts, run_ranks(_worker, 2, layouts, timeout_s=120), 2)
+               (1, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE])]
+    _check(layouts, run_ranks(_worker, 2, layouts, checkpoint=("dropless", str(tmp_path)), timeout_s=120), 2)
+
+    # The DTensor expert shards carry their global layout into the checkpoint: the ep=2 save
+    # loads into one plain process as the single-process model after the same steps.
+    plain = build_model(DROPLESS)
+    state = plain.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path))
+    expected = run_reference(DROPLESS, 2)["params"]
+    for name, value in state.items():
+        assert_rel_close(value, expected[name][1], f"checkpoint {name}")
 
 
 def test_dp2_ep2_world4_matches_single_process():
-    layouts = [(2, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ACCUMULATE_AC])]
+    layouts = [(2, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ACCUMULATE_AC, CLIPPED])]
     _check(layouts, run_ranks(_worker, 4, layouts, timeout_s=120), 4)
 
 
@@ -79,7 +97,5 @@ def test_ep4_world4_matches_single_process():
     _check(layouts, run_ranks(_worker, 4, layouts, timeout_s=120), 4)
 
 
-def _worker(rank, world_size, layouts):
-    from ep_parity import parity_worker
-
-    return parity_worker(rank, world_size, layouts)
+def _worker(rank, world_size, layouts, checkpoint=None):
+    return parity_worker(rank, world_size, layouts, checkpoint=checkpoint)

@@ -17,12 +17,12 @@ EP4_W2 = "parallel.ep (4) must divide the world size (2)"
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(world_size=6, ep=3, num_experts=8), EP3_E8),
-    (dict(world_size=2, ep=4, num_experts=8), EP4_W2),
-    (dict(world_size=2, ep=3, num_experts=8), "parallel.ep (3) must divide the world size (2); " + EP3_E8),
-    (dict(world_size=4, ep=2, dp=3), "parallel.dp (3) * parallel.tp (1) * parallel.pp (1) must equal the world size (4)"),
-    (dict(world_size=4, ep=0), "parallel.ep (0) must be an integer >= 1"),
-    (dict(world_size=4, tp=2), "parallel.tp (2) must be 1"),
+    ({"world_size": 6, "ep": 3, "num_experts": 8}, EP3_E8),
+    ({"world_size": 2, "ep": 4, "num_experts": 8}, EP4_W2),
+    ({"world_size": 2, "ep": 3, "num_experts": 8}, "parallel.ep (3) must divide the world size (2); " + EP3_E8),
+    ({"world_size": 4, "ep": 2, "dp": 3}, "parallel.dp (3) * parallel.tp (1) * parallel.pp (1) must equal the world size (4)"),
+    ({"world_size": 4, "ep": 0}, "parallel.ep (0) must be an integer >= 1"),
+    ({"world_size": 4, "tp": 2}, "parallel.tp (2) must be 1"),
 ])
 def test_bad_layouts_name_fields_and_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -55,7 +55,7 @@ def test_check_batch():
 def _bad_layout_worker(rank, world_size):
     """Each bad layout must raise ValueError locally, before any collective could hang."""
     messages = {}
-    for name, kwargs in {"ep3_e8": dict(ep=3, num_experts=8), "ep4_w2": dict(ep=4, num_experts=8)}.items():
+    for name, kwargs in {"ep3_e8": {"ep": 3, "num_experts": 8}, "ep4_w2": {"ep": 4, "num_experts": 8}}.items():
         try:
             ParallelDims(world_size=world_size, **kwargs)
             messages[name] = None

@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ep_parity import Case, parity_worker  # noqa: E402
+from ep_parity import Case, parity_worker
 
-LAYOUTS = [(2, [Case("dropless"), Case("capacity_position", moe=dict(capacity_factor=1.0))])]
+LAYOUTS = [(2, [Case("dropless"), Case("capacity_position", moe={"capacity_factor": 1.0})])]
 
 
 def main() -> None:

@@ -8,6 +8,7 @@ import yaml
 from moetrain.config import (
     JobConfig,
     ModelConfig,
+    TrainConfig,
     config_from_dict,
     config_to_dict,
     format_config,
@@ -110,6 +111,9 @@ def test_preset_override_on_the_command_line():
 
 
 def test_bad_file_section_and_field(tmp_path):
+    path = tmp_path / "empty_sections.yaml"
+    path.write_text("model:\nmoe:\ntrain:\n  steps: 3\n")
+    assert load_config(path, []) == JobConfig(train=TrainConfig(steps=3))
     for text, message in [("modle:\n  dim: 3\n", "unknown config section 'modle'"),
                           ("model:\n  dimm: 3\n", r"unknown field model\.dimm"),
                           ("model: 3\n", r"model \(3\) must be a mapping"),

@@ -16,8 +16,8 @@ V, B, S = 64, 2, 12
 
 def small(**overrides) -> tuple[ModelConfig, MoEConfig]:
     """3 blocks, MoE in blocks 0 and 2, grouped-query attention: small enough for 2 CPU cores."""
-    model = {"vocab_size": V, "dim": 32, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 16,
-             "moe_every": 2}
+    model = {"vocab_size": V, "dim": 32, "num_layers": 3, "num_heads": 4, "num_kv_heads": 2,
+             "max_seq_len": 16, "moe_every": 2}
     moe = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 32}
     for key, value in overrides.items():
         if key.startswith("moe_") and key[4:] in MoEConfig.__dataclass_fields__:
