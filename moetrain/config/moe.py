@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import math
 
-from moetrain.config._checks import require_int
+from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice, require_non_negative, require_positive
 
 
@@ -56,6 +56,94 @@ class MoEConfig:
     """"grouped": all experts in one torch._grouped_mm (fast path). "loop": one matmul per expert
     (the test oracle; also the fallback where grouped_mm is unavailable)."""
 
+    # ----- routing strategy (docs/routing.md compares them) -----------------------------------------
+
+    router: str = "softmax"
+    """How tokens meet experts. "softmax": each token takes its top_k experts by softmax score
+    (token choice). "sigmoid": token choice over independent sigmoid scores (DeepSeek-V3); the gate
+    weights are the selected scores, divided by their sum when renormalize. "expert_choice": each
+    expert takes its ceil(capacity_factor * T * K / E) best tokens by softmax score (Zhou et al.
+    2022), so a token gets 0..E experts and load is balanced by construction; needs
+    capacity_factor, ignores the load-balancing loss and drop_policy. Its selection looks at the
+    whole batch, later positions included: fine for training, not for causal decoding."""
+
+    router_bias_update_rate: float = 0.0
+    """Auxiliary-loss-free balancing (DeepSeek-V3: 0.001). > 0 adds a per-expert bias to the scores
+    a token-choice router *selects* with (the gate weights stay the unbiased scores). After each
+    optimizer step's backward, the bias moves by this rate towards balance,
+    b_e += rate * sign(mean_load - load_e) (then centred), from the step's routed-token counts
+    summed over every micro-batch and every data- and expert-parallel rank. The update runs in the
+    optimizer pre-step hook that ``moetrain.train.balancing.install_balancing`` installs. 0 = off."""
+
+    router_jitter: float = 0.0
+    """Multiplicative jitter on the router input in training (Switch Transformer):
+    x * U(1 - eps, 1 + eps). 0 = off. Random per rank, so runs are not layout-invariant with it."""
+
+    router_noise_std: float = 0.0
+    """Std of Gaussian noise added to the router logits in training (noisy top-k). 0 = off.
+    Random per rank, so runs are not layout-invariant with it."""
+
+    num_expert_groups: int = 1
+    """Two-level (group-limited) routing: the E experts form this many groups of consecutive ids;
+    a token first picks its top_groups groups (group score: the sum of the group's two best
+    selection scores, as DeepSeek-V3), then its top_k experts inside them. With num_expert_groups
+    = parallel.ep each group is one rank's experts, so a token's copies go to at most top_groups
+    ranks. Must divide num_experts. 1 = off. Token-choice routers only."""
+
+    top_groups: int = 1
+    """Groups each token may use under two-level routing (<= num_expert_groups); top_groups *
+    num_experts / num_expert_groups must be >= top_k."""
+
+    aux_loss_type: str = "batch"
+    """Granularity of the load-balancing loss. "batch": E * sum_e f_e * P_e over the whole global
+    batch (Switch/GShard). "sequence": the same term per sequence, averaged over sequences
+    (DeepSeek-V3's sequence-wise loss): it also penalises a sequence that uses few experts."""
+
+    dynamic_capacity: bool = False
+    """Recompute the capacity factor from the load history every balance_interval steps:
+    factor = dynamic_capacity_base + dynamic_capacity_scale * sigmoid(std(load) - dynamic_capacity_shift),
+    load_e = routed copies of expert e over the interval / their mean over experts (1.0 =
+    balanced, so std(load) is the coefficient of variation; torch.std, unbiased). Needs
+    capacity_factor (the value until the first update) and a token-choice router. The counts are
+    summed over all ranks, so every rank computes the same factor."""
+
+    dynamic_capacity_base: float = 1.0
+    """b of factor = b + s * sigmoid(std(load) - c). The seeds' formula is b=1.0, s=0.5, c=1.0."""
+
+    dynamic_capacity_scale: float = 0.5
+    """s of factor = b + s * sigmoid(std(load) - c)."""
+
+    dynamic_capacity_shift: float = 1.0
+    """c of factor = b + s * sigmoid(std(load) - c)."""
+
+    balance_interval: int = 10
+    """Optimizer steps between updates of the dynamic capacity factor and the per-expert learning
+    rate scales, and between checks of the routing-collapse alarm (each uses the load summed over
+    the interval)."""
+
+    expert_lr_scale_max: float = 1.0
+    """Per-expert learning-rate compensation: an expert whose load over the last balance_interval
+    steps is a fraction u of the mean gets its update scaled by min(expert_lr_scale_max, max(1, 1/u))
+    (under-used experts learn faster, over-used ones keep the base rate). Applied exactly as a
+    per-expert learning rate (see docs/routing.md). 1.0 = off."""
+
+    collapse_threshold: float = 0.5
+    """Routing-collapse alarm: warn (naming the layer and expert) when one expert was chosen by more
+    than this fraction of a layer's tokens over a balance_interval window (the seeds use 50%).
+    Disabled, with a warning, when top_k / num_experts (every expert's fraction under perfectly
+    balanced routing) is already >= it. 1.0 = never."""
+
+    collapse_aux_increase: float = 0.0
+    """On each collapse alarm, add this to the layer's aux_loss_coef (up to collapse_aux_max).
+    0 = only warn."""
+
+    collapse_aux_max: float = 0.1
+    """Ceiling of the aux_loss_coef raised by collapse alarms."""
+
+    unused_expert_steps: int = 100
+    """Report an expert as unused (metric unused_experts) once it received no token for this many
+    consecutive optimizer steps."""
+
     def __post_init__(self) -> None:
         require_int("moe.num_experts", self.num_experts, min_value=1)
         require_int("moe.top_k", self.top_k, min_value=1)
@@ -74,9 +162,69 @@ class MoEConfig:
         require_non_negative("moe.aux_loss_coef", self.aux_loss_coef)
         require_non_negative("moe.z_loss_coef", self.z_loss_coef)
         require_choice("moe.expert_impl", self.expert_impl, ("grouped", "loop"))
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        require_choice("moe.router", self.router, ("softmax", "sigmoid", "expert_choice"))
+        expert_choice = self.router == "expert_choice"
+        require(not expert_choice or self.capacity_factor is not None, "moe.capacity_factor",
+                self.capacity_factor, 'must be set (tokens per expert = factor * T * K / E) when moe.router is '
+                '"expert_choice"')
+        _require_finite_non_negative("moe.router_bias_update_rate", self.router_bias_update_rate)
+        require(not (expert_choice and self.router_bias_update_rate > 0), "moe.router_bias_update_rate",
+                self.router_bias_update_rate, 'must be 0 with moe.router "expert_choice" (experts pick tokens; '
+                'there is no token-choice selection to bias)')
+        _require_finite_non_negative("moe.router_jitter", self.router_jitter)
+        require(self.router_jitter < 1, "moe.router_jitter", self.router_jitter,
+                "must be < 1 (inputs are scaled by U(1 - eps, 1 + eps))")
+        _require_finite_non_negative("moe.router_noise_std", self.router_noise_std)
+        require_int("moe.num_expert_groups", self.num_expert_groups, min_value=1)
+        require(self.num_experts % self.num_expert_groups == 0, "moe.num_expert_groups", self.num_expert_groups,
+                f"must divide moe.num_experts ({self.num_experts})")
+        require(not (expert_choice and self.num_expert_groups > 1), "moe.num_expert_groups",
+                self.num_expert_groups, 'must be 1 with moe.router "expert_choice" (two-level routing is '
+                'token choice)')
+        require_int("moe.top_groups", self.top_groups, min_value=1)
+        require(self.top_groups <= self.num_expert_groups, "moe.top_groups", self.top_groups,
+                f"must be <= moe.num_expert_groups ({self.num_expert_groups})")
+        allowed = self.top_groups * (self.num_experts // self.num_expert_groups)
+        require(self.top_k <= allowed, "moe.top_groups", self.top_groups,
+                f"leaves {allowed} experts per token (top_groups * num_experts / num_expert_groups), fewer "
+                f"than moe.top_k ({self.top_k})")
+        require_choice("moe.aux_loss_type", self.aux_loss_type, ("batch", "sequence"))
+        require_bool("moe.dynamic_capacity", self.dynamic_capacity)
+        if self.dynamic_capacity:
+            require(self.capacity_factor is not None, "moe.capacity_factor", self.capacity_factor,
+                    "must be set (the factor until the first update) when moe.dynamic_capacity is true")
+            require(not expert_choice, "moe.dynamic_capacity", self.dynamic_capacity,
+                    'must be false with moe.router "expert_choice" (its load is balanced by construction)')
+        require_positive("moe.dynamic_capacity_base", self.dynamic_capacity_base)
+        _require_finite_non_negative("moe.dynamic_capacity_scale", self.dynamic_capacity_scale)
+        require(isinstance(self.dynamic_capacity_shift, (int, float)) and not isinstance(self.dynamic_capacity_shift, bool)
+                and math.isfinite(self.dynamic_capacity_shift), "moe.dynamic_capacity_shift",
+                self.dynamic_capacity_shift, "must be a finite number")
+        require_int("moe.balance_interval", self.balance_interval, min_value=1)
+        require(isinstance(self.expert_lr_scale_max, (int, float)) and not isinstance(self.expert_lr_scale_max, bool)
+                and math.isfinite(self.expert_lr_scale_max) and self.expert_lr_scale_max >= 1,
+                "moe.expert_lr_scale_max", self.expert_lr_scale_max, "must be a finite number >= 1 (1 = off)")
+        require(isinstance(self.collapse_threshold, (int, float)) and not isinstance(self.collapse_threshold, bool)
+                and 0 < self.collapse_threshold <= 1, "moe.collapse_threshold", self.collapse_threshold,
+                "must be in (0, 1] (a fraction of the tokens; 1 = never)")
+        _require_finite_non_negative("moe.collapse_aux_increase", self.collapse_aux_increase)
+        _require_finite_non_negative("moe.collapse_aux_max", self.collapse_aux_max)
+        require_int("moe.unused_expert_steps", self.unused_expert_steps, min_value=1)
+
+    @property
+    def is_expert_choice(self) -> bool:
+        return self.router == "expert_choice"
 
     @property
     def resolved_shared_hidden_dim(self) -> int:
         if self.shared_hidden_dim is not None:
             return self.shared_hidden_dim
         return self.num_shared_experts * self.expert_hidden_dim
+
+
+def _require_finite_non_negative(field: str, value) -> None:
+    require_non_negative(field, value)
+    require(math.isfinite(value), field, value, "must be finite")

@@ -1,4 +1,11 @@
-"""Data parallelism (replicated parameters, DDP) with expert-aware gradient scaling.
+"""Data parallelism with expert-aware gradient scaling, at every ZeRO stage.
+
+    stage 0: replicated parameters, DDP (this module)
+    stage 1: DDP here, plus the optimizer-state sharding of ``moetrain.distributed.zero``
+    stage 2/3: FSDP2, ``moetrain.distributed.fsdp``
+
+``apply_data_parallel`` picks the wrapper, ``wrap_optimizer`` the optimizer, and ``no_sync`` works
+for all of them.
 
 Why expert gradients need their own rule. Each rank's loss is the mean over its own T_local
 tokens and the single-process loss of the global batch is the mean of the W per-rank losses, so
@@ -49,7 +56,10 @@ class MoEDataParallel(DistributedDataParallel):
         # renamed in torch 2.13; older releases only know broadcast_buffers.)
         no_buffer_sync = ({"forward_sync_buffers": False} if _DDP_HAS_FORWARD_SYNC_BUFFERS
                           else {"broadcast_buffers": False})
-        super().__init__(module, process_group=dims.dp_group, bucket_cap_mb=bucket_cap_mb, **no_buffer_sync)
+        # gradient_as_bucket_view: the gradients are views into DDP's flat buckets instead of a
+        # second full-size copy next to them, so replicated gradients cost 1x, not 2x, memory.
+        super().__init__(module, process_group=dims.dp_group, bucket_cap_mb=bucket_cap_mb,
+                         gradient_as_bucket_view=True, **no_buffer_sync)
         params = dict(module.named_parameters())
         self._expert_params = [params[n] for n in expert_names]
         self._edp_group = dims.edp_group if dims.edp > 1 else None
@@ -90,16 +100,60 @@ class MoEDataParallel(DistributedDataParallel):
         self._pending, self._num_reduced, self._callback_queued = [], 0, False
 
 
-def apply_data_parallel(model: nn.Module, dims, *, bucket_cap_mb: float = 25.0) -> nn.Module:
-    """Wrap ``model`` for data parallelism when ``dims.dp > 1``; otherwise return it unchanged."""
+def apply_data_parallel(model: nn.Module, dims, *, bucket_cap_mb: float = 25.0, zero_stage: int = 0,
+                        blocks: list[nn.Module] | None = None, mixed_precision: str = "fp32",
+                        offload_params: bool = False, offload_optimizer: bool = False, pin_memory: bool = True,
+                        hsdp_replicate: int = 1) -> nn.Module:
+    """Wrap ``model`` for data parallelism at ZeRO stage ``zero_stage``.
+
+    Stages 0 and 1: ``MoEDataParallel`` (DDP) when ``dims.dp > 1``, else ``model`` unchanged;
+    stage 1 also needs its optimizer passed through ``wrap_optimizer``. Stages 2 and 3: FSDP2
+    units over ``blocks`` and the root (see ``moetrain.distributed.fsdp``), returning ``model``
+    itself, now an ``FSDPModule``. ``mixed_precision`` ("fp32", "bf16", "fp16") is FSDP's
+    parameter/compute dtype at stages 2/3; at stages 0/1 the trainer's autocast does that job.
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage ({zero_stage!r}) must be one of 0, 1, 2, 3")
+    if hsdp_replicate != 1 and zero_stage < 2:
+        raise ValueError(f"parallel.hsdp_replicate ({hsdp_replicate}) needs parallel.zero_stage >= 2 "
+                         f"(is {zero_stage}): stages 0/1 replicate the parameters anyway")
+    if offload_params and zero_stage != 3:
+        raise ValueError(f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {zero_stage})")
+    if offload_optimizer and zero_stage == 0:
+        raise ValueError("zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)")
+    if zero_stage >= 2:
+        from moetrain.distributed.fsdp import apply_fsdp
+
+        if blocks is None:
+            raise ValueError("apply_data_parallel at zero_stage >= 2 needs blocks (the FSDP units)")
+        return apply_fsdp(model, dims, zero_stage=zero_stage, blocks=blocks, mixed_precision=mixed_precision,
+                          offload_params=offload_params, offload_optimizer=offload_optimizer,
+                          pin_memory=pin_memory, hsdp_replicate=hsdp_replicate)
     if dims.dp == 1:
         return model
     return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb)
 
 
+def wrap_optimizer(optimizer: torch.optim.Optimizer, dims, *, zero_stage: int, offload_optimizer: bool = False,
+                   bucket_numel: int = 500_000_000) -> torch.optim.Optimizer:
+    """The optimizer to step for ZeRO stage ``zero_stage``: at stage 1 a ``ZeroShardedOptimizer``
+    (states sharded over dp, experts' over edp); otherwise ``optimizer`` itself (at stages 2/3 it
+    was built over FSDP's sharded parameters, so its states are sharded already)."""
+    if zero_stage != 1:
+        return optimizer
+    from moetrain.distributed.zero import ZeroShardedOptimizer
+
+    return ZeroShardedOptimizer(optimizer, dims, offload=offload_optimizer, bucket_numel=bucket_numel)
+
+
 def no_sync(model: nn.Module):
-    """Context that skips the gradient reduction (non-final micro-steps of gradient accumulation).
-    A no-op for a model that is not data-parallel, so the trainer calls it unconditionally."""
+    """Context that skips the gradient reduction (non-final micro-steps of gradient accumulation),
+    for DDP (stages 0/1) and FSDP2 (stages 2/3) alike. A no-op for a model that is not
+    data-parallel, so the trainer calls it unconditionally."""
     if isinstance(model, DistributedDataParallel):
         return model.no_sync()
+    from moetrain.distributed.fsdp import fsdp_no_sync, is_fsdp
+
+    if is_fsdp(model):
+        return fsdp_no_sync(model)
     return contextlib.nullcontext()

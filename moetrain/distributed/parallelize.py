@@ -3,11 +3,12 @@
     1. expert parallelism   (dispatcher swap, experts sharded over ``ep``)
     2. activation checkpointing
     3. torch.compile
-    4. data parallelism      (DDP over ``dp``, expert shards over ``edp``)
+    4. data parallelism      (ZeRO stage 0/1: DDP over ``dp``, expert shards over ``edp``;
+                              stage 2/3: FSDP2 units, dense over ``dp``, experts over ``edp``)
 
 The order matters: checkpointing must wrap the layers that already communicate (so a recompute
-repeats the all-to-all on every rank alike), compile must see the checkpointed layers, and DDP must
-wrap the final module so its hooks see every parameter in its final form.
+repeats the all-to-all on every rank alike), compile must see the checkpointed layers, and DDP or
+FSDP must wrap the final modules so their hooks see every parameter in its final form.
 """
 
 from __future__ import annotations
@@ -31,6 +32,27 @@ def default_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
+AC_MODES = ("none", "full", "moe", "every_n")
+
+
+def checkpoint_blocks(model: nn.Module, mode: str, *, every: int = 2) -> list[nn.Module]:
+    """The modules that activation checkpointing mode ``mode`` recomputes: "none" nothing,
+    "full" every block, "moe" only the MoE feed-forward layers (the all-to-alls and the expert
+    activations, which dominate an MoE block), "every_n" every ``every``-th block from the first."""
+    if mode not in AC_MODES:
+        raise ValueError(f"train.activation_checkpointing ({mode!r}) must be one of {', '.join(map(repr, AC_MODES))}")
+    if mode == "none":
+        return []
+    if mode == "moe":
+        return [m for m in model.modules() if isinstance(m, MoELayer)]
+    blocks = default_blocks(model)
+    if mode == "every_n":
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"train.activation_checkpointing_every ({every!r}) must be an int >= 1")
+        return blocks[::every]
+    return blocks
+
+
 def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
     """Recompute each block's activations in backward (``use_reentrant=False``, which works with
     the all-to-all and with DDP). Patches ``forward`` in place so parameter names, and therefore
@@ -44,22 +66,32 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
         block.forward = forward
 
 
-def parallelize(model: nn.Module, dims, *, activation_checkpointing: bool = False, compile: bool = False,
+def parallelize(model: nn.Module, dims, *, activation_checkpointing: bool | str = False, compile: bool = False,
                 blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks,
-                bucket_cap_mb: float = 25.0) -> nn.Module:
+                bucket_cap_mb: float = 25.0, activation_checkpointing_every: int = 2, zero_stage: int = 0,
+                mixed_precision: str = "fp32", offload_params: bool = False, offload_optimizer: bool = False,
+                pin_memory: bool = True, hsdp_replicate: int = 1) -> nn.Module:
     """Apply the parallel layout ``dims`` (a ``ParallelDims`` with its mesh built) to ``model``.
 
-    ``blocks(model)`` picks the modules to checkpoint; compile always goes per block of
-    ``default_blocks`` (so checkpointing only every n-th block does not change what compiles).
+    ``activation_checkpointing``: True checkpoints ``blocks(model)``; a mode string ("none",
+    "full", "moe", "every_n" with ``activation_checkpointing_every``) picks the modules through
+    ``checkpoint_blocks`` instead. Compile always goes per block of ``default_blocks`` (so
+    checkpointing only every n-th block does not change what compiles), and so do the FSDP units.
 
-    ``model`` must have been built full-size with the same seed on every rank. Returns the module
-    to train: a ``MoEDataParallel`` when ``dims.dp > 1`` (use ``no_sync(model)`` on non-final
-    micro-steps), else ``model`` itself.
+    ``zero_stage`` 0/1 returns a ``MoEDataParallel`` when ``dims.dp > 1`` (stage 1 also needs
+    ``wrap_optimizer``), else ``model``; 2/3 returns ``model`` sharded by FSDP2. The remaining
+    arguments are those of ``apply_data_parallel``. Use ``no_sync(model)`` on non-final
+    micro-steps whatever the stage.
+
+    ``model`` must have been built full-size with the same seed on every rank.
     """
     # 1. Expert parallelism.
     apply_expert_parallel(model, dims)
     # 2. Activation checkpointing.
-    if activation_checkpointing:
+    if isinstance(activation_checkpointing, str):
+        apply_activation_checkpointing(checkpoint_blocks(model, activation_checkpointing,
+                                                         every=activation_checkpointing_every))
+    elif activation_checkpointing:
         apply_activation_checkpointing(blocks(model))
     # 3. Compile, per block (the all-to-all's host sync would split a whole-model graph anyway).
     #    Off by default: on CPU, fp32 torch._grouped_mm cannot be traced yet.
@@ -67,4 +99,7 @@ def parallelize(model: nn.Module, dims, *, activation_checkpointing: bool = Fals
         for block in default_blocks(model):
             block.compile()
     # 4. Data parallelism.
-    return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb)
+    return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb, zero_stage=zero_stage,
+                               blocks=default_blocks(model), mixed_precision=mixed_precision,
+                               offload_params=offload_params, offload_optimizer=offload_optimizer,
+                               pin_memory=pin_memory, hsdp_replicate=hsdp_replicate)

@@ -41,3 +41,28 @@ def all_reduce_counts(num_routed_E: torch.Tensor, group) -> torch.Tensor:
     total_E = num_routed_E.clone()
     dist.all_reduce(total_E, group=group)
     return total_E
+
+
+def sequence_load_balancing_loss(probs_BSE: torch.Tensor, idx_BSK: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: the Switch term ``E * sum_e f_e * P_e`` of each
+    sequence alone, averaged over the B sequences.
+
+    ``f_e`` is the fraction of the sequence's S*K routed copies that chose e (a constant) and
+    ``P_e`` the sequence's mean normalised score of e. Each sequence's term needs only its own
+    tokens, so no counts cross ranks: the mean over data-parallel ranks of their per-rank means
+    is the mean over the global batch's sequences (equal sequences per rank).
+    """
+    B, S, E = probs_BSE.shape
+    K = idx_BSK.shape[-1]
+    counts_BE = torch.zeros(B, E, dtype=torch.float32, device=probs_BSE.device)
+    counts_BE.scatter_add_(1, idx_BSK.reshape(B, S * K), torch.ones(B, S * K, device=probs_BSE.device))
+    f_BE = counts_BE / (S * K)
+    P_BE = probs_BSE.float().mean(dim=1)
+    return E * (f_BE * P_BE).sum(dim=-1).mean()
+
+
+def routing_entropy(probs_TE: torch.Tensor) -> torch.Tensor:
+    """Per-token entropy (nats) of the normalised router scores, summed over tokens (fp32, no
+    gradient). ln(E) is a router that cannot tell experts apart; 0 a one-hot decision."""
+    p_TE = probs_TE.detach().float()
+    return -(p_TE * torch.log(p_TE.clamp(min=1e-30))).sum()

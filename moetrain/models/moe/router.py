@@ -1,6 +1,12 @@
-"""Token-choice top-k router.
+"""Routers: which experts each token goes to, and with which gate weight.
 
-Shape legend: T tokens, D model dim, E experts, K experts per token.
+``TopKRouter`` is token choice (each token takes its top-k experts) over softmax or sigmoid scores,
+optionally with an auxiliary-loss-free selection bias (DeepSeek-V3), two-level group-limited
+selection, and input jitter or logit noise in training. ``ExpertChoiceRouter`` lets each expert
+pick its tokens instead; the capacity cut itself is made by the dispatcher.
+
+Shape legend: T tokens, D model dim, E experts, K experts per token, G expert groups,
+X = E/G experts per group.
 """
 
 from __future__ import annotations
@@ -17,40 +23,138 @@ class RouterOutput:
     weights_TK: torch.Tensor
     """Gate weight of each selected expert (fp32)."""
     idx_TK: torch.Tensor
-    """Selected expert ids (int64), best first; ties go to the lower expert id."""
+    """Selected expert ids (int64), best first; ties go to the lower expert id. Expert choice:
+    every expert, in id order (K = E; the dispatcher keeps each expert's best tokens)."""
     probs_TE: torch.Tensor
-    """Softmax scores over all experts (fp32); used by the load-balancing loss."""
+    """Scores over all experts normalised to sum to 1 per token (fp32): the softmax, or the
+    sigmoid scores divided by their sum. Used by the load-balancing loss and routing entropy."""
     logits_TE: torch.Tensor
     """Raw router logits (fp32); used by the z-loss."""
 
 
 class TopKRouter(nn.Module):
-    """Softmax over a linear projection, then the top-k experts per token."""
+    """Token choice: a linear projection, scores, then the top-k experts per token.
+
+    ``score_func="softmax"`` (default) or ``"sigmoid"``. ``bias=True`` adds the buffer
+    ``expert_bias`` [E] to the scores used for *selection* only; it is moved by
+    :meth:`update_bias` (called from an optimizer pre-step hook, never in forward).
+    ``num_groups > 1`` restricts each token to its ``top_groups`` best groups of consecutive
+    experts before the top-k. ``jitter``/``noise_std`` perturb the routing in training mode only.
+    """
 
     def __init__(self, dim: int, num_experts: int, *, top_k: int, renormalize: bool = True,
-                 init_std: float = 0.02) -> None:
+                 init_std: float = 0.02, score_func: str = "softmax", bias: bool = False,
+                 num_groups: int = 1, top_groups: int = 1, jitter: float = 0.0, noise_std: float = 0.0) -> None:
         super().__init__()
+        if score_func not in ("softmax", "sigmoid"):
+            raise ValueError(f"score_func ({score_func!r}) must be 'softmax' or 'sigmoid'")
+        if num_experts % num_groups != 0 or not 1 <= top_groups <= num_groups:
+            raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts}) and "
+                             f"top_groups ({top_groups}) must be in [1, num_groups]")
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
         self.init_std = init_std
+        self.score_func = score_func
+        self.num_groups, self.top_groups = num_groups, top_groups
+        self.jitter, self.noise_std = jitter, noise_std
         self.gate = nn.Linear(dim, num_experts, bias=False)
+        if bias:
+            # fp32 and persistent: it is training state (saved in checkpoints), moved in steps of
+            # ~1e-3 that bf16 could not represent next to values ~1e-1.
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate.weight, std=self.init_std)
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
 
-    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+    def _logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         # Routing runs in fp32 whatever the compute dtype: in bf16 nearby scores collapse to
         # equal values, so top-k flips between runs, layouts and ranks, and the softmax of the
         # z-loss overflows sooner.
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
-        probs_TE = torch.softmax(logits_TE, dim=-1)
-        # A stable descending sort instead of topk: torch.topk does not specify the order of
-        # equal scores; here ties always go to the lower expert id, on every device.
-        sorted_TE, order_TE = torch.sort(probs_TE, dim=-1, descending=True, stable=True)
-        weights_TK = sorted_TE[:, : self.top_k]
-        idx_TK = order_TE[:, : self.top_k]
+        x_TD = x_TD.float()
+        if self.training and self.jitter > 0:
+            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        logits_TE = F.linear(x_TD, self.gate.weight.float())
+        if self.training and self.noise_std > 0:
+            logits_TE = logits_TE + torch.randn_like(logits_TE) * self.noise_std
+        return logits_TE
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        logits_TE = self._logits(x_TD)
+        if self.score_func == "softmax":
+            probs_TE = scores_TE = torch.softmax(logits_TE, dim=-1)
+        else:
+            scores_TE = torch.sigmoid(logits_TE)
+            probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+        if self.expert_bias is None and self.num_groups == 1:
+            # A stable descending sort instead of topk: torch.topk does not specify the order of
+            # equal scores; here ties always go to the lower expert id, on every device.
+            sorted_TE, order_TE = torch.sort(scores_TE, dim=-1, descending=True, stable=True)
+            weights_TK = sorted_TE[:, : self.top_k]
+            idx_TK = order_TE[:, : self.top_k]
+        else:
+            # The bias and the group limit change *which* experts are chosen; the gate weights
+            # are still the unbiased scores of the chosen ones.
+            select_TE = scores_TE.detach()
+            if self.expert_bias is not None:
+                select_TE = select_TE + self.expert_bias
+            if self.num_groups > 1:
+                select_TE = limit_to_groups(select_TE, num_groups=self.num_groups, top_groups=self.top_groups)
+            idx_TK = torch.sort(select_TE, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
+            weights_TK = scores_TE.gather(1, idx_TK)
         if self.renormalize and self.top_k > 1:
             weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
         return RouterOutput(weights_TK=weights_TK, idx_TK=idx_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+
+    @torch.no_grad()
+    def update_bias(self, num_routed_E: torch.Tensor, rate: float) -> None:
+        """DeepSeek-V3's auxiliary-loss-free update: raise the bias of under-loaded experts and
+        lower it for over-loaded ones by ``rate``, ``b_e += rate * sign(mean - load_e)``, then
+        subtract the mean step (a common shift of every bias changes no selection; centring keeps
+        the bias from drifting). ``num_routed_E`` must be the same on every rank."""
+        load_E = num_routed_E.to(self.expert_bias.device, torch.float64)
+        step_E = rate * torch.sign(load_E.mean() - load_E)
+        self.expert_bias.add_((step_E - step_E.mean()).float())
+
+
+def limit_to_groups(select_TE: torch.Tensor, *, num_groups: int, top_groups: int) -> torch.Tensor:
+    """Two-level routing: -inf for every expert outside the token's ``top_groups`` best groups.
+
+    A group's score is the sum of its two best selection scores (one when the group has a single
+    expert), DeepSeek-V3's rule: a group with two good experts beats one with a single outlier.
+    Equal group scores go to the lower group id (stable sort), as equal expert scores do.
+    """
+    T, E = select_TE.shape
+    select_TGX = select_TE.view(T, num_groups, E // num_groups)
+    group_score_TG = select_TGX.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+    top_group_TG = torch.sort(group_score_TG, dim=-1, descending=True, stable=True).indices[:, :top_groups]
+    keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=select_TE.device).scatter_(1, top_group_TG, True)
+    return select_TGX.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
+
+
+class ExpertChoiceRouter(TopKRouter):
+    """Expert choice (Zhou et al. 2022): softmax scores; every expert is a candidate for every
+    token (``idx_TK`` = all E experts, ``weights_TK`` = the scores), and the dispatcher, in
+    capacity mode with the "score" drop policy, keeps each expert's ``capacity`` best-scoring
+    tokens (equal scores: the earlier token). Under data/expert parallelism the all-to-all
+    dispatcher makes that cut over the global batch, exactly as one process would.
+
+    A subclass of ``TopKRouter`` so that code initialising routers (``Transformer.init_weights``)
+    treats its gate like any router's.
+    """
+
+    def __init__(self, dim: int, num_experts: int, *, init_std: float = 0.02, jitter: float = 0.0,
+                 noise_std: float = 0.0) -> None:
+        super().__init__(dim, num_experts, top_k=num_experts, renormalize=False, init_std=init_std,
+                         jitter=jitter, noise_std=noise_std)
+
+    def forward(self, x_TD: torch.Tensor) -> RouterOutput:
+        logits_TE = self._logits(x_TD)
+        probs_TE = torch.softmax(logits_TE, dim=-1)
+        idx_TE = torch.arange(self.num_experts, device=logits_TE.device).expand(logits_TE.shape[0], -1)
+        return RouterOutput(weights_TK=probs_TE, idx_TK=idx_TE, probs_TE=probs_TE, logits_TE=logits_TE)

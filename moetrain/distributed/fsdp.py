@@ -1,0 +1,147 @@
+"""ZeRO stages 2 and 3 with FSDP2 (``fully_shard``), expert-aware.
+
+    stage 2: gradients and optimizer states sharded; parameters gathered once per forward and
+             kept until their backward is done (``reshard_after_forward=False``)
+    stage 3: parameters too: gathered for forward, freed, gathered again for backward
+             (``reshard_after_forward=True``)
+
+The units, torchtitan's: every transformer block, then the root (embedding, final norm, head).
+Dense parameters shard over the ``dp`` mesh axis (all ranks). Under expert parallelism the expert
+weights are already DTensors ``Shard(0)`` over ``ep``; their ``GroupedExperts`` module is its own
+unit, sharded again over ``edp`` (the ranks that hold copies of the same experts), so EP and
+ZeRO-3 stack: each rank keeps 1/edp of 1/ep of the experts.
+
+Expert gradient scale. Each rank's loss is a mean over its own tokens, so every gradient must be
+(1/W) * sum over ranks. An expert shard collects the contributions of its whole ep group through
+the all-to-all backward, and its edp copies together cover all W ranks: the right reduction is
+sum over edp / W. FSDP's default (average over the unit's mesh, edp) would leave expert
+gradients ep times too large, so the expert units get ``set_gradient_divide_factor(W)``.
+On gloo a factor that differs from the mesh size would need ``ReduceOp.PREMUL_SUM``, which gloo
+lacks, so those units also force plain-sum collectives (FSDP then divides by hand). Not when
+edp = 1: torch 2.13 divides twice on a one-rank unit with forced sums (see
+/work/shared/notes/torch-cpu-distributed-facts.md, row 4).
+
+HSDP (``hsdp_replicate = R > 1``): the dense units shard over groups of W/R consecutive ranks
+and replicate across the R groups (reduce-scatter inside a group, then all-reduce of the shard
+across groups). Consecutive ranks share a node, so the frequent all-gathers stay inside it.
+The expert units keep sharding over the whole ``edp`` axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+from moetrain.models.moe.experts import GroupedExperts
+
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    """fp32: no casts. bf16/fp16: parameters gathered and computed in the low dtype, while the
+    sharded fp32 parameters stay the master weights and gradients are reduced in fp32 (a
+    bf16 sum over many ranks loses the small contributions)."""
+    if mixed_precision not in _DTYPES:
+        raise ValueError(f"train.dtype ({mixed_precision!r}) must be one of {', '.join(map(repr, _DTYPES))}")
+    low = _DTYPES[mixed_precision]
+    return MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low is not None else None)
+
+
+def offload_policy(offload: bool, *, pin_memory: bool = True) -> OffloadPolicy:
+    """FSDP2's CPU offload keeps sharded parameters, gradients and optimizer states in host
+    memory and runs the optimizer step there. Pinned host memory needs an accelerator: without
+    one torch raises "Cannot access accelerator device", so pinning is off on CPU-only hosts."""
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
+
+
+def dense_fsdp_mesh(dims, *, hsdp_replicate: int = 1) -> DeviceMesh:
+    """The mesh the dense units shard over: ``dp`` (1-D), or (replicate, shard) for HSDP."""
+    if hsdp_replicate == 1:
+        return dims.dp_mesh
+    if not isinstance(hsdp_replicate, int) or hsdp_replicate < 1 or dims.dp % hsdp_replicate != 0:
+        raise ValueError(f"parallel.hsdp_replicate ({hsdp_replicate!r}) must be an int >= 1 that divides "
+                         f"parallel.dp ({dims.dp})")
+    cached = getattr(dims, "_hsdp_mesh", None)
+    if cached is not None and cached.shape == (hsdp_replicate, dims.dp // hsdp_replicate):
+        return cached
+    # Row-major: shard groups are consecutive ranks (one node), replicas stride across nodes.
+    # A separate root mesh is fine here: dense parameters are plain tensors, so FSDP does not
+    # have to compose this mesh with the ep mesh of the expert DTensors.
+    mesh = init_device_mesh(dims.mesh.device_type, (hsdp_replicate, dims.dp // hsdp_replicate),
+                            mesh_dim_names=("dp_replicate", "dp_shard"))
+    dims._hsdp_mesh = mesh
+    return mesh
+
+
+def apply_fsdp(model: nn.Module, dims, *, zero_stage: int, blocks: list[nn.Module],
+               mixed_precision: str = "fp32", offload_params: bool = False, offload_optimizer: bool = False,
+               pin_memory: bool = True, hsdp_replicate: int = 1) -> nn.Module:
+    """Shard ``model`` in place with FSDP2 for ZeRO stage 2 or 3; returns it (now an FSDPModule).
+
+    ``blocks``: the transformer blocks, each its own unit (children first, then the root).
+    ``offload_params`` (stage 3) or ``offload_optimizer`` (stage 2 or 3) turn on FSDP2's
+    ``CPUOffloadPolicy``, which always moves sharded parameters, gradients and optimizer states
+    together: FSDP2 has no optimizer-only offload. Expert parallelism must already be applied.
+    """
+    if zero_stage not in (2, 3):
+        raise ValueError(f"parallel.zero_stage ({zero_stage!r}) must be 2 or 3 for FSDP")
+    if offload_params and zero_stage != 3:
+        raise ValueError(f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {zero_stage})")
+    reshard = zero_stage == 3
+    common = {"mp_policy": mixed_precision_policy(mixed_precision),
+              "offload_policy": offload_policy(offload_params or offload_optimizer, pin_memory=pin_memory)}
+    dense_mesh = dense_fsdp_mesh(dims, hsdp_replicate=hsdp_replicate)
+
+    # 1. Experts, over edp, with the W divide factor (see the module docstring). At ep = 1 the
+    #    experts are plain tensors replicated on every rank like the dense weights: they stay in
+    #    their block's unit and shard over dp.
+    if dims.ep > 1:
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard, **common)
+                module.set_gradient_divide_factor(float(dims.dp))
+                if dims.edp > 1:
+                    module.set_force_sum_reduction_for_comms(True)
+    # 2. Transformer blocks.
+    for block in blocks:
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, **common)
+    # 3. Root: embedding, final norm, head (and a tied head). FSDP keeps the root gathered after
+    #    forward at any stage, since backward needs it at once.
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard, **common)
+    return model
+
+
+def is_fsdp(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: FSDPModule):
+    """Skip the reduce-scatter on non-final micro-steps: FSDP accumulates the unsharded
+    gradients locally (full size: gradient accumulation costs the memory ZeRO-2/3 saved) and
+    the next synced backward reduces their sum."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def warn_ignored_zero_settings(zero_cfg, *, zero_stage: int) -> None:
+    """Name the ``zero`` fields that have no FSDP2/DDP equivalent here, once."""
+    if zero_cfg is None:
+        return
+    ignored = []
+    if zero_stage >= 2 and zero_cfg.param_persistence_threshold != 100_000:
+        ignored.append("param_persistence_threshold (FSDP2 shards every parameter of a unit)")
+    if zero_stage >= 2 and zero_cfg.max_live_parameters != 1_000_000_000:
+        ignored.append("max_live_parameters (FSDP2 gathers one unit ahead)")
+    if ignored:
+        warnings.warn("zero settings ignored: " + "; ".join(ignored), UserWarning, stacklevel=3)
