@@ -6,6 +6,9 @@
     moetrain config show --config X [--section.field=value ...]
     moetrain data list | moetrain data fetch shakespeare
     moetrain report RUN_DIR
+    moetrain export RUN_DIR --to DIR                 (consolidated safetensors + config.yaml)
+    moetrain convert RUN_DIR --to-hf DIR             (Hugging Face Mixtral: config.json + safetensors)
+    moetrain convert --from-hf DIR --to DIR          (a Hugging Face Mixtral as a moetrain export)
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False
     trainer = Trainer(cfg)
     try:
         final = trainer.fit()
+        if trainer.interrupted:  # SIGTERM: checkpoint saved; 128 + 15 tells the launcher we did not finish
+            return 143
         sample = trainer.generate(args.prompt, max_new_tokens=args.sample_tokens) if args.sample_tokens else None
     finally:
         trainer.close()
@@ -113,6 +118,32 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from moetrain.interop.export import export_model
+
+    out = export_model(args.run_dir, args.to)
+    print(f"exported {args.run_dir} to {out} (model.safetensors, config.yaml)")
+    return 0
+
+
+def cmd_convert(args, parser: argparse.ArgumentParser) -> int:
+    from moetrain.interop.hf_mixtral import export_hf, import_hf
+
+    if args.from_hf is not None:
+        if args.source is not None or args.to_hf is not None or args.to is None:
+            parser.error("convert --from-hf HF_DIR takes --to DIR (a moetrain export) and no SOURCE or "
+                         "--to-hf")
+        out = import_hf(args.from_hf, args.to)
+        print(f"converted Hugging Face model {args.from_hf} to the moetrain export {out}")
+        return 0
+    if args.source is None or args.to_hf is None or args.to is not None:
+        parser.error("convert needs either SOURCE --to-hf DIR or --from-hf DIR --to DIR")
+    out = export_hf(args.source, args.to_hf)
+    print(f"converted {args.source} to the Hugging Face Mixtral folder {out} "
+          "(config.json, model.safetensors)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
                                 epilog="Any --section.field=value argument overrides the config.")
@@ -149,6 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="write PNG plots of a run")
     rep.add_argument("run_dir")
     rep.add_argument("--out", default=None, help="folder of the PNGs (default RUN_DIR/report)")
+
+    exp = sub.add_parser("export", help="write a run's model as one safetensors file plus its config")
+    exp.add_argument("run_dir",
+                     help="run folder (its latest checkpoint), folder of checkpoints or one checkpoint")
+    exp.add_argument("--to", required=True, help="output folder")
+
+    conv = sub.add_parser("convert", help="Hugging Face Mixtral <-> moetrain")
+    conv.add_argument("source", nargs="?", default=None,
+                      help="with --to-hf: a run folder, checkpoint or moetrain export")
+    conv.add_argument("--to-hf", default=None, help="write a Hugging Face Mixtral folder here")
+    conv.add_argument("--from-hf", default=None, help="read this Hugging Face Mixtral folder")
+    conv.add_argument("--to", default=None, help="with --from-hf: the moetrain export folder to write")
     return p
 
 
@@ -171,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_data(args)
         if args.cmd == "report":
             return cmd_report(args)
+        if args.cmd == "export":
+            return cmd_export(args)
+        if args.cmd == "convert":
+            return cmd_convert(args, parser)
     except ValueError as e:
         # Bad input: one clear line, no traceback (the config is validated before any work).
         print(f"moetrain: error: {e}", file=sys.stderr)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_bool, require_int
@@ -54,6 +55,17 @@ class TrainConfig:
     compile: bool = False
     """torch.compile each transformer block."""
 
+    max_consecutive_skips: int = 10
+    """A step whose loss or gradient is NaN/Inf is skipped on every rank (counted in the metrics as
+    skipped_steps). After this many skipped steps in a row the run stops with an error and a
+    checkpoint of the last good state. 0 = never stop."""
+
+    collective_timeout_s: float = 600.0
+    """Seconds a collective (all-to-all, all-reduce, barrier, ...) may wait for the other ranks once
+    training starts; past it the waiting ranks fail with an error naming the phase and operation
+    instead of hanging (under torchrun --max-restarts the job then restarts from the latest
+    checkpoint). Data preparation before training keeps torch's default (30 min with gloo)."""
+
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch_size", "micro_batch_size"):
             require_int(f"train.{name}", getattr(self, name), min_value=1)
@@ -76,6 +88,10 @@ class TrainConfig:
                        ("none", "full", "moe", "every_n"))
         require_int("train.activation_checkpointing_every", self.activation_checkpointing_every, min_value=1)
         require_bool("train.compile", self.compile)
+        require_int("train.max_consecutive_skips", self.max_consecutive_skips, note=" (0 = never stop)")
+        timeout = self.collective_timeout_s
+        require(isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout)
+                and timeout > 0, "train.collective_timeout_s", timeout, "must be a number of seconds > 0")
 
     def grad_accum_steps(self, dp: int) -> int:
         """Micro-batches per optimizer step on each of ``dp`` data-parallel ranks; checks

@@ -51,16 +51,34 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _sharded_axes(g: torch.Tensor) -> tuple[int, ...]:
+    """Mesh axes over which a DTensor gradient's squared norm must be summed: every axis whose
+    placement is not Replicate. Not ``placement.is_shard()``: FSDP2 sharding an ep-sharded
+    expert weight over edp uses ``_StridedShard``, whose ``is_shard()`` is False, and that sum
+    would be silently skipped. A Partial gradient (pending sum) has no local norm to add."""
+    axes = []
+    for axis, placement in enumerate(g.placements):
+        if placement.is_partial():
+            raise ValueError(f"gradient placement {placement} on mesh axis {axis} is Partial: reduce "
+                             "gradients before taking their norm")
+        if not placement.is_replicate():
+            axes.append(axis)
+    return tuple(axes)
+
+
 @torch.no_grad()
 def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     """L2 norm of the gradient of the *global* model.
 
     Plain (replicated) gradients are identical on every rank after the gradient sync, so their
     local norm is already global. A DTensor gradient holds only this rank's shard (experts over
-    ep, ZeRO shards over dp/edp): its squared norm is summed over the mesh it is sharded on.
+    ep, ZeRO-2/3 shards over dp, expert shards over edp as well): its squared norm is summed over
+    every mesh axis it is not replicated on (HSDP's replicate axis is skipped).
+
+    Collective over those axes: every rank must call it with the same parameters in the same order.
     """
     replicated_sq = torch.zeros((), dtype=torch.float32)
-    sharded_sq: dict[object, torch.Tensor] = {}
+    sharded_sq: dict[object, tuple] = {}
     for p in params:
         g = p.grad
         if g is None:
@@ -70,7 +88,7 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
         if mesh is None:
             replicated_sq = replicated_sq.to(sq.device) + sq
             continue
-        shard_axes = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+        shard_axes = _sharded_axes(g)
         key = (id(mesh), shard_axes)
         if key not in sharded_sq:
             sharded_sq[key] = (mesh, shard_axes, torch.zeros((), dtype=torch.float32, device=sq.device))

@@ -3,13 +3,20 @@
 Written for one device. Expert parallelism replaces ``self.dispatcher`` (and shards the expert
 weights) afterwards, from ``moetrain.distributed``; nothing here changes.
 
+Balancing state that changes during training (the selection bias, the dynamic capacity factor,
+the per-expert learning-rate scales, a raised aux-loss coefficient) lives in buffers of this
+layer and its router, and is changed only by the optimizer hooks of
+``moetrain.train.balancing.install_balancing``; forward only reads it, and (when those hooks ask
+for it) adds its routing counts to per-step statistics buffers.
+
 Shape legend: B batch, S sequence, T = B*S tokens, D model dim, E experts, K experts per token,
-M token copies kept after capacity drops.
+M token copies kept after capacity drops, P expert-parallel ranks.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
@@ -17,10 +24,19 @@ from torch import nn
 
 from moetrain.config.moe import MoEConfig
 from moetrain.models.feedforward import FeedForward
-from moetrain.models.moe.balance import all_reduce_counts, load_balancing_loss, router_z_loss
+from moetrain.models.moe.balance import (
+    all_reduce_counts,
+    load_balancing_loss,
+    router_z_loss,
+    routing_entropy,
+    sequence_load_balancing_loss,
+)
 from moetrain.models.moe.dispatcher import LocalDispatcher, expert_capacity
 from moetrain.models.moe.experts import GroupedExperts
-from moetrain.models.moe.router import TopKRouter
+from moetrain.models.moe.router import ExpertChoiceRouter, TopKRouter
+
+# Slots of MoELayer.step_local_stats.
+STAT_DROPPED, STAT_ROUTED, STAT_ENTROPY, STAT_TOKENS = range(4)
 
 
 @dataclass
@@ -32,11 +48,16 @@ class MoEAux:
     load_balancing: torch.Tensor
     z_loss: torch.Tensor
     num_routed_per_expert: torch.Tensor
-    """Routed copies per global expert (int64, before drops), summed over ``balance_group``."""
+    """Routed copies per global expert (int64, before drops), summed over ``balance_group``.
+    Expert choice: the copies each expert takes over the global batch (equal for all experts)."""
     num_dropped: torch.Tensor
-    """Copies dropped by capacity (0-dim)."""
+    """Copies dropped by capacity (0-dim). Expert choice: tokens that no expert took."""
     num_routed: int
-    """T * K for this forward."""
+    """T * K for this forward. Expert choice: T (so dropped_fraction is the share of skipped tokens)."""
+    num_token_rank_sends: torch.Tensor | None = None
+    """Under expert parallelism (token choice): (token, other ep rank) pairs among this rank's
+    routed copies, before capacity drops. A dispatcher that sent each token once per destination
+    rank (not once per copy) would move this many rows each way; None without expert parallelism."""
 
     @property
     def dropped_fraction(self) -> torch.Tensor:
@@ -44,58 +65,188 @@ class MoEAux:
 
 
 class MoELayer(nn.Module):
-    """Token-choice top-k MoE FFN with optional capacity and shared experts.
+    """MoE FFN with a token-choice (softmax/sigmoid, optional bias and groups) or expert-choice
+    router, optional capacity and shared experts.
 
-    ``forward(x)`` takes ``[..., D]`` and returns ``(out [..., D], MoEAux)``.
+    ``forward(x)`` takes ``[..., D]`` and returns ``(out [..., D], MoEAux)``. With
+    ``moe.aux_loss_type="sequence"`` the last-but-one dim of ``x`` is the sequence.
     """
 
     def __init__(self, dim: int, config: MoEConfig) -> None:
         super().__init__()
         self.dim, self.config = dim, config
-        self.router = TopKRouter(dim, config.num_experts, top_k=config.top_k,
-                                 renormalize=config.renormalize, init_std=config.router_init_std)
-        self.experts = GroupedExperts(dim, config.expert_hidden_dim, config.num_experts,
-                                      activation=config.activation, impl=config.expert_impl)
-        self.shared_experts = (FeedForward(dim, config.resolved_shared_hidden_dim, activation=config.activation)
-                               if config.num_shared_experts > 0 else None)
-        self.dispatcher = LocalDispatcher(config.num_experts)
+        c = config
+        if c.is_expert_choice:
+            self.router = ExpertChoiceRouter(dim, c.num_experts, init_std=c.router_init_std,
+                                             jitter=c.router_jitter, noise_std=c.router_noise_std)
+        else:
+            self.router = TopKRouter(dim, c.num_experts, top_k=c.top_k, renormalize=c.renormalize,
+                                     init_std=c.router_init_std, score_func=c.router,
+                                     bias=c.router_bias_update_rate > 0, num_groups=c.num_expert_groups,
+                                     top_groups=c.top_groups, jitter=c.router_jitter, noise_std=c.router_noise_std)
+        self.experts = GroupedExperts(dim, c.expert_hidden_dim, c.num_experts,
+                                      activation=c.activation, impl=c.expert_impl)
+        self.shared_experts = (FeedForward(dim, c.resolved_shared_hidden_dim, activation=c.activation)
+                               if c.num_shared_experts > 0 else None)
+        self.dispatcher = LocalDispatcher(c.num_experts)
         # Process group over which routing counts are summed before the load-balancing loss
         # (set by the data/expert-parallel wrappers). With it, the mean of the per-rank losses
         # equals the loss of one process holding the whole global batch.
         self.balance_group = None
         # Routed copies per expert in the last forward; read by metrics, never synced here.
         # int64 so a cast of the module to bf16 cannot round the counts.
-        self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.int64),
+        self.register_buffer("tokens_per_expert", torch.zeros(c.num_experts, dtype=torch.int64),
                              persistent=False)
+
+        # Per-step routing statistics, accumulated over the micro-batches of one optimizer step
+        # while ``track_routing_stats`` is on (install_balancing turns it on and its pre-step
+        # hook reads and zeroes them). Routed counts are global (summed over balance_group); the
+        # local stats are this rank's: dropped copies, routed copies, summed token entropy, tokens.
+        self.track_routing_stats = False
+        self.register_buffer("step_routed_E", torch.zeros(c.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("step_local_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
+
+        # Balancing state, registered only when its feature is on (so default checkpoints keep
+        # their keys) and persistent (a resumed run continues with the same values).
+        self._host_cache: dict[str, tuple[torch.Tensor, int, float]] = {}
+        if c.dynamic_capacity:
+            self.register_buffer("capacity_factor_now", torch.tensor(float(c.capacity_factor), dtype=torch.float64))
+        if c.expert_lr_scale_max > 1:
+            self.register_buffer("expert_lr_scale", torch.ones(c.num_experts, dtype=torch.float32))
+        if c.collapse_aux_increase > 0:
+            self.register_buffer("aux_loss_coef_now", torch.tensor(float(c.aux_loss_coef), dtype=torch.float64))
+
+    # ----- balancing state ---------------------------------------------------------------------------
+
+    def _host_value(self, name: str) -> float:
+        """A 0-dim buffer as a Python float, read from the device only after it changed (the
+        tensor version counts in-place writes, load_state_dict's included): no host sync per
+        forward."""
+        buf = getattr(self, name)
+        cached = self._host_cache.get(name)
+        if cached is None or cached[0] is not buf or cached[1] != buf._version:
+            cached = (buf, buf._version, float(buf.item()))
+            self._host_cache[name] = cached
+        return cached[2]
+
+    @property
+    def capacity_factor(self) -> float | Fraction | None:
+        """The capacity factor this forward uses: moe.capacity_factor, the dynamic one, or for
+        expert choice the factor per candidate copy, capacity_factor * K / E (an exact
+        Fraction: every token is a candidate of all E experts)."""
+        c = self.config
+        if c.is_expert_choice:
+            return Fraction(str(c.capacity_factor)) * c.top_k / c.num_experts
+        if c.dynamic_capacity:
+            return self._host_value("capacity_factor_now")
+        return c.capacity_factor
+
+    @property
+    def aux_loss_coef(self) -> float:
+        if self.config.collapse_aux_increase > 0:
+            return self._host_value("aux_loss_coef_now")
+        return self.config.aux_loss_coef
 
     def capacity(self, num_tokens: int) -> int | None:
         c = self.config
-        if c.capacity_factor is None:
+        factor = self.capacity_factor
+        if factor is None:
             return None
-        return expert_capacity(num_tokens, num_experts=c.num_experts, top_k=c.top_k,
-                               capacity_factor=c.capacity_factor)
+        top_k = c.num_experts if c.is_expert_choice else c.top_k
+        return expert_capacity(num_tokens, num_experts=c.num_experts, top_k=top_k, capacity_factor=factor)
+
+    def _sync_dispatcher_capacity_factor(self) -> None:
+        # The all-to-all dispatcher decides drops over the global batch with its own
+        # capacity_factor; keep it equal to this layer's when that is not the configured one.
+        if hasattr(self.dispatcher, "capacity_factor"):
+            self.dispatcher.capacity_factor = self.capacity_factor
+
+    # ----- forward -----------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         c = self.config
         x_TD = x.reshape(-1, self.dim)
         num_tokens = x_TD.shape[0]
         routing = self.router(x_TD)
+        if c.is_expert_choice or c.dynamic_capacity:
+            self._sync_dispatcher_capacity_factor()
+        drop_policy = "score" if c.is_expert_choice else c.drop_policy
         d = self.dispatcher.dispatch(x_TD, routing.idx_TK, routing.weights_TK,
-                                     capacity=self.capacity(num_tokens), drop_policy=c.drop_policy)
+                                     capacity=self.capacity(num_tokens), drop_policy=drop_policy)
         y_MD = self.experts(d.x_MD, d.num_tokens_per_expert)
         out_TD = self.dispatcher.combine(y_MD, d.state)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
 
+        z = router_z_loss(routing.logits_TE)
+        if c.is_expert_choice:
+            aux = self._expert_choice_aux(d, z, num_tokens)
+        else:
+            aux = self._token_choice_aux(x, routing, d, z, num_tokens)
+        if self.track_routing_stats and self.training:
+            self._record_step_stats(aux, routing, num_tokens)
+        return out_TD.view_as(x), aux
+
+    def _token_choice_aux(self, x, routing, d, z, num_tokens: int) -> MoEAux:
+        c = self.config
         num_routed_E, num_balance_tokens = d.num_routed_per_expert, num_tokens
         if self.balance_group is not None:
             num_routed_E = all_reduce_counts(num_routed_E, self.balance_group)
             num_balance_tokens = num_tokens * dist.get_world_size(self.balance_group)
         with torch.no_grad():
             self.tokens_per_expert.copy_(num_routed_E)
-        lb = load_balancing_loss(routing.probs_TE, num_routed_E, top_k=c.top_k, num_tokens=num_balance_tokens)
-        z = router_z_loss(routing.logits_TE)
-        aux = MoEAux(loss=c.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
-                     num_routed_per_expert=num_routed_E, num_dropped=d.num_dropped,
-                     num_routed=num_tokens * c.top_k)
-        return out_TD.view_as(x), aux
+        if c.aux_loss_type == "sequence":
+            seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
+            B = num_tokens // seq_len
+            lb = sequence_load_balancing_loss(routing.probs_TE.view(B, seq_len, -1),
+                                              routing.idx_TK.view(B, seq_len, -1))
+        else:
+            lb = load_balancing_loss(routing.probs_TE, num_routed_E, top_k=c.top_k, num_tokens=num_balance_tokens)
+        sends = None
+        num_ranks = getattr(self.dispatcher, "ep_size", 1)
+        if num_ranks > 1:
+            sends = _token_rank_sends(routing.idx_TK, num_ranks=num_ranks,
+                                      num_local_experts=self.dispatcher.num_local_experts,
+                                      own_rank=self.dispatcher.ep_rank)
+        return MoEAux(loss=self.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
+                      num_routed_per_expert=num_routed_E, num_dropped=d.num_dropped,
+                      num_routed=num_tokens * c.top_k, num_token_rank_sends=sends)
+
+    def _expert_choice_aux(self, d, z, num_tokens: int) -> MoEAux:
+        c = self.config
+        # Tokens no expert took: those without a kept copy. Both dispatchers' states list the
+        # local token of every kept copy.
+        covered_T = torch.zeros(num_tokens, dtype=torch.bool, device=z.device)
+        covered_T.index_fill_(0, d.state.token_idx_M.to(z.device), True)
+        num_skipped = num_tokens - covered_T.sum()
+        # Every token is a candidate of every expert, so over the global batch of W ranks each
+        # expert takes exactly min(capacity, T * W) tokens: known without counting.
+        world = dist.get_world_size(self.balance_group) if self.balance_group is not None else 1
+        taken = min(self.capacity(num_tokens * world), num_tokens * world)
+        num_taken_E = torch.full((c.num_experts,), taken, dtype=torch.int64, device=z.device)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(num_taken_E)
+        lb = torch.zeros((), dtype=torch.float32, device=z.device)  # balanced by construction
+        return MoEAux(loss=c.z_loss_coef * z, load_balancing=lb, z_loss=z, num_routed_per_expert=num_taken_E,
+                      num_dropped=num_skipped, num_routed=num_tokens)
+
+    @torch.no_grad()
+    def _record_step_stats(self, aux: MoEAux, routing, num_tokens: int) -> None:
+        # Under activation checkpointing the forward runs again inside backward (a graph task
+        # is then executing); counting it twice would double the step's load.
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self.step_routed_E.add_(aux.num_routed_per_expert)
+        self.step_local_stats[STAT_DROPPED] += aux.num_dropped.to(torch.float64)
+        self.step_local_stats[STAT_ROUTED] += aux.num_routed
+        self.step_local_stats[STAT_ENTROPY] += routing_entropy(routing.probs_TE).to(torch.float64)
+        self.step_local_stats[STAT_TOKENS] += num_tokens
+
+
+def _token_rank_sends(idx_TK: torch.Tensor, *, num_ranks: int, num_local_experts: int, own_rank: int) -> torch.Tensor:
+    """(token, other rank) pairs: how many rows a once-per-destination-rank dispatch would send."""
+    dest_TK = torch.div(idx_TK, num_local_experts, rounding_mode="floor")
+    hit_TP = torch.zeros(idx_TK.shape[0], num_ranks, dtype=torch.bool, device=idx_TK.device)
+    hit_TP.scatter_(1, dest_TK, True)
+    hit_TP[:, own_rank] = False
+    return hit_TP.sum()

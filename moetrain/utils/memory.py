@@ -1,0 +1,299 @@
+"""Measured memory of one rank: model states exactly, and the peaks of a training step by category.
+
+There is no CPU memory API in torch (``torch.cpu`` has no allocator statistics, the accelerator
+API raises without an accelerator, ``tracemalloc`` sees nothing of tensor memory and the process
+high-water mark also holds the Python interpreter and torch's libraries). So the bytes are
+counted at the tensor level, the same way on CPU and CUDA:
+
+* ``model_state_bytes`` adds up the distinct storages of the parameters, gradients and optimizer
+  states this rank holds: the local shards of DTensors, FSDP2's padded shard storage, DDP's
+  gradient buckets. No hooks, no overhead: exact at the moment it is called.
+* ``MemoryTracker`` is a ``TorchDispatchMode`` that sees every tensor an operator returns, keeps a
+  weak reference to each new storage (freed storages drop out through the weakref callback) and
+  follows ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates gathered parameters that way,
+  which no dispatch mode sees). Each storage gets a category:
+
+  - ``param``: parameters, and everything FSDP2 allocates while gathering them (the all-gather
+    buffer and the unsharded parameters);
+  - ``grad``: gradients once they are a parameter's ``.grad``, DDP buckets, and FSDP2's
+    reduce-scatter buffers;
+  - ``optim``: optimizer states, and whatever ``optimizer.step`` allocates;
+  - ``act``: everything else made by the forward and backward: saved activations, the
+    all-to-all buffers, activation gradients, temporaries. Its peak is the "activation peak".
+
+  The peaks are per category (each its own maximum over the step) plus the peak of their sum.
+  Bytes are storage bytes, not allocator blocks (the CUDA caching allocator rounds up to 512 B
+  and keeps freed blocks; ``torch.cuda.max_memory_allocated`` is the number to compare there).
+
+Costs: a dispatch-mode step runs about 1.1-1.5x slower on the tiny preset (one Python call per
+operator), so the trainer tracks log steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
+from torch.utils.weak import WeakIdKeyDictionary
+
+CATEGORIES = ("param", "grad", "optim", "act")
+
+
+def _storages(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``t``'s data: a DTensor's local tensor, a plain tensor's own."""
+    local = getattr(t, "_local_tensor", None)
+    if local is not None:
+        t = local
+    if t.device.type == "meta":
+        return []
+    try:
+        return [t.untyped_storage()]
+    except (RuntimeError, NotImplementedError):  # e.g. tensor subclasses without one storage
+        return []
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """The optimizer's states, then the tensors it steps: those are the model's parameters (or
+    views of them, counted there already) except for copies of its own, such as the host
+    master slices of an offloading ZeRO-1 optimizer."""
+    if optimizer is None:
+        return []
+    out = []
+    for state in optimizer.state.values():
+        out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    for group in optimizer.param_groups:
+        out += list(group["params"])
+    return out
+
+
+def _sum_distinct(tensors, seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        for st in _storages(t):
+            key = st.data_ptr() if st.nbytes() > 0 else id(st)
+            if key not in seen:
+                seen.add(key)
+                total += st.nbytes()
+    return total
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes of the distinct storages of this rank's parameters, gradients (those that exist now)
+    and optimizer states, and buffers. A storage shared by several tensors (a tied embedding, a
+    DDP bucket holding many gradients, a shard view) counts once, in the first category that holds
+    it (parameters first). Under FSDP2 the parameters are the sharded ones between steps."""
+    seen: set[int] = set()
+    params = list(model.parameters())
+    return {
+        "param_bytes": _sum_distinct(params, seen),
+        "grad_bytes": _sum_distinct([p.grad for p in params if p.grad is not None], seen),
+        "optim_bytes": _sum_distinct(_optimizer_tensors(optimizer), seen),
+        "buffer_bytes": _sum_distinct(list(model.buffers()), seen),
+    }
+
+
+@dataclass
+class MemoryReport:
+    """Peaks of one tracked region, bytes on this rank."""
+
+    param_bytes: int
+    """Peak of parameter memory: the shards plus, under FSDP2, the gathered parameters."""
+    grad_bytes: int
+    """Peak of gradient memory (gradients, DDP buckets, FSDP reduce-scatter buffers)."""
+    optim_bytes: int
+    """Peak of optimizer states and optimizer-step temporaries."""
+    activation_peak_bytes: int
+    """Peak of everything else the forward and backward allocate (see the module docstring)."""
+    peak_bytes: int
+    """Peak of the sum of the four categories (the categories peak at different times)."""
+
+    def as_metrics(self, prefix: str = "mem/") -> dict[str, int]:
+        return {prefix + k: v for k, v in asdict(self).items()}
+
+
+class _Info:
+    __slots__ = ("nbytes", "category")
+
+    def __init__(self, nbytes: int, category: str) -> None:
+        self.nbytes, self.category = nbytes, category
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Track the tensor memory of a region (usually one training step) by category.
+
+        tracker = MemoryTracker(model, optimizer)
+        with tracker:
+            loss = model(x).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
+        tracker.report()          # MemoryReport of the peaks in the region
+
+    ``model`` and ``optimizer`` give the storages that exist before the region (their parameters,
+    gradients and states) and the hooks that label gradients and optimizer allocations. Works with
+    plain, DDP and FSDP2 models and DTensor (expert-parallel) parameters. Not re-entrant.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        super().__init__()
+        self.model, self.optimizer = model, optimizer
+        self._info = WeakIdKeyDictionary()
+        self._refs: list[weakref.ref] = []
+        self.current = dict.fromkeys(CATEGORIES, 0)
+        self.peak = dict.fromkeys(CATEGORIES, 0)
+        self.peak_total = 0
+        self._labels: list[str] = []
+        self._undo: list = []
+
+    # --- bookkeeping ------------------------------------------------------------------------------
+
+    def _add(self, st: torch.UntypedStorage, category: str) -> None:
+        info = self._info.get(st)
+        if info is not None:
+            if info.category != category and category != "act":
+                # A storage changes hands only towards a model state (an activation-phase
+                # tensor becoming a .grad), never back.
+                self.current[info.category] -= info.nbytes
+                info.category = category
+                self.current[category] += info.nbytes
+                self._update_peak()
+            return
+        info = _Info(st.nbytes(), category)
+        self._info[st] = info
+        self._refs.append(weakref.ref(st, lambda _ref, info=info: self._free(info)))
+        self.current[category] += info.nbytes
+        self._update_peak()
+
+    def _free(self, info: _Info) -> None:
+        self.current[info.category] -= info.nbytes
+        info.nbytes = 0
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        info = self._info.get(st)
+        if info is None:
+            self._add(st, self._label())
+            return
+        new = st.nbytes()
+        self.current[info.category] += new - info.nbytes
+        info.nbytes = new
+        self._update_peak()
+
+    def _update_peak(self) -> None:
+        for c in CATEGORIES:
+            if self.current[c] > self.peak[c]:
+                self.peak[c] = self.current[c]
+        total = sum(self.current.values())
+        if total > self.peak_total:
+            self.peak_total = total
+
+    def _label(self) -> str:
+        return self._labels[-1] if self._labels else "act"
+
+    def _track(self, t: torch.Tensor, category: str) -> None:
+        for st in _storages(t):
+            self._add(st, category)
+
+    # --- the mode ---------------------------------------------------------------------------------
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        # Let DTensor run first and come back with its local ops (their outputs hold the storage).
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        out = func(*args, **(kwargs or {}))
+        label = self._label()
+        tree_map_only(torch.Tensor, lambda t: self._track(t, label), out)
+        return out
+
+    def __enter__(self):
+        # 1. What already exists: model states (parameters first, so a shared storage is a param).
+        params = list(self.model.parameters())
+        for p in params:
+            self._track(p, "param")
+        for p in params:
+            if p.grad is not None:
+                self._track(p.grad, "grad")
+        for t in _optimizer_tensors(self.optimizer):
+            self._track(t, "optim")
+        # 2. Gradients: relabel a parameter's .grad as it is accumulated (the first one is the
+        #    backward's own output tensor, allocated in the "act" phase).
+        for p in params:
+            if p.requires_grad:
+                self._undo.append(p.register_post_accumulate_grad_hook(
+                    lambda p: self._track(p.grad, "grad") if p.grad is not None else None).remove)
+        # 3. Optimizer step: its allocations are optimizer memory.
+        if self.optimizer is not None:
+            self._undo.append(self.optimizer.register_step_pre_hook(
+                lambda *a: self._labels.append("optim")).remove)
+            self._undo.append(self.optimizer.register_step_post_hook(lambda *a: self._pop_label()).remove)
+        # 4. FSDP2 gathers and reduces inside its own hooks; label what they allocate.
+        self._patch_fsdp()
+        # 5. Storage resizes (FSDP2 frees gathered parameters by resizing to 0).
+        orig_resize = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(st, size):
+            out = orig_resize(st, size)
+            tracker._resized(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+        self._undo.append(lambda: setattr(torch.UntypedStorage, "resize_", orig_resize))
+        self._update_peak()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        out = super().__exit__(*exc)
+        # After the step: gradients that exist now (e.g. DDP bucket views) are gradients.
+        for p in self.model.parameters():
+            if p.grad is not None:
+                self._track(p.grad, "grad")
+        while self._undo:
+            self._undo.pop()()
+        return out
+
+    def _pop_label(self) -> None:
+        if self._labels:
+            self._labels.pop()
+
+    def _patch_fsdp(self) -> None:
+        try:
+            from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+        except ImportError:  # pragma: no cover - torch without FSDP2
+            return
+        for name, label in (("unshard", "param"), ("wait_for_unshard", "param"), ("post_backward", "grad")):
+            orig = getattr(FSDPParamGroup, name, None)
+            if orig is None:
+                continue
+
+            def wrapped(group, *args, _orig=orig, _label=label, **kwargs):
+                self._labels.append(_label)
+                try:
+                    return _orig(group, *args, **kwargs)
+                finally:
+                    self._pop_label()
+
+            setattr(FSDPParamGroup, name, wrapped)
+            self._undo.append(lambda name=name, orig=orig: setattr(FSDPParamGroup, name, orig))
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def report(self) -> MemoryReport:
+        return MemoryReport(param_bytes=self.peak["param"], grad_bytes=self.peak["grad"],
+                            optim_bytes=self.peak["optim"], activation_peak_bytes=self.peak["act"],
+                            peak_bytes=self.peak_total)
+
+
+@contextlib.contextmanager
+def track_memory(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, enabled: bool = True):
+    """``with track_memory(model, opt) as tracker: ...`` then ``tracker.report()``; yields None
+    (and costs nothing) when ``enabled`` is False."""
+    if not enabled:
+        yield None
+        return
+    tracker = MemoryTracker(model, optimizer)
+    with tracker:
+        yield tracker
