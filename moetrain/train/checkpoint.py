@@ -40,6 +40,7 @@ import random
 import re
 import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
@@ -441,7 +443,11 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     except Exception as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: cannot read its DCP index .metadata ({e})") from e
 
-    # 2. Entries: the state of this model and optimizer, in fresh tensors.
+    # 2. Entries: the state of this model and optimizer, in fresh tensors. (Empty per-parameter
+    #    entries, planted by reading the optimizer's state defaultdict, would stop DCP from
+    #    creating the state of a fresh optimizer.)
+    for p in [p for p, s in optimizer.state.items() if not s]:
+        del optimizer.state[p]
     model_sd, optim_sd = get_state_dict(model, optimizer)
     rng_key = f"rank{rank}"
     has_rng = f"rng.{rng_key}" in metadata.state_dict_metadata
@@ -453,7 +459,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     # 3. Read (every rank its own shards, resharded from whatever layout saved them).
     try:
         dcp.load(state, storage_reader=reader)
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed; nothing was loaded: "
                               f"{type(e).__name__}: {e}") from e
 
@@ -480,8 +486,11 @@ def load_model_weights(path: str | os.PathLike, *,
             tensors[key[len("model."):]] = torch.empty(md.size, dtype=md.properties.dtype)
     state = {"model": tensors, "trainer": ""}
     try:
-        dcp.load(state, storage_reader=reader, no_dist=True)
-    except Exception as e:
+        with warnings.catch_warnings():
+            # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
     return state["model"], json.loads(state["trainer"])
 

@@ -45,7 +45,8 @@ def _full_state(trainer) -> dict[str, torch.Tensor]:
             out[f"buffer/{name}"] = _full(b)
     for name, p in trainer.model.named_parameters():
         out[f"param/{name}"] = _full(p)
-        for key, value in sorted(trainer.optimizer.state[p].items()):
+        # .get: optimizer.state is a defaultdict; indexing would plant empty entries.
+        for key, value in sorted(trainer.optimizer.state.get(p, {}).items()):
             out[f"adam/{name}/{key}"] = _full(value) if isinstance(value, torch.Tensor) else torch.tensor(value)
     for i, group in enumerate(trainer.optimizer.param_groups):
         out[f"lr/{i}"] = torch.tensor(group["lr"])
