@@ -24,7 +24,15 @@ class ParallelConfig:
     """Pipeline-parallel degree (reserved; only 1 is supported)."""
 
     zero_stage: int = 0
-    """0 = replicated (DDP); 1/2/3 = ZeRO optimizer / +gradient / +parameter sharding."""
+    """0 = replicated (DDP); 1 = optimizer states sharded over the data-parallel ranks (experts'
+    over edp); 2 = gradients too (FSDP2, parameters kept gathered from forward to backward);
+    3 = parameters too (FSDP2 ``fully_shard``). Check the cost first with ``moetrain plan``; do not
+    use 3 when a lower stage fits (it gathers every block twice per step)."""
+
+    hsdp_replicate: int = 1
+    """Hybrid sharding at zero_stage 2/3: the dense parameters shard over groups of world /
+    hsdp_replicate consecutive ranks (a node) and are replicated across the hsdp_replicate groups
+    (an all-reduce of the shards crosses nodes instead of every all-gather). 1 = plain FSDP."""
 
     backend: str = "auto"
     """torch.distributed backend: "auto" (nccl with CUDA, else gloo), "gloo" or "nccl"."""
@@ -36,4 +44,8 @@ class ParallelConfig:
         require(self.tp == 1, "parallel.tp", self.tp, "must be 1 (tensor parallelism is not supported yet)")
         require(self.pp == 1, "parallel.pp", self.pp, "must be 1 (pipeline parallelism is not supported yet)")
         require_choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        require(isinstance(self.hsdp_replicate, int) and not isinstance(self.hsdp_replicate, bool)
+                and self.hsdp_replicate >= 1, "parallel.hsdp_replicate", self.hsdp_replicate, "must be an int >= 1")
+        require(self.hsdp_replicate == 1 or self.zero_stage >= 2, "parallel.hsdp_replicate", self.hsdp_replicate,
+                f"needs parallel.zero_stage >= 2 (is {self.zero_stage}): stages 0/1 replicate the parameters anyway")
         require_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))

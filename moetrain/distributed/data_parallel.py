@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -144,6 +145,31 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, dims, *, zero_stage: int, o
     from moetrain.distributed.zero import ZeroShardedOptimizer
 
     return ZeroShardedOptimizer(optimizer, dims, offload=offload_optimizer, bucket_numel=bucket_numel)
+
+
+_ZERO_DEFAULTS = {"overlap_comm": True, "contiguous_gradients": True, "prefetch_bucket_size": 50_000_000,
+                  "param_persistence_threshold": 100_000, "max_live_parameters": 1_000_000_000,
+                  "max_reuse_distance": 1_000_000_000}
+
+
+def zero_settings(cfg) -> dict:
+    """The ``parallelize`` keyword arguments of a ``JobConfig``'s ZeRO settings (parallel.zero_stage,
+    parallel.hsdp_replicate, the ``zero`` section, train.dtype), warning once about ``zero``
+    fields set away from their defaults that FSDP2/DDP have no knob for.
+
+    ``zero.reduce_bucket_size`` (elements), when changed from DeepSpeed's default, sizes DDP's
+    buckets at stages 0/1 (4-byte gradients); at the default DDP keeps its own 25 MB, since one
+    2 GB bucket would leave nothing to overlap with the backward. ``zero.allgather_bucket_size``
+    sizes the ZeRO-1 all-gathers (pass it to ``wrap_optimizer``)."""
+    z, par = cfg.zero, cfg.parallel
+    ignored = [f"zero.{k} ({getattr(z, k)!r})" for k, default in _ZERO_DEFAULTS.items() if getattr(z, k) != default]
+    if ignored:
+        warnings.warn("ignored (FSDP2/DDP have no equivalent; FSDP2 always overlaps and prefetches one unit): "
+                      + ", ".join(ignored), UserWarning, stacklevel=2)
+    return {"zero_stage": par.zero_stage, "hsdp_replicate": getattr(par, "hsdp_replicate", 1),
+            "mixed_precision": cfg.train.dtype, "offload_params": z.offload_param == "cpu",
+            "offload_optimizer": z.offload_optimizer == "cpu", "pin_memory": z.pin_memory,
+            "bucket_cap_mb": 25.0 if z.reduce_bucket_size == 500_000_000 else z.reduce_bucket_size * 4 / 2**20}
 
 
 def no_sync(model: nn.Module):

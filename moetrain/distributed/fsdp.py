@@ -30,12 +30,18 @@ The expert units keep sharding over the whole ``edp`` axis.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import Shard
 
 from moetrain.models.moe.experts import GroupedExperts
 
@@ -105,7 +111,9 @@ def apply_fsdp(model: nn.Module, dims, *, zero_stage: int, blocks: list[nn.Modul
     if dims.ep > 1:
         for module in model.modules():
             if isinstance(module, GroupedExperts):
-                fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard, **common)
+                fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard,
+                            shard_placement_fn=lambda p: expert_shard_placement(p.shape, dims.ep, dims.edp),
+                            **common)
                 module.set_gradient_divide_factor(float(dims.dp))
                 if dims.edp > 1:
                     module.set_force_sum_reduction_for_comms(True)
@@ -116,6 +124,25 @@ def apply_fsdp(model: nn.Module, dims, *, zero_stage: int, blocks: list[nn.Modul
     #    forward at any stage, since backward needs it at once.
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard, **common)
     return model
+
+
+def expert_shard_dim(shape: tuple[int, ...], ep: int, edp: int) -> int:
+    """The dim FSDP shards a stacked ``[E, ...]`` expert weight on over ``edp``.
+
+    Dim 0 (experts) normally. But with fewer local experts than edp ranks (E/ep < edp), dim-0
+    chunks pad every rank up to a whole expert: Mixtral's 8 experts at ep = 8, edp = 8 would keep
+    one full expert per rank and save nothing. Then dim 1 (the model or hidden dim) is split
+    instead, as torchtitan does, when edp divides it (FSDP2 needs even splits off dim 0).
+    """
+    local = shape[0] // ep
+    if local < edp and len(shape) > 1 and shape[1] % edp == 0:
+        return 1
+    return 0
+
+
+def expert_shard_placement(shape, ep: int, edp: int) -> Shard | None:
+    dim = expert_shard_dim(tuple(shape), ep, edp)
+    return Shard(dim) if dim else None
 
 
 def is_fsdp(model: nn.Module) -> bool:
@@ -132,16 +159,3 @@ def fsdp_no_sync(model: FSDPModule):
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def warn_ignored_zero_settings(zero_cfg, *, zero_stage: int) -> None:
-    """Name the ``zero`` fields that have no FSDP2/DDP equivalent here, once."""
-    if zero_cfg is None:
-        return
-    ignored = []
-    if zero_stage >= 2 and zero_cfg.param_persistence_threshold != 100_000:
-        ignored.append("param_persistence_threshold (FSDP2 shards every parameter of a unit)")
-    if zero_stage >= 2 and zero_cfg.max_live_parameters != 1_000_000_000:
-        ignored.append("max_live_parameters (FSDP2 gathers one unit ahead)")
-    if ignored:
-        warnings.warn("zero settings ignored: " + "; ".join(ignored), UserWarning, stacklevel=3)

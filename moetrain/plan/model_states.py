@@ -15,7 +15,8 @@ instantiates. The sharding rules are those of the code that trains:
   keeps ``min(c, rows - r*c)`` of them (maybe 0) but allocates the padded ``c`` rows, for the
   parameter and for its gradient. Optimizer states are created from the unpadded local shard.
   Dense units shard over dp (or the shard axis of HSDP); at ep > 1 the experts' own unit shards
-  their ep-local ``E/ep`` rows over edp; at ep = 1 they stay in their block's unit (over dp).
+  their ep-local ``E/ep`` rows over edp -- or, with fewer local experts than edp ranks, dim 1
+  evenly (``expert_shard_dim``); at ep = 1 they stay in their block's unit (over dp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` like the (local) parameter, plus a 4-byte fp32 ``step``
   per parameter tensor, also for an empty shard.
 
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.distributed.fsdp import expert_shard_dim
 
 PARAM_BYTES = 4
 """fp32 parameters (the master weights; bf16/fp16 copies exist only while computing)."""
@@ -122,12 +124,29 @@ def _slice(numel: int, world: int, rank: int) -> int:
     return min(lo + c, numel) - lo
 
 
+def _collapse(specs: list[ParamSpec]) -> list[tuple[ParamSpec, int]]:
+    """Identical (shape, expert) parameters once, with their count: a model's blocks repeat."""
+    counts: dict[tuple, list] = {}
+    for s in specs:
+        key = (s.shape, s.expert)
+        if key in counts:
+            counts[key][1] += 1
+        else:
+            counts[key] = [s, 1]
+    return [(s, n) for s, n in counts.values()]
+
+
 def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> StateBytes:
     """Parameter, gradient (after a backward) and AdamW-state (after a step) bytes on ``rank``."""
+    return _rank_state_bytes(_collapse(specs), layout, rank)
+
+
+def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, rank: int) -> StateBytes:
     ep, edp, stage = layout.ep, layout.edp, layout.zero_stage
     edp_rank = rank // ep
-    out = StateBytes()
-    for s in specs:
+    total = StateBytes()
+    for s, count in collapsed:
+        out = StateBytes()
         # The tensor this rank holds before any ZeRO sharding: experts are ep-sharded on dim 0
         # (which experts depends on the ep index; how many does not).
         rows = s.shape[0] // ep if s.expert else s.shape[0]
@@ -143,10 +162,19 @@ def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> State
                 if layout.offload_optimizer:
                     out.optim += held * PARAM_BYTES  # the host master copy of the slice
             out.optim += held * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+            _add(total, out, count)
             continue
         # FSDP2: dense units over dp (or the HSDP shard group), experts over edp at ep > 1.
         if s.expert and ep > 1:
             world, r = edp, edp_rank
+            if expert_shard_dim(s.shape, ep, edp) == 1:
+                # Fewer local experts than edp ranks: split dim 1 evenly instead (no padding).
+                local = rows * s.row_numel // edp
+                out.param += local * PARAM_BYTES
+                out.grad += local * GRAD_BYTES
+                out.optim += local * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+                _add(total, out, count)
+                continue
         else:
             world = layout.dense_shard_size
             r = rank % world
@@ -154,26 +182,84 @@ def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> State
         out.param += padded_rows * s.row_numel * PARAM_BYTES
         out.grad += padded_rows * s.row_numel * GRAD_BYTES
         out.optim += local_rows * s.row_numel * ADAM_STATE_BYTES + ADAM_STEP_BYTES
-    return out
+        _add(total, out, count)
+    return total
+
+
+def _add(total: StateBytes, part: StateBytes, count: int) -> None:
+    total.param += part.param * count
+    total.grad += part.grad * count
+    total.optim += part.optim * count
 
 
 def state_bytes_per_rank(specs: list[ParamSpec], layout: Layout) -> list[StateBytes]:
-    return [rank_state_bytes(specs, layout, r) for r in range(layout.world)]
+    collapsed = _collapse(specs)
+    return [_rank_state_bytes(collapsed, layout, r) for r in range(layout.world)]
 
 
-def unsharded_param_peak_bytes(specs: list[ParamSpec], layout: Layout, *, compute_bytes: int,
-                               num_blocks: int) -> int:
-    """Extra bytes of gathered (unsharded) parameters at the height of a step, on top of the
-    sharded ones: stage 2 keeps every unit gathered from its forward to its backward (the whole
-    model at the end of the forward); stage 3 holds the root plus about two blocks (the one
-    computing and the one prefetched). 0 at stages 0/1 (nothing is gathered). Mixed precision
-    gathers in the compute dtype, so those copies exist at every precision but fp32, where they
-    replace the shard's role only while gathered."""
+def _units(specs: list[ParamSpec], layout: Layout) -> tuple[dict[str, int], dict[str, int]]:
+    """FSDP2 units -> local (ep-sharded, not yet ZeRO-sharded) numel, and the group each shards over."""
+    ep, edp = layout.ep, layout.edp
+    units: dict[str, int] = {}
+    unit_group: dict[str, int] = {}
+    for s in specs:
+        if not s.name.startswith("layers."):
+            unit, group = "root", layout.dense_shard_size
+        elif s.expert and ep > 1:
+            unit, group = s.name.rsplit(".", 1)[0], edp
+        else:
+            unit, group = ".".join(s.name.split(".")[:2]), layout.dense_shard_size
+        units[unit] = units.get(unit, 0) + (s.numel // ep if s.expert else s.numel)
+        unit_group[unit] = group
+    return units, unit_group
+
+
+def transient_state_bytes(specs: list[ParamSpec], layout: Layout, *, bucket_numel: int = 500_000_000) -> int:
+    """Short-lived model-state buffers on top of the at-rest bytes (an estimate):
+
+    * stages 0/1: the backward's gradient of the largest parameter, alive until DDP copies it
+      into its bucket; stage 1 adds the all-gather buffers of the step (a bucket of
+      ``min(bucket_numel, parameters)`` elements gathered, plus this rank's 1/G of it sent);
+    * stages 2/3: a unit's unsharded gradients and FSDP2's reduce-scatter input, both unit-sized
+      in fp32, for the largest unit.
+    """
+    ep = layout.ep
+    if layout.zero_stage in (0, 1):
+        out = max((s.numel // ep if s.expert else s.numel) for s in specs) * GRAD_BYTES
+        if layout.zero_stage == 1:
+            dense = sum(s.numel for s in specs if not (s.expert and ep > 1))
+            gathered = min(bucket_numel, dense)
+            out += (gathered + gathered // layout.world) * PARAM_BYTES
+        return out
+    units, _ = _units(specs, layout)
+    return 2 * max(units.values()) * GRAD_BYTES
+
+
+def unsharded_param_peak_bytes(specs: list[ParamSpec], layout: Layout, *, compute_bytes: int) -> int:
+    """Bytes of gathered (unsharded) parameters at the height of a step, on top of the shards
+    (an estimate; 0 at stages 0/1, where nothing is gathered).
+
+    The units are FSDP2's: the root (everything outside ``layers``), each block, and at ep > 1
+    each block's experts on their own. Stage 2 keeps every unit gathered from its forward until
+    its backward: the whole local model at the end of the forward. Stage 3 holds the root (never
+    resharded after forward) and about two blocks (the one computing and the next one). On top,
+    FSDP2's flat all-gather buffers: in forward it frees a unit's buffer only after the next
+    unit's copy-out, so two block-unit-sized buffers can be alive at the end of the forward (one
+    in stage 3, whose backward frees each at once). A unit on a one-rank group gathers without a
+    buffer.
+    """
     if layout.zero_stage < 2:
         return 0
-    local = sum((s.numel // layout.ep if s.expert else s.numel) for s in specs)
+    units, unit_group = _units(specs, layout)
+    blocks: dict[str, int] = {}
+    for unit, n in units.items():
+        if unit != "root":
+            block = ".".join(unit.split(".")[:2])
+            blocks[block] = blocks.get(block, 0) + n
+    # The root's buffer is freed by the first block's copy-out, long before the peak.
+    buffer = max((n for u, n in units.items() if u != "root" and unit_group[u] > 1), default=0)
     if layout.zero_stage == 2:
-        return local * compute_bytes
-    root = sum(s.numel for s in specs if not s.name.startswith("layers."))
-    per_block = (local - root) / max(num_blocks, 1)
-    return int(root + 2 * per_block) * compute_bytes
+        gathered = sum(units.values()) + 2 * buffer
+    else:
+        gathered = units.get("root", 0) + 2 * max(blocks.values(), default=0) + buffer
+    return gathered * compute_bytes

@@ -117,7 +117,7 @@ class MemoryReport:
 
 
 class _Info:
-    __slots__ = ("nbytes", "category")
+    __slots__ = ("category", "nbytes")
 
     def __init__(self, nbytes: int, category: str) -> None:
         self.nbytes, self.category = nbytes, category
@@ -131,9 +131,10 @@ class MemoryTracker(TorchDispatchMode):
             loss = model(x).loss; loss.backward(); optimizer.step(); optimizer.zero_grad()
         tracker.report()          # MemoryReport of the peaks in the region
 
-    ``model`` and ``optimizer`` give the storages that exist before the region (their parameters,
-    gradients and states) and the hooks that label gradients and optimizer allocations. Works with
-    plain, DDP and FSDP2 models and DTensor (expert-parallel) parameters. Not re-entrant.
+    ``model`` (the module that trains: the DDP wrapper, the FSDP root or a plain model) and
+    ``optimizer`` give the storages that exist before the region (their parameters, gradients
+    and states) and the hooks that label gradients and optimizer allocations. Works with plain,
+    DDP and FSDP2 models and DTensor (expert-parallel) parameters. Not re-entrant.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -141,7 +142,7 @@ class MemoryTracker(TorchDispatchMode):
         self.model, self.optimizer = model, optimizer
         self._info = WeakIdKeyDictionary()
         self._refs: list[weakref.ref] = []
-        self.current = dict.fromkeys(CATEGORIES, 0)
+        self.current = dict.fromkeys((*CATEGORIES, "pre"), 0)
         self.peak = dict.fromkeys(CATEGORIES, 0)
         self.peak_total = 0
         self._labels: list[str] = []
@@ -152,9 +153,10 @@ class MemoryTracker(TorchDispatchMode):
     def _add(self, st: torch.UntypedStorage, category: str) -> None:
         info = self._info.get(st)
         if info is not None:
-            if info.category != category and category != "act":
-                # A storage changes hands only towards a model state (an activation-phase
-                # tensor becoming a .grad), never back.
+            if info.category in ("act", "pre") and category not in ("act", "pre"):
+                # A storage changes hands only from the activation phase (or from the unknown
+                # pre-existing pool) to a model state, e.g. a backward output becoming a .grad;
+                # a parameter stays a parameter when the optimizer lists it too.
                 self.current[info.category] -= info.nbytes
                 info.category = category
                 self.current[category] += info.nbytes
@@ -182,17 +184,17 @@ class MemoryTracker(TorchDispatchMode):
 
     def _update_peak(self) -> None:
         for c in CATEGORIES:
-            if self.current[c] > self.peak[c]:
-                self.peak[c] = self.current[c]
-        total = sum(self.current.values())
-        if total > self.peak_total:
-            self.peak_total = total
+            self.peak[c] = max(self.peak[c], self.current[c])
+        # Pre-existing storages ("pre") join the total at exit, once their role is known.
+        self.peak_total = max(self.peak_total, sum(self.current[c] for c in CATEGORIES))
 
     def _label(self) -> str:
         return self._labels[-1] if self._labels else "act"
 
-    def _track(self, t: torch.Tensor, category: str) -> None:
+    def _track(self, t: torch.Tensor, category: str, *, new_only: bool = False) -> None:
         for st in _storages(t):
+            if new_only and st in self._info:
+                continue
             self._add(st, category)
 
     # --- the mode ---------------------------------------------------------------------------------
@@ -204,8 +206,14 @@ class MemoryTracker(TorchDispatchMode):
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         out = func(*args, **(kwargs or {}))
-        label = self._label()
-        tree_map_only(torch.Tensor, lambda t: self._track(t, label), out)
+        # An in-place or out= op returns storage it was given. Seen here for the first time, that
+        # storage existed before the region (e.g. DDP's gradient buckets, allocated at wrap
+        # time, first touched by the backward's copy into them): it goes to the "pre" pool, not
+        # to the activations, and is sorted out at exit.
+        label = "pre" if func._schema.is_mutable else self._label()
+        # Outputs only add storages: a view of a gradient taken inside the optimizer step must not
+        # turn the gradient into optimizer memory. Labels change only through the hooks.
+        tree_map_only(torch.Tensor, lambda t: self._track(t, label, new_only=True), out)
         return out
 
     def __enter__(self):
@@ -226,11 +234,26 @@ class MemoryTracker(TorchDispatchMode):
                     lambda p: self._track(p.grad, "grad") if p.grad is not None else None).remove)
         # 3. Optimizer step: its allocations are optimizer memory.
         if self.optimizer is not None:
-            self._undo.append(self.optimizer.register_step_pre_hook(
-                lambda *a: self._labels.append("optim")).remove)
+            def pre_step(*args):
+                self._claim_gradients()  # before a zero_grad(set_to_none) can hide them
+                self._labels.append("optim")
+
+            self._undo.append(self.optimizer.register_step_pre_hook(pre_step).remove)
             self._undo.append(self.optimizer.register_step_post_hook(lambda *a: self._pop_label()).remove)
-        # 4. FSDP2 gathers and reduces inside its own hooks; label what they allocate.
+        # 4. FSDP2 gathers and reduces inside its own hooks; label what they allocate. DDP
+        #    (re)allocates its gradient buckets before a forward (the second one rebuilds them).
         self._patch_fsdp()
+        pre_forward = getattr(self.model, "_pre_forward", None)
+        if pre_forward is not None and hasattr(self.model, "reducer"):
+            def ddp_pre_forward(*args, **kwargs):
+                self._labels.append("grad")
+                try:
+                    return pre_forward(*args, **kwargs)
+                finally:
+                    self._pop_label()
+
+            self.model._pre_forward = ddp_pre_forward
+            self._undo.append(lambda: delattr(self.model, "_pre_forward"))
         # 5. Storage resizes (FSDP2 frees gathered parameters by resizing to 0).
         orig_resize = torch.UntypedStorage.resize_
         tracker = self
@@ -247,13 +270,25 @@ class MemoryTracker(TorchDispatchMode):
 
     def __exit__(self, *exc):
         out = super().__exit__(*exc)
-        # After the step: gradients that exist now (e.g. DDP bucket views) are gradients.
-        for p in self.model.parameters():
-            if p.grad is not None:
-                self._track(p.grad, "grad")
         while self._undo:
             self._undo.pop()()
+        self._claim_gradients()
         return out
+
+    def _claim_gradients(self) -> None:
+        """Pre-existing storages that turn out to hold gradients (DDP buckets) were alive for the
+        whole region: their bytes add to every moment of the gradient curve, so to its peak."""
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            for st in _storages(p.grad):
+                info = self._info.get(st)
+                if info is not None and info.category == "pre":
+                    self.peak["grad"] += info.nbytes
+                    self.peak_total += info.nbytes
+                    self.current["pre"] -= info.nbytes
+                    info.category = "grad"
+                    self.current["grad"] += info.nbytes
 
     def _pop_label(self) -> None:
         if self._labels:

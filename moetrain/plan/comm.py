@@ -1,0 +1,135 @@
+"""Bytes each rank sends per optimizer step, by collective.
+
+Counted as a ring (bandwidth-optimal) implementation moves them, for a group of G ranks and a
+buffer of S bytes (S = the full, unsharded size):
+
+    all-reduce      2 * S * (G - 1) / G
+    reduce-scatter      S * (G - 1) / G
+    all-gather          S * (G - 1) / G
+    all-to-all      the rows this rank sends to the other G - 1 ranks
+
+Per ZeRO stage (Phi = parameters a rank's group reduces; dense ones over dp, experts' E/ep
+shard over edp; gradients reduced in fp32; parameters gathered in the compute dtype):
+
+    stage 0   all-reduce of the gradients, once per step (no_sync on the other micro-steps)
+    stage 1   stage 0 + all-gather of the updated fp32 parameters after the step
+    stage 2   all-gather of the parameters in every micro-step's forward (kept for backward),
+              reduce-scatter of the gradients once per step
+    stage 3   all-gather in forward and again in backward for the blocks (the root stays
+              gathered), reduce-scatter once per step
+    HSDP      the reduce-scatter inside a shard group, then an all-reduce of the shard across
+              the replicas
+
+All-to-all (the seeds' formula made per rank): each MoE layer sends its T*K routed copies
+(times min(1, capacity factor)) of D values, of which (ep-1)/ep go to other ranks under balanced
+routing, in dispatch and again in combine: 2 * T*K*D*bytes * (ep-1)/ep per layer and forward.
+Backward repeats both exchanges, and a checkpointed MoE layer's recompute repeats the forward.
+The routing-count exchanges (E integers per layer) are too small to list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.distributed.fsdp import expert_shard_dim
+from moetrain.plan.model_states import Layout, ParamSpec, _chunk
+
+COLLECTIVES = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather")
+
+
+@dataclass
+class CommVolume:
+    all_to_all: int = 0
+    all_reduce: int = 0
+    reduce_scatter: int = 0
+    all_gather: int = 0
+    inter_node: int = 0
+    """Of the total, the bytes of collectives whose group spans nodes (the slow link)."""
+
+    @property
+    def total(self) -> int:
+        return self.all_to_all + self.all_reduce + self.reduce_scatter + self.all_gather
+
+    def as_dict(self) -> dict[str, int]:
+        return {c: getattr(self, c) for c in COLLECTIVES} | {"total": self.total, "inter_node": self.inter_node}
+
+
+def _ring(size_bytes: float, group: int) -> float:
+    return size_bytes * (group - 1) / group if group > 1 else 0.0
+
+
+def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
+                  tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
+                  ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None) -> CommVolume:
+    """Bytes this rank sends in one optimizer step (``grad_accum`` micro-batches of
+    ``tokens_per_micro_batch`` tokens). ``ac_moe_layers_recomputed``: MoE layers whose forward
+    (all-to-alls included) checkpointing repeats in backward. ``procs_per_node`` (default: all
+    on one node) decides which groups span nodes: ep groups are consecutive ranks, dp spans
+    every rank, edp groups stride by ep, HSDP shard groups are consecutive."""
+    W, ep, edp, stage = layout.world, layout.ep, layout.edp, layout.zero_stage
+    per_node = W if procs_per_node is None else procs_per_node
+    vol = CommVolume()
+    ep_crosses = ep > per_node or per_node % ep != 0
+    dp_crosses = W > per_node
+    edp_crosses = edp > 1 and W > per_node
+    shard_crosses = layout.dense_shard_size > per_node
+
+    # 1. Expert all-to-all (dispatch + combine), forward, backward and recompute.
+    if ep > 1 and model.is_moe:
+        kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
+        per_layer_fwd = 2 * tokens_per_micro_batch * moe.top_k * kept * model.dim * compute_bytes * (ep - 1) / ep
+        num_moe = len(model.moe_layer_ids)
+        passes = 2 * num_moe + ac_moe_layers_recomputed  # forward + backward, + recompute
+        vol.all_to_all = int(per_layer_fwd * passes * grad_accum)
+        vol.inter_node += vol.all_to_all if ep_crosses else 0
+
+    # 2. Gradient and parameter collectives.
+    dense_numel = sum(s.numel for s in specs if not (s.expert and ep > 1))
+    expert_numel = sum(s.numel // ep for s in specs if s.expert and ep > 1)
+    if stage in (0, 1):
+        dense_ar, expert_ar = 2 * _ring(dense_numel * 4, W), 2 * _ring(expert_numel * 4, edp)
+        vol.all_reduce = int(dense_ar + expert_ar)
+        vol.inter_node += int(dense_ar * dp_crosses + expert_ar * edp_crosses)
+        if stage == 1:
+            dense_ag, expert_ag = _ring(dense_numel * 4, W), _ring(expert_numel * 4, edp)
+            vol.all_gather = int(dense_ag + expert_ag)
+            vol.inter_node += int(dense_ag * dp_crosses + expert_ag * edp_crosses)
+        return vol
+
+    shard = layout.dense_shard_size
+    replicas = layout.hsdp_replicate
+
+    def padded(s: ParamSpec, group: int) -> int:
+        rows = s.shape[0] // ep if (s.expert and ep > 1) else s.shape[0]
+        if s.expert and ep > 1 and expert_shard_dim(s.shape, ep, edp) == 1:
+            return rows * s.row_numel  # split evenly on dim 1: no padding
+        return _chunk(rows, group, 0)[1] * group * s.row_numel
+
+    root_gather = blocks_gather = 0.0
+    reduce = all_reduce = 0.0
+    inter = 0.0
+    gathers = 2 if stage == 3 else 1  # per micro-step, for a block unit
+    for s in specs:
+        is_expert = s.expert and ep > 1
+        group = edp if is_expert else shard
+        crosses = edp_crosses if is_expert else shard_crosses
+        numel = padded(s, group)
+        gathered = _ring(numel * compute_bytes, group)
+        if s.name.startswith("layers."):
+            blocks_gather += gathered
+            inter += gathered * gathers * grad_accum * crosses
+        else:
+            root_gather += gathered
+            inter += gathered * grad_accum * crosses
+        reduce += _ring(numel * 4, group)
+        inter += _ring(numel * 4, group) * crosses
+        if replicas > 1 and not is_expert:
+            all_reduce += 2 * _ring(numel / shard * 4, replicas)
+            inter += 2 * _ring(numel / shard * 4, replicas)  # replicas live on different nodes
+    vol.all_gather = int((blocks_gather * gathers + root_gather) * grad_accum)
+    vol.reduce_scatter = int(reduce)
+    vol.all_reduce = int(all_reduce)
+    vol.inter_node += int(inter)
+    return vol

@@ -1,0 +1,313 @@
+"""The memory/communication planner behind ``moetrain plan``: for each (zero_stage, ep, offload,
+activation checkpointing) choice, the per-rank bytes of parameters, gradients, optimizer states,
+activations and all-to-all buffers, and the per-step bytes of each collective; invalid choices
+with the rule they break; the valid ones that fit the device ranked by communication.
+
+Model states are exact (``model_states``), activations an estimate (``activations``, within a
+few percent of the measured peak on the tested presets), communication the ring volumes of
+``comm``. Nothing is allocated: the parameter shapes come from the model built on the meta device.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import asdict, dataclass, field
+
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.plan.activations import estimate_activations
+from moetrain.plan.comm import comm_per_step
+from moetrain.plan.model_states import (
+    Layout,
+    param_specs,
+    state_bytes_per_rank,
+    transient_state_bytes,
+    unsharded_param_peak_bytes,
+)
+
+OFFLOADS = ("none", "optimizer", "params")
+"""none; optimizer: optimizer states (and, through FSDP2 at stages 2/3, the sharded parameters
+and gradients) in host memory; params: zero.offload_param at stage 3 (everything sharded on the host)."""
+AC_CHOICES = ("none", "moe", "every_n", "full")
+
+
+@dataclass(frozen=True)
+class Choice:
+    zero_stage: int
+    ep: int
+    offload: str = "none"
+    ac: str = "none"
+    hsdp_replicate: int = 1
+
+    def label(self) -> str:
+        hsdp = f" hsdp={self.hsdp_replicate}" if self.hsdp_replicate > 1 else ""
+        return f"zero={self.zero_stage} ep={self.ep} offload={self.offload} ac={self.ac}{hsdp}"
+
+
+@dataclass
+class PlanRow:
+    choice: Choice
+    valid: bool
+    reason: str | None = None
+    """Why the choice is invalid (None when valid)."""
+    notes: list[str] = field(default_factory=list)
+    param_bytes: int = 0
+    """Per rank, the largest over ranks: sharded/replicated parameters on the device."""
+    grad_bytes: int = 0
+    optim_bytes: int = 0
+    gathered_param_bytes: int = 0
+    """Parameters FSDP gathers on top of the shards at the height of a step (stages 2/3)."""
+    transient_bytes: int = 0
+    """Short-lived gradient and communication buffers (see ``transient_state_bytes``)."""
+    activation_bytes: int = 0
+    """Estimated activation peak of one micro-batch."""
+    a2a_buffer_bytes: int = 0
+    """One MoE layer's all-to-all send + receive buffers (transient, forward)."""
+    host_bytes: int = 0
+    """Offloaded model states in host memory."""
+    device_bytes: int = 0
+    """param + grad + optim (unless offloaded) + gathered params + transient buffers +
+    activations: an upper bound, since the parts peak at different moments of the step."""
+    comm: dict[str, int] = field(default_factory=dict)
+    """Bytes this rank sends per step, per collective (and "total")."""
+    per_rank_states: list[dict[str, int]] = field(default_factory=list)
+    """Exact parameter/gradient/optimizer bytes of every rank (they differ when shards are uneven)."""
+    fits: bool | None = None
+    ep_spans_nodes: bool = False
+
+
+@dataclass
+class Plan:
+    world: int
+    nodes: int
+    device_memory: int | None
+    tokens_per_micro_batch: int
+    grad_accum: int
+    counts: dict[str, int]
+    rows: list[PlanRow]
+
+    @property
+    def ranked(self) -> list[PlanRow]:
+        """Valid choices that fit (all valid ones when no device memory is given): those whose
+        expert-parallel groups stay inside a node first (the seeds' advice: all-to-alls are the
+        bulk of an MoE step's traffic and must not cross the slow link), then fewest
+        communication bytes, then fewest inter-node bytes; ties go to the lower stage (fewer, larger collectives), no
+        offload, less recomputation, then least device memory."""
+        ok = [r for r in self.rows if r.valid and r.fits is not False]
+        # Ties (offload and checkpointing move no collective bytes) go to the cheaper choice:
+        # no offload before offload (host copies every step), less recomputation first.
+        return sorted(ok, key=lambda r: (r.ep_spans_nodes, r.comm["total"], r.comm["inter_node"],
+                                         r.choice.zero_stage, OFFLOADS.index(r.choice.offload),
+                                         AC_CHOICES.index(r.choice.ac), r.device_bytes))
+
+    def to_dict(self) -> dict:
+        return {
+            "world": self.world, "nodes": self.nodes, "device_memory": self.device_memory,
+            "tokens_per_micro_batch": self.tokens_per_micro_batch, "grad_accum": self.grad_accum,
+            "params": self.counts,
+            "ranked": [_row_dict(r) for r in self.ranked],
+            "choices": [_row_dict(r) for r in self.rows],
+        }
+
+
+def _row_dict(r: PlanRow) -> dict:
+    d = asdict(r)
+    d["choice"] = asdict(r.choice)
+    return d
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GiB"`` -> 85899345920; ``"80GB"`` -> 8e10; a plain number is bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--device-memory ({text!r}) must be a size like 80GiB, 40GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def resolve_vocab(cfg: JobConfig) -> ModelConfig:
+    """The model config with vocab_size set: its own, else the tokenizer's (what training uses)."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model
+    vocab = 256 if cfg.data.tokenizer == "bytes" else cfg.data.vocab_size
+    return cfg.model.with_vocab_size(vocab)
+
+
+def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int | None = None,
+              stages=(0, 1, 2, 3), eps=None, offloads=OFFLOADS, acs=AC_CHOICES) -> Plan:
+    """Evaluate every choice for ``nproc`` processes in all (over ``nodes`` nodes)."""
+    if not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"--nproc ({nproc!r}) must be an int >= 1")
+    if not isinstance(nodes, int) or nodes < 1 or nproc % nodes != 0:
+        raise ValueError(f"--nodes ({nodes!r}) must be an int >= 1 that divides --nproc ({nproc})")
+    model = resolve_vocab(cfg)
+    moe = cfg.moe
+    if cfg.parallel.dp not in (-1, nproc):
+        raise ValueError(f"parallel.dp ({cfg.parallel.dp}) must be -1 or the world size ({nproc}) to plan")
+    grad_accum = cfg.train.grad_accum_steps(nproc)  # raises naming the batch fields
+    T = cfg.train.micro_batch_size * cfg.data.seq_len
+    specs = param_specs(model, moe)
+    compute_bytes = 4 if cfg.train.dtype == "fp32" else 2
+    per_node = nproc // nodes
+    if eps is None:
+        eps = [d for d in range(1, nproc + 1) if nproc % d == 0]
+    hsdps = [1] + ([nodes] if nodes > 1 else [])
+    # Model states depend on the layout only (not on checkpointing): compute each once.
+    state_cache: dict[Layout, list] = {}
+
+    def states(layout: Layout) -> list:
+        if layout not in state_cache:
+            state_cache[layout] = state_bytes_per_rank(specs, layout)
+        return state_cache[layout]
+
+    rows = []
+    for stage, ep, offload, ac, hsdp in itertools.product(stages, eps, offloads, acs, hsdps):
+        choice = Choice(stage, ep, offload, ac, hsdp)
+        if hsdp > 1 and stage < 2:
+            continue  # HSDP only exists for the FSDP stages; not worth a line per stage
+        reason = _invalid(choice, model, moe, nproc)
+        row = PlanRow(choice=choice, valid=reason is None, reason=reason)
+        if reason is None:
+            _fill(row, specs, model, cfg, nproc=nproc, T=T, grad_accum=grad_accum, compute_bytes=compute_bytes,
+                  per_node=per_node, device_memory=device_memory, states=states)
+        rows.append(row)
+    counts = {"total": sum(s.numel for s in specs), "expert": sum(s.numel for s in specs if s.expert)}
+    counts["non_expert"] = counts["total"] - counts["expert"]
+    return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
+                grad_accum=grad_accum, counts=counts, rows=rows)
+
+
+def _invalid(c: Choice, model: ModelConfig, moe, world: int) -> str | None:
+    if not model.is_moe and c.ep > 1:
+        return f"parallel.ep ({c.ep}) must be 1 for a dense model (model.moe_every = 0)"
+    if model.is_moe and moe.num_experts % c.ep != 0:
+        return f"parallel.ep ({c.ep}) must divide moe.num_experts ({moe.num_experts})"
+    if c.zero_stage > 0 and world == 1:
+        return f"parallel.zero_stage ({c.zero_stage}) needs more than one data-parallel rank to shard over"
+    if c.offload == "optimizer" and c.zero_stage == 0:
+        return "zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)"
+    if c.offload == "params" and c.zero_stage != 3:
+        return f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {c.zero_stage})"
+    if c.ac == "moe" and not model.is_moe:
+        return "train.activation_checkpointing ('moe') needs MoE blocks (model.moe_every > 0)"
+    if c.ac == "every_n" and model.num_layers < 2:
+        return "train.activation_checkpointing ('every_n') needs at least 2 blocks"
+    return None
+
+
+def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int, T: int, grad_accum: int,
+          compute_bytes: int, per_node: int, device_memory: int | None, states) -> None:
+    c = row.choice
+    layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
+                    offload_optimizer=c.offload != "none", offload_params=c.offload == "params")
+    per_rank = states(layout)
+    row.per_rank_states = [s.as_dict() for s in per_rank]
+    worst = max(per_rank, key=lambda s: s.total)
+    row.param_bytes, row.grad_bytes, row.optim_bytes = worst.param, worst.grad, worst.optim
+    row.gathered_param_bytes = unsharded_param_peak_bytes(specs, layout, compute_bytes=compute_bytes)
+    act = estimate_activations(model, cfg.moe, micro_batch_size=cfg.train.micro_batch_size,
+                               seq_len=cfg.data.seq_len, ep=c.ep, ac=c.ac,
+                               ac_every=cfg.train.activation_checkpointing_every, dtype=cfg.train.dtype)
+    row.activation_bytes, row.a2a_buffer_bytes = act.peak_bytes, act.a2a_buffer_bytes
+    # What lives on the host: ZeRO-1 offload moves the optimizer slice and its master copy;
+    # FSDP2's CPUOffloadPolicy (stages 2/3) moves sharded parameters, gradients and states.
+    if c.offload == "none":
+        host = 0
+        device_states = worst.total
+    elif c.zero_stage == 1:
+        host, device_states = worst.optim, worst.param + worst.grad
+    else:
+        host, device_states = worst.total, 0
+    row.host_bytes = host
+    row.transient_bytes = transient_state_bytes(specs, layout, bucket_numel=cfg.zero.allgather_bucket_size)
+    row.device_bytes = device_states + row.gathered_param_bytes + row.transient_bytes + row.activation_bytes
+    recomputed = 0
+    if c.ac in ("full", "moe"):
+        recomputed = len(model.moe_layer_ids)
+    elif c.ac == "every_n":
+        recomputed = sum(1 for i in range(0, model.num_layers, cfg.train.activation_checkpointing_every)
+                         if model.is_moe_layer(i))
+    row.comm = comm_per_step(specs, layout, model, cfg.moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
+                             compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed,
+                             procs_per_node=per_node).as_dict()
+    if c.ep > per_node or per_node % c.ep != 0:
+        row.ep_spans_nodes = True
+        row.notes.append(f"ep={c.ep} spans nodes ({per_node} processes per node): all-to-alls cross the "
+                         "slower inter-node link")
+    if device_memory is not None:
+        row.fits = row.device_bytes <= device_memory
+
+
+def stage3_advice(plan: Plan) -> list[str]:
+    """The seeds' advice, from the numbers: stage 3 only when nothing lighter fits; EP inside a node."""
+    out = []
+    ranked = plan.ranked
+    if ranked:
+        best = ranked[0].choice
+        lighter = [r for r in ranked if r.choice.zero_stage < 3]
+        if best.zero_stage == 3 and lighter:
+            out.append("a stage < 3 choice also fits: prefer it (stage 3 re-gathers every block in backward)")
+        if not lighter and any(r.choice.zero_stage == 3 for r in ranked):
+            out.append("only ZeRO-3 fits this device: parameters must be sharded")
+    if plan.device_memory is not None and not ranked:
+        out.append("nothing fits: add ranks, offload, checkpoint activations or shrink the micro-batch")
+    return out
+
+
+def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) -> str:
+    """The human-readable table: ranked valid choices, then the invalid ones grouped by reason."""
+    valid = [r for r in plan.rows if r.valid]
+    big = max((max(r.device_bytes, r.host_bytes, r.comm["total"]) for r in valid), default=0)
+    unit, scale = ("GiB", 2**30) if big >= 2**30 else ("MiB", 2**20)
+    gib = 2**30
+
+    def g(x: int) -> str:
+        return f"{x / scale:8.2f}"
+
+    lines = [(f"world {plan.world} processes on {plan.nodes} node(s); {plan.tokens_per_micro_batch} tokens per "
+             f"micro-batch, {plan.grad_accum} micro-batch(es) per step; parameters {plan.counts['total'] / 1e9:.3f}B "
+             f"({plan.counts['expert'] / 1e9:.3f}B in experts)")]
+    if plan.device_memory is not None:
+        lines.append(f"device memory {plan.device_memory / gib:.2f} GiB per rank")
+    lines.append(f"per rank, {unit} (the largest rank); communication: {unit} this rank sends per step")
+    hdr = (f"{'#':>3} {'choice':44s} {'param':>8} {'grad':>8} {'optim':>8} {'gather':>8} {'transnt':>8} {'activ':>8} "
+           f"{'a2a buf':>8} {'device':>8} {'host':>8} | {'a2a':>8} {'allred':>8} {'redsc':>8} {'allgat':>8} "
+           f"{'total':>8} {'inter':>8} fits")
+    lines.append(hdr)
+
+    def line(i: int, r: PlanRow) -> str:
+        cm = r.comm
+        fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
+        return (f"{i:>3} {r.choice.label():44s} {g(r.param_bytes)} {g(r.grad_bytes)} {g(r.optim_bytes)} "
+                f"{g(r.gathered_param_bytes)} {g(r.transient_bytes)} {g(r.activation_bytes)} {g(r.a2a_buffer_bytes)} "
+                f"{g(r.device_bytes)} {g(r.host_bytes)} | {g(cm['all_to_all'])} {g(cm['all_reduce'])} "
+                f"{g(cm['reduce_scatter'])} {g(cm['all_gather'])} {g(cm['total'])} {g(cm['inter_node'])} {fits:4s}"
+                + (f" [{'; '.join(r.notes)}]" if r.notes else ""))
+
+    ranked = plan.ranked
+    for i, r in enumerate(ranked[:top] if top else ranked, 1):
+        lines.append(line(i, r))
+    if top and len(ranked) > top:
+        lines.append(f"    ... {len(ranked) - top} more that fit (--all lists every choice)")
+    too_big = sorted((r for r in plan.rows if r.valid and r.fits is False), key=lambda r: r.device_bytes)
+    if too_big:
+        lines.append(f"do not fit ({len(too_big)}), least device memory first:")
+        for r in too_big[:top] if top else too_big:
+            lines.append(line(0, r).replace("  0 ", "  - ", 1))
+    if show_invalid:
+        reasons: dict[str, int] = {}
+        for r in plan.rows:
+            if not r.valid:
+                reasons[r.reason] = reasons.get(r.reason, 0) + 1
+        if reasons:
+            lines.append("invalid:")
+            lines += [f"  {n:3d} choice(s): {reason}" for reason, n in reasons.items()]
+    for advice in stage3_advice(plan):
+        lines.append("advice: " + advice)
+    return "\n".join(lines)

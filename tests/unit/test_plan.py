@@ -1,0 +1,225 @@
+"""The planner: parameter lists, the ZeRO stage table, communication formulas worked by hand,
+invalid choices, ranking, and ``moetrain plan --json`` for every preset config."""
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from moetrain.config.job import JobConfig
+from moetrain.config.loader import load_config
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.models.presets import get_preset
+from moetrain.models.transformer import Transformer, count_params
+from moetrain.plan import Layout, comm_per_step, make_plan, param_specs, parse_bytes, rank_state_bytes
+from moetrain.plan.cli import add_plan_parser, run_plan
+from moetrain.plan.planner import format_plan
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+
+
+def _tiny(vocab=4096):
+    p = get_preset("tiny")
+    return replace(p.model, vocab_size=vocab, preset=None), p.moe
+
+
+def test_param_specs_are_the_instantiated_model():
+    model_cfg, moe = _tiny(vocab=300)
+    real = Transformer(model_cfg, moe=moe, seed=0)
+    specs = param_specs(model_cfg, moe)
+    assert [(s.name, s.shape) for s in specs] == [(n, tuple(p.shape)) for n, p in real.named_parameters()]
+    assert sum(s.numel for s in specs if s.expert) == real.param_counts().expert
+
+
+@pytest.mark.parametrize("preset", ["mixtral-8x7b", "deepseek-moe-16b"])
+def test_param_specs_of_large_presets_match_the_analytic_count(preset):
+    # Built on the meta device: no memory, and the same list the model code would create.
+    p = get_preset(preset)
+    specs = param_specs(p.model, p.moe)
+    counts = count_params(p.model, p.moe)
+    assert sum(s.numel for s in specs) == counts.total
+    assert sum(s.numel for s in specs if s.expert) == counts.expert
+
+
+def test_sixteen_bytes_per_parameter_replicated():
+    # fp32 param + fp32 grad + AdamW m and v: 4 + 4 + 8 = 16 bytes (the seeds' 2 + 2 + 12), plus a
+    # 4-byte step counter per tensor.
+    specs = param_specs(*_tiny())
+    n, tensors = sum(s.numel for s in specs), len(specs)
+    b = rank_state_bytes(specs, Layout(world=1, ep=1, zero_stage=0), 0)
+    assert (b.param, b.grad, b.optim) == (4 * n, 4 * n, 8 * n + 4 * tensors)
+
+
+def test_zero_stage_table():
+    """What each stage shards, on 8 ranks (ep = 1): stage 1 the optimizer states, stage 2 also
+    the gradients, stage 3 (and 2, which FSDP keeps sharded at rest) also the parameters."""
+    specs = param_specs(*_tiny())
+    n = sum(s.numel for s in specs)
+    W = 8
+    s0, s1, s2, s3 = (rank_state_bytes(specs, Layout(world=W, ep=1, zero_stage=z), 0) for z in range(4))
+    assert s0.param == s1.param == 4 * n and s0.grad == s1.grad == 4 * n
+    assert s1.optim == pytest.approx(s0.optim / W, rel=0.01)
+    for s in (s2, s3):
+        assert s.param == pytest.approx(4 * n / W, rel=0.02) and s.grad == pytest.approx(4 * n / W, rel=0.02)
+        assert s.optim == pytest.approx(s0.optim / W, rel=0.02)
+    # Expert parallelism divides the experts before ZeRO divides what is left.
+    e = sum(s.numel for s in specs if s.expert)
+    s0_ep = rank_state_bytes(specs, Layout(world=W, ep=4, zero_stage=0), 0)
+    assert s0_ep.param == 4 * (n - e + e // 4)
+
+
+def test_empty_and_padded_shards_by_hand():
+    # A 6-row router over 4 ranks: torch.chunk gives rows 2, 2, 2, 0; FSDP allocates 2 padded rows
+    # everywhere; AdamW states follow the real rows; the step counter exists even when empty.
+    model_cfg = ModelConfig(vocab_size=64, dim=8, num_layers=1, num_heads=2, moe_every=1, tie_embeddings=True)
+    moe = MoEConfig(num_experts=6, top_k=2, expert_hidden_dim=8)
+    router = [s for s in param_specs(model_cfg, moe) if s.name.endswith("router.gate.weight")]
+    layout = Layout(world=4, ep=1, zero_stage=3)
+    per_rank = [rank_state_bytes(router, layout, r) for r in range(4)]
+    assert [b.param for b in per_rank] == [2 * 8 * 4] * 4
+    assert [b.optim for b in per_rank] == [2 * 8 * 8 + 4] * 3 + [4]
+    # Stage 1 slices the flattened 48 elements: 12 each.
+    assert [rank_state_bytes(router, Layout(world=4, ep=1, zero_stage=1), r).optim for r in range(4)] == [12 * 8 + 4] * 4
+
+
+def test_comm_formulas_by_hand():
+    model_cfg, moe = _tiny()
+    specs = param_specs(model_cfg, moe)
+    n = sum(s.numel for s in specs)
+    e = sum(s.numel for s in specs if s.expert)
+    W, T, accum = 4, 2048, 2
+
+    def vol(stage, ep, **kw):
+        return comm_per_step(specs, Layout(world=W, ep=ep, zero_stage=stage), model_cfg, moe,
+                             tokens_per_micro_batch=T, grad_accum=accum, compute_bytes=4, **kw)
+
+    # Stage 0: a ring all-reduce of the fp32 gradients, once per step whatever the accumulation.
+    assert vol(0, 1).all_reduce == int(2 * 4 * n * (W - 1) / W)
+    assert vol(0, 1).all_to_all == 0
+    # Stage 1 adds an all-gather of the updated parameters.
+    assert vol(1, 1).all_gather == int(4 * n * (W - 1) / W)
+    # Experts at ep=2: dense gradients over all 4 ranks, the local expert half over edp = 2.
+    assert vol(0, 2).all_reduce == int(2 * 4 * (n - e) * 3 / 4) + int(2 * 4 * (e // 2) * 1 / 2)
+    # The seeds' all-to-all formula per layer and pass: dispatch + combine of T*K copies of D
+    # values, (ep-1)/ep of them leave the rank; forward + backward, 4 MoE layers, 2 micro-batches.
+    per_layer = 2 * T * moe.top_k * model_cfg.dim * 4 * (2 - 1) / 2
+    assert vol(0, 2).all_to_all == int(per_layer * 2 * 4 * accum)
+    # Checkpointing the 4 MoE layers repeats their forward exchanges.
+    assert vol(0, 2, ac_moe_layers_recomputed=4).all_to_all == int(per_layer * 3 * 4 * accum)
+    # Stages 2/3: reduce-scatter once; all-gather per micro-step, twice for blocks at stage 3.
+    s2, s3 = vol(2, 1), vol(3, 1)
+    assert s2.reduce_scatter == s3.reduce_scatter == pytest.approx(4 * n * 3 / 4, rel=0.01)
+    root = sum(s.numel for s in specs if not s.name.startswith("layers."))
+    assert s2.all_gather == pytest.approx(4 * n * 3 / 4 * accum, rel=0.01)
+    assert s3.all_gather == pytest.approx(4 * (2 * (n - root) + root) * 3 / 4 * accum, rel=0.01)
+
+
+def _job(*, moe_every: int = 1) -> JobConfig:
+    from moetrain.config.data import DataConfig
+    from moetrain.config.train import TrainConfig
+
+    return JobConfig(model=ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=2, max_seq_len=64,
+                                       moe_every=moe_every),
+                     moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=64),
+                     train=TrainConfig(global_batch_size=16, micro_batch_size=2),
+                     data=DataConfig(seq_len=64, vocab_size=512))
+
+
+def test_invalid_choices_say_why():
+    plan = make_plan(_job(), nproc=8)
+    reasons = {r.reason for r in plan.rows if not r.valid}
+    assert "parallel.ep (8) must divide moe.num_experts (4)" in reasons
+    assert "zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is 2)" in reasons
+    assert "zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)" in reasons
+    text = format_plan(plan)
+    assert "invalid:" in text and "must divide moe.num_experts" in text
+
+
+def test_dense_model_and_one_rank():
+    plan = make_plan(_job(moe_every=0), nproc=2)
+    assert all(not r.valid for r in plan.rows if r.choice.ep > 1 or r.choice.ac == "moe")
+    one = make_plan(_job(), nproc=1)
+    assert all(not r.valid for r in one.rows if r.choice.zero_stage > 0)
+    assert any(r.valid for r in one.rows)
+
+
+def test_ranking_fits_and_fewest_bytes_first():
+    plan = make_plan(_job(), nproc=4)
+    devices = sorted(r.device_bytes for r in plan.rows if r.valid)
+    limit = devices[len(devices) // 2]
+    plan = make_plan(_job(), nproc=4, device_memory=limit)
+    ranked = plan.ranked
+    assert ranked and all(r.fits and r.device_bytes <= limit for r in ranked)
+    totals = [r.comm["total"] for r in ranked]
+    assert totals == sorted(totals)
+    assert any(r.valid and not r.fits for r in plan.rows)
+
+
+def test_ep_across_nodes_ranks_last():
+    plan = make_plan(_job(), nproc=4, nodes=2)
+    ranked = plan.ranked
+    crossing = [i for i, r in enumerate(ranked) if r.choice.ep == 4]
+    inside = [i for i, r in enumerate(ranked) if r.choice.ep <= 2]
+    assert crossing and inside and max(inside) < min(crossing)
+    assert all("spans nodes" in r.notes[0] for r in ranked if r.choice.ep == 4)
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("40GB") == 40 * 10**9
+    assert parse_bytes("512 MiB") == 512 * 2**20
+    assert parse_bytes("1234") == 1234
+    with pytest.raises(ValueError, match="--device-memory"):
+        parse_bytes("lots")
+
+
+def test_batch_errors_name_the_fields():
+    with pytest.raises(ValueError, match="train.global_batch_size"):
+        make_plan(_job(), nproc=3)  # 16 sequences do not split over 3 ranks
+    with pytest.raises(ValueError, match="--nodes"):
+        make_plan(_job(), nproc=4, nodes=3)
+
+
+@pytest.mark.parametrize("config,nproc,nodes", [("tiny.yaml", 2, 1), ("tiny-dense.yaml", 2, 1),
+                                                ("mixtral-8x7b.yaml", 64, 8), ("deepseek-moe-16b.yaml", 32, 4)])
+def test_plan_cli_json_for_presets(config, nproc, nodes, capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["plan", "--config", str(CONFIGS / config), "--nproc", str(nproc), "--nodes", str(nodes),
+                              "--device-memory", "80GiB", "--json"])
+    assert run_plan(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["world"] == nproc and data["ranked"], config
+    best = data["ranked"][0]
+    for key in ("param_bytes", "grad_bytes", "optim_bytes", "activation_bytes", "a2a_buffer_bytes", "device_bytes"):
+        assert best[key] >= 0
+    assert set(best["comm"]) >= {"all_to_all", "all_reduce", "reduce_scatter", "all_gather", "total"}
+    assert len(best["per_rank_states"]) == nproc
+    assert all(c["valid"] or c["reason"] for c in data["choices"])
+    # Text mode prints the same plan.
+    args.json = False
+    assert run_plan(args) == 0
+    assert "zero=" in capsys.readouterr().out
+
+
+def test_mixtral_experts_shard_on_dim1_when_ep_leaves_one_per_rank():
+    # 8 experts at ep = 8 leave one per rank; over edp = 8, dim-0 chunks would pad every rank to
+    # a whole expert (no saving at all). Dim 1 is split instead: 1/8 of an expert each.
+    p = get_preset("mixtral-8x7b")
+    specs = [s for s in param_specs(p.model, p.moe) if s.expert][:3]
+    one_expert = sum(math.prod(s.shape[1:]) for s in specs)
+    b = rank_state_bytes(specs, Layout(world=64, ep=8, zero_stage=3), 5)
+    assert b.param == 4 * one_expert // 8
+
+
+def test_cli_config_overrides_apply():
+    cfg = load_config(CONFIGS / "tiny.yaml", ["--train.micro_batch_size=4", "--data.seq_len=128"])
+    plan = make_plan(cfg, nproc=2)
+    assert plan.tokens_per_micro_batch == 512 and plan.grad_accum == 2
+    assert torch.is_tensor(torch.zeros(1))  # the planner allocated nothing real on the way
