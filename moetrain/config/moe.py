@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice, require_non_negative, require_positive

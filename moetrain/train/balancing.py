@@ -124,6 +124,14 @@ class Balancer:
         for layer in self.layers:
             layer.track_routing_stats = False
 
+    def discard_step(self) -> None:
+        """Forget the routing counts of the current step: call it when a step is skipped without
+        ``optimizer.step()`` (non-finite loss or gradient), or its counts would be added to the
+        next step's bias update."""
+        for layer in self.layers:
+            layer.step_routed_E.zero_()
+            layer.step_local_stats.zero_()
+
     # ----- the hooks ---------------------------------------------------------------------------------
 
     @torch.no_grad()

@@ -31,6 +31,12 @@ def expert_load_summary(counts_LE: torch.Tensor) -> dict:
     }
 
 
+PER_EXPERT_KEYS = ("expert_share", "expert_bias", "expert_lr_scale")
+"""Metrics that are [layer][expert] tables of numbers (TensorBoard histograms per layer). Other
+nested lists (``unused_experts``: expert ids per layer) are kept in metrics.jsonl only; their
+counts (``num_unused_experts``) go to TensorBoard as per-layer scalars."""
+
+
 class MetricsLogger:
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True) -> None:
         self.enabled = enabled
@@ -65,9 +71,10 @@ class MetricsLogger:
             # Per-layer lists (load_cv, dropped_fraction, ...) become one scalar per layer.
             for i, v in enumerate(value):
                 self._tb.add_scalar(f"{key}/layer{i}", v, step)
-        elif key == "expert_share" and isinstance(value, list):
+        elif key in PER_EXPERT_KEYS and isinstance(value, list):
+            # [layer][expert] values: one histogram over the experts per layer.
             for i, row in enumerate(value):
-                self._tb.add_histogram(f"expert_share/layer{i}", torch.tensor(row),
+                self._tb.add_histogram(f"{key}/layer{i}", torch.tensor(row, dtype=torch.float64),
                                        step, bins=len(row))
 
     def close(self) -> None:

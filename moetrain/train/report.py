@@ -8,10 +8,10 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")  # headless: report runs on training nodes without a display
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
 
-from moetrain.train.metrics import read_metrics  # noqa: E402
+from moetrain.train.metrics import read_metrics
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list]:
@@ -54,7 +54,11 @@ def plot_throughput(records, out: Path) -> Path:
 
 def plot_expert_load(records, out: Path) -> Path | None:
     """One heatmap per MoE layer: expert (rows) x log step (columns), colour = share of the
-    layer's routed copies. Uniform routing is 1/E everywhere; a bright row is a hot expert."""
+    layer's routed copies. Uniform routing is 1/E everywhere; a bright row is a hot expert.
+
+    Expert-health marks (when the run logged them): a cyan x where an expert counted as unused
+    (no token for moe.unused_expert_steps steps), a red triangle above a layer at each log step
+    whose window raised a routing-collapse alarm."""
     steps, shares = _series(records, "expert_share")
     if not steps:
         return None
@@ -62,15 +66,50 @@ def plot_expert_load(records, out: Path) -> Path | None:
     num_layers, num_experts = arr.shape[1], arr.shape[2]
     fig, axes = plt.subplots(num_layers, 1, figsize=(8, 1.2 + 1.6 * num_layers), squeeze=False, sharex=True)
     vmax = max(2.0 / num_experts, float(arr.max()))
+    unused = {r["step"]: r["unused_experts"] for r in records if r.get("unused_experts") is not None}
+    alarms = {r["step"]: r["routing_collapse_alarms"] for r in records if r.get("routing_collapse_alarms")}
     for i in range(num_layers):
         ax = axes[i][0]
         im = ax.imshow(arr[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest",
                        extent=(steps[0], steps[-1], num_experts - 0.5, -0.5))
+        pts = [(s, e) for s, per_layer in unused.items() for e in per_layer[i]]
+        if pts:
+            ax.scatter(*zip(*pts), marker="x", s=14, color="cyan", label="unused")
+        hits = [s for s, per_layer in alarms.items() if per_layer[i] > 0]
+        if hits:
+            ax.scatter(hits, [-0.5] * len(hits), marker="v", s=30, color="red", clip_on=False, label="collapse alarm")
+        if pts or hits:
+            ax.legend(fontsize=7, loc="upper right")
         ax.set_ylabel(f"MoE layer {i}\nexpert")
         fig.colorbar(im, ax=ax, label="share")
     axes[-1][0].set_xlabel("step")
     fig.suptitle(f"Expert load (uniform = {1 / num_experts:.3f})")
     return _save(fig, out / "expert_load.png")
+
+
+HEALTH_PANELS = (("load_cv", "load CV (std / mean)"), ("load_max_over_mean", "max / mean load"),
+                 ("max_token_fraction", "largest expert's token fraction"),
+                 ("routing_entropy", "routing entropy (nats / token)"))
+
+
+def plot_expert_health(records, out: Path) -> Path | None:
+    """Per-layer expert-health series (logged by moetrain.train.balancing): load imbalance, the
+    hottest expert's token fraction and the router's entropy."""
+    panels = [(key, label) for key, label in HEALTH_PANELS if _series(records, key)[0]]
+    if not panels:
+        return None
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), squeeze=False, sharex=True)
+    for ax, (key, label) in zip(axes[:, 0], panels):
+        s, v = _series(records, key)
+        arr = np.asarray(v, dtype=float).reshape(len(s), -1)
+        for i in range(arr.shape[1]):
+            ax.plot(s, arr[:, i], lw=1.0, label=f"layer {i}")
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=4)
+    axes[-1][0].set_xlabel("step")
+    fig.suptitle("Expert health")
+    return _save(fig, out / "expert_health.png")
 
 
 def plot_dropped(records, out: Path) -> Path | None:
@@ -94,5 +133,5 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     made = [plot_loss(records, out), plot_throughput(records, out), plot_expert_load(records, out),
-            plot_dropped(records, out)]
+            plot_expert_health(records, out), plot_dropped(records, out)]
     return [p for p in made if p is not None]

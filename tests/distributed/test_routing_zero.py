@@ -12,7 +12,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_launcher import run_ranks
-from zero_parity import GLOBAL_BATCH, Run, _optimizer, _step, assert_matches, build, make_batches, model_configs
+from zero_parity import (
+    GLOBAL_BATCH,
+    Run,
+    _optimizer,
+    _step,
+    assert_matches,
+    build,
+    make_batches,
+    model_configs,
+)
 
 from moetrain.distributed import ParallelDims, parallelize, wrap_optimizer
 from moetrain.models.moe import MoELayer

@@ -107,7 +107,7 @@ def test_recomputed_and_eval_forwards_are_not_counted():
     install_balancing(opt, model)
     apply_activation_checkpointing(list(model.layers))
     x, _ = batch(0, tokens=10)
-    out, auxes = model(x)
+    out, _ = model(x)
     out.sum().backward()  # recomputes both layers' forwards
     model.eval()
     with torch.no_grad():
@@ -340,3 +340,26 @@ def test_metrics_report_entropy_idle_experts_and_reset():
     assert m["unused_experts"] == [[1, 2, 3]] and m["num_unused_experts"] == [3]
     assert m["expert_share"] == [[1.0, 0.0, 0.0, 0.0]]  # this window only: one step
     assert balancer.metrics() == {}  # nothing since the last read
+
+
+def test_a_discarded_step_leaves_no_counts_behind():
+    """A step skipped without optimizer.step() (non-finite loss) must not add its routing counts to
+    the next step's bias update."""
+    cfg = moe(router="sigmoid", router_bias_update_rate=0.01, aux_loss_coef=0.0)
+    skipped, clean = TwoLayers(cfg), TwoLayers(cfg)
+    opts = []
+    for model in (skipped, clean):
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        opts.append((opt, install_balancing(opt, model)))
+    x, _ = batch(0)
+    out, _ = skipped(x[:16])  # the skipped step's forward/backward
+    out.sum().backward()
+    opts[0][1].discard_step()
+    for model, (opt, _) in zip((skipped, clean), opts):
+        opt.zero_grad()
+        out, _ = model(x[16:])
+        out.sum().backward()
+        opt.step()
+    for a, b in zip(skipped.layers, clean.layers):
+        torch.testing.assert_close(a.router.expert_bias, b.router.expert_bias, rtol=0, atol=0)
+        assert a.router.expert_bias.abs().sum() > 0

@@ -13,8 +13,8 @@ M copies kept after capacity drops (M = N when dropless).
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 
