@@ -6,6 +6,7 @@
     moetrain config show --config X [--section.field=value ...]
     moetrain data list | moetrain data fetch shakespeare
     moetrain report RUN_DIR
+    moetrain plan --config X --nproc N [--nodes M] [--device-memory 80GiB] [--json]
     moetrain export RUN_DIR --to DIR                 (consolidated safetensors + config.yaml)
     moetrain convert RUN_DIR --to-hf DIR             (Hugging Face Mixtral: config.json + safetensors)
     moetrain convert --from-hf DIR --to DIR          (a Hugging Face Mixtral as a moetrain export)
@@ -192,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--to-hf", default=None, help="write a Hugging Face Mixtral folder here")
     conv.add_argument("--from-hf", default=None, help="read this Hugging Face Mixtral folder")
     conv.add_argument("--to", default=None, help="with --from-hf: the moetrain export folder to write")
+    from moetrain.plan.cli import add_plan_parser
+
+    add_plan_parser(sub)
     return p
 
 
@@ -208,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_train(args, overrides, argv, demo=args.cmd == "demo")
         if args.cmd == "config":
             return cmd_config(args, overrides)
+        if args.cmd == "plan":
+            from moetrain.plan.cli import run_plan
+
+            return run_plan(args, overrides)
         if overrides:
             parser.error(f"unrecognised arguments: {' '.join(overrides)}")
         if args.cmd == "data":
@@ -220,6 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_convert(args, parser)
     except ValueError as e:
         # Bad input: one clear line, no traceback (the config is validated before any work).
+        print(f"moetrain: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - only the data layer's "cannot get the corpus" is expected here
+        from moetrain.data.cache import CorpusUnavailableError
+
+        if not isinstance(e, CorpusUnavailableError):
+            raise
         print(f"moetrain: error: {e}", file=sys.stderr)
         return 2
     return 1

@@ -9,4 +9,5 @@ Face (Mixtral-layout) conversion.
 from moetrain.interop.export import build_model, export_model, load_source, read_export, write_export
 from moetrain.interop.hf_mixtral import export_hf, import_hf
 
-__all__ = ["build_model", "export_hf", "export_model", "import_hf", "load_source", "read_export", "write_export"]
+__all__ = ["build_model", "export_hf", "export_model", "import_hf", "load_source", "read_export",
+           "write_export"]

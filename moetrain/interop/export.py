@@ -73,6 +73,9 @@ def _write_atomic_bytes(path: Path, write) -> None:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files 0600; exports are for sharing
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -109,7 +112,8 @@ def read_export(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor],
     with safe_open(str(path / WEIGHTS), "pt") as f:
         meta = f.metadata() or {}
     if meta.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{str(path / WEIGHTS)!r} is not a {EXPORT_FORMAT} file (format {meta.get('format')!r})")
+        raise ValueError(f"{str(path / WEIGHTS)!r} is not a {EXPORT_FORMAT} file "
+                         f"(format {meta.get('format')!r})")
     config = yaml.safe_load((path / CONFIG).read_text()) or {}
     info = {k: v for k, v in meta.items() if k != "format"}
     if "step" in info:

@@ -59,8 +59,8 @@ def configs_from_hf(hf: dict) -> tuple[ModelConfig, MoEConfig]:
     archs = hf.get("architectures") or []
     _require(hf.get("model_type") == "mixtral" or "MixtralForCausalLM" in archs, "config.json model_type",
              hf.get("model_type"), 'must be "mixtral" (architectures MixtralForCausalLM)')
-    _require(hf.get("hidden_act", "silu") in ("silu", "swish"), "config.json hidden_act", hf.get("hidden_act"),
-             'must be "silu" (SwiGLU experts)')
+    act = hf.get("hidden_act", "silu")
+    _require(act in ("silu", "swish"), "config.json hidden_act", act, 'must be "silu" (SwiGLU experts)')
     dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     head_dim = hf.get("head_dim")
     _require(head_dim in (None, dim // heads), "config.json head_dim", head_dim,
@@ -77,7 +77,8 @@ def configs_from_hf(hf: dict) -> tuple[ModelConfig, MoEConfig]:
                       f"model.max_seq_len set to {window}, where both attentions agree", stacklevel=2)
         max_seq_len = int(window)
     if float(hf.get("router_jitter_noise", 0.0) or 0.0) > 0:
-        warnings.warn("config.json router_jitter_noise is ignored (moetrain routes without noise)", stacklevel=2)
+        warnings.warn("config.json router_jitter_noise is ignored (moetrain routes without noise)",
+                      stacklevel=2)
     std = float(hf.get("initializer_range", 0.02))
     model = ModelConfig(
         vocab_size=int(hf["vocab_size"]), dim=dim, num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
@@ -98,7 +99,8 @@ def hf_config_from(model: ModelConfig, moe: MoEConfig) -> dict:
     _require(model.moe_every == 1 and model.moe_layer_offset == 0, "model.moe_every / model.moe_layer_offset",
              (model.moe_every, model.moe_layer_offset), "must be 1 / 0: every Mixtral block is MoE")
     _require(model.head == "lm", "model.head", model.head, 'must be "lm" for MixtralForCausalLM')
-    _require(moe.activation == "swiglu", "moe.activation", moe.activation, 'must be "swiglu" (Mixtral experts)')
+    _require(moe.activation == "swiglu", "moe.activation", moe.activation,
+             'must be "swiglu" (Mixtral experts)')
     _require(moe.num_shared_experts == 0, "moe.num_shared_experts", moe.num_shared_experts,
              "must be 0 (Mixtral has no shared experts)")
     _require(moe.renormalize, "moe.renormalize", moe.renormalize, "must be true (Mixtral renormalises top-k)")
@@ -106,7 +108,8 @@ def hf_config_from(model: ModelConfig, moe: MoEConfig) -> dict:
     for name in ("routing", "score_func"):
         value = getattr(moe, name, None)
         if value not in (None, "token_choice", "softmax"):
-            raise ValueError(f"moe.{name} ({value!r}) has no Mixtral equivalent (softmax token-choice routing)")
+            raise ValueError(f"moe.{name} ({value!r}) has no Mixtral equivalent "
+                             "(softmax token-choice routing)")
     if moe.capacity_factor is not None:
         warnings.warn(f"moe.capacity_factor ({moe.capacity_factor}) is dropped: Mixtral is dropless, so "
                       "outputs differ wherever capacity would have dropped tokens", stacklevel=2)
@@ -137,7 +140,8 @@ _PER_LAYER = {  # HF suffix -> moetrain suffix (plain copies)
 }
 
 
-def state_dict_to_hf(sd: dict[str, torch.Tensor], model: ModelConfig, moe: MoEConfig) -> dict[str, torch.Tensor]:
+def state_dict_to_hf(sd: dict[str, torch.Tensor], model: ModelConfig,
+                     moe: MoEConfig) -> dict[str, torch.Tensor]:
     """HF Mixtral tensors of a moetrain state dict. Every moetrain entry must map somewhere:
     state Mixtral cannot hold (an expert bias, say) is an error, not a silent drop."""
     sd = dict(sd)
@@ -204,8 +208,10 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], model: ModelConfig,
                     [take(moe_prefix + f"experts.{e}.{w}.weight").t() for e in range(E)]).contiguous()
     leftover = [k for k in hf_sd if not k.endswith("rotary_emb.inv_freq")]
     if leftover:
-        raise ValueError(f"Hugging Face entries with no moetrain equivalent: {', '.join(sorted(leftover)[:10])}"
-                         + (f", ... ({len(leftover)} in all)" if len(leftover) > 10 else ""))
+        shown = ", ".join(sorted(leftover)[:10])
+        if len(leftover) > 10:
+            shown += f", ... ({len(leftover)} in all)"
+        raise ValueError(f"Hugging Face entries with no moetrain equivalent: {shown}")
     return sd
 
 
@@ -231,7 +237,8 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> Path:
+def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *,
+              dtype: torch.dtype = torch.float32) -> Path:
     """``moetrain convert --from-hf HF_DIR --to OUT``: a Mixtral folder (config.json + safetensors)
     as a moetrain export (model.safetensors + config.yaml with the model and moe sections)."""
     hf_dir = Path(hf_dir)
@@ -253,7 +260,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
 
     from moetrain.interop.export import _write_atomic_bytes
 
-    config, sd, info = load_source(source)
+    config, sd, _ = load_source(source)
     model, moe = model_configs(config)
     hf_config = hf_config_from(model, moe)
     hf_sd = state_dict_to_hf(sd, model, moe)

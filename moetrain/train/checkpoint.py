@@ -53,7 +53,6 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 log = logging.getLogger("moetrain")
 
@@ -61,7 +60,9 @@ FORMAT = "moetrain-dcp/1"
 LATEST = "latest"
 MANIFEST = "manifest.json"
 _STEP_RE = re.compile(r"^step_(\d{9})$")
-_TMP_RE = re.compile(r"^\.step_\d{9}\.tmp$")
+# Debris of saves that did not finish: the folder being written, or a same-step checkpoint
+# moved aside for its replacement.
+_TMP_RE = re.compile(r"^\.step_\d{9}\.(tmp|old-\d+)$")
 _HASH_CHUNK = 1 << 20
 
 
@@ -216,6 +217,17 @@ def clean_stale_tmp(folder: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """DCP keys optimizer state by parameter name: the optimizer must step the model's own
+    parameters (not, say, flat shards of them, as an element-wise ZeRO-1 optimizer does)."""
+    own = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
+    if foreign:
+        raise ValueError(f"the optimizer steps {foreign} tensors that are not parameters of the model "
+                         f"({type(optimizer).__name__}): checkpoints key optimizer state by parameter "
+                         "name, so they need an optimizer over the model's own parameters")
+
+
 def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
                     optimizer: torch.optim.Optimizer, trainer_state: dict, rng_state: dict | None = None,
                     keep_last: int = 0, layout: dict | None = None) -> Path:
@@ -232,6 +244,7 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
     name = step_dir_name(step)
     final, tmp = folder / name, folder / f".{name}.tmp"
     t0 = time.perf_counter()
+    _check_optimizer(model, optimizer)
 
     # 1. A clean temporary folder (left over by a save of the same step killed earlier).
     error = None
@@ -435,6 +448,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     """
     path = Path(path)
     rank, _ = _rank_world()
+    _check_optimizer(model, optimizer)
     # 1. Files: present, whole, unchanged.
     manifest = verify_checkpoint(path) if verify else read_manifest(path)
     reader = dcp.FileSystemReader(path)
@@ -448,20 +462,27 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     #    creating the state of a fresh optimizer.)
     for p in [p for p, s in optimizer.state.items() if not s]:
         del optimizer.state[p]
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    rng_key = f"rank{rank}"
-    has_rng = f"rng.{rng_key}" in metadata.state_dict_metadata
-    state = {"model": _fresh_like(model_sd), "optim": _fresh_like(optim_sd), "trainer": ""}
-    if has_rng:
-        state["rng"] = {rng_key: b""}
-    _check_against_metadata(path, _flat_keys(state), metadata)
-
-    # 3. Read (every rank its own shards, resharded from whatever layout saved them).
+    fresh_optimizer = not optimizer.state
     try:
-        dcp.load(state, storage_reader=reader)
-    except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
-        raise CheckpointError(f"reading checkpoint {str(path)!r} failed; nothing was loaded: "
-                              f"{type(e).__name__}: {e}") from e
+        # get_state_dict gives a fresh optimizer its state with one zero-learning-rate step.
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        rng_key = f"rank{rank}"
+        has_rng = f"rng.{rng_key}" in metadata.state_dict_metadata
+        state = {"model": _fresh_like(model_sd), "optim": _fresh_like(optim_sd), "trainer": ""}
+        if has_rng:
+            state["rng"] = {rng_key: b""}
+        _check_against_metadata(path, _flat_keys(state), metadata)
+
+        # 3. Read (every rank its own shards, resharded from whatever layout saved them).
+        try:
+            dcp.load(state, storage_reader=reader)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            raise CheckpointError(f"reading checkpoint {str(path)!r} failed; nothing was loaded: "
+                                  f"{type(e).__name__}: {e}") from e
+    except BaseException:
+        if fresh_optimizer:
+            optimizer.state.clear()  # that zero step must not outlive a failed load (Adam's step count)
+        raise
 
     # 4. Only now into the live objects.
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -501,8 +522,3 @@ def _verify_local(path: Path) -> dict:
     if problems:
         raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or partial: " + "; ".join(problems))
     return manifest
-
-
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The global value of a plain tensor or DTensor (collective for a DTensor)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -19,6 +19,7 @@ latest checkpoint) instead of hanging it.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
 import math
@@ -151,7 +152,13 @@ class Trainer:
             # The default (long) timeout while rank 0 prepares the data and the others wait for
             # it; apply_collective_timeout shortens it once training collectives start.
             if self.world_size > 1:
-                dist.init_process_group(backend=backend, device_id=self.device if backend == "nccl" else None)
+                device_id = self.device if backend == "nccl" else None
+                store = _restart_safe_store(self.world_size)
+                if store is None:
+                    dist.init_process_group(backend=backend, device_id=device_id)
+                else:
+                    dist.init_process_group(backend=backend, device_id=device_id, store=store, rank=self.rank,
+                                            world_size=self.world_size)
             else:
                 # One process: an in-memory store, no port; the mesh and collectives still work.
                 dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
@@ -277,17 +284,21 @@ class Trainer:
             self.train_loader.load_state_dict(state["data"])
         except ValueError as e:
             saved = state["data"].get("global_batch_size")
+            if not isinstance(saved, int) or saved == self.train_loader.global_batch_size:
+                raise
+            fix = (f"set train.micro_batch_size={saved // self.dp_size} to resume at this layout"
+                   if saved % self.dp_size == 0 else
+                   f"no train.micro_batch_size fits {self.dp_size} data-parallel ranks")
             raise ValueError(
-                f"{e}. The data position is kept in batches of train.micro_batch_size * data-parallel "
-                f"size sequences ({saved} when saved, {self.train_loader.global_batch_size} now): set "
-                f"train.micro_batch_size to {saved} / {self.dp_size} to resume at this layout") from e
+                f"{e}. The data position is counted in batches of train.micro_batch_size * data-parallel "
+                f"size sequences ({saved} when saved, {self.train_loader.global_batch_size} now): {fix}") from e
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = loaded.step
         self.skipped_total = int(state.get("skipped_total", 0))
         if loaded.rng_state is not None:
             self._resumed_rng = loaded.rng_state  # restored at the end of __init__
-        elif self.is_main or self.rank >= int(loaded.manifest.get("world_size", 1)):
+        else:  # a rank the saving run did not have
             log.warning("checkpoint %s has no RNG state for rank %d (saved by %s ranks): RNG not restored",
                         path, self.rank, loaded.manifest.get("world_size"))
         self.resumed_from = path
@@ -333,7 +344,7 @@ class Trainer:
     def _snapshot(self) -> dict:
         """The small, non-tensor part of the training state after the current step; the model
         and optimizer are saved from the live objects (a skipped step does not change them)."""
-        return {"step": self.step, "scheduler": self.scheduler.state_dict(),
+        return {"step": self.step, "scheduler": copy.deepcopy(self.scheduler.state_dict()),
                 "scaler": self.scaler.state_dict(), "data": self.train_loader.state_dict(),
                 "skipped_total": self.skipped_total, "rng": capture_rng_state()}
 
@@ -487,8 +498,8 @@ class Trainer:
 
     def fit(self) -> dict:
         """Train from ``self.step`` to ``train.steps``. Returns the last logged metrics. On SIGTERM
-        (any rank) the ranks finish the current step, save a checkpoint and return with
-        ``self.interrupted`` set."""
+        (any rank) the ranks finish the current step, log it (even off the log.every cadence, so
+        no step goes unreported), save a checkpoint and return with ``self.interrupted`` set."""
         t, lc, c = self.cfg.train, self.cfg.log, self.cfg.checkpoint
         bar = None
         if self.is_main and lc.progress_bar:
@@ -517,9 +528,11 @@ class Trainer:
                 if (c.every and self.step % c.every == 0) or (is_last and c.save_final) or self.interrupted:
                     self.save_checkpoint()
                 if self.interrupted:
-                    log.warning("stopped by signal at step %d; checkpoint saved in %s", self.step,
-                                self.ckpt_dir / step_dir_name(self.step))
-                    break
+                    if self.step < t.steps:
+                        log.warning("stopped by signal at step %d; checkpoint saved in %s", self.step,
+                                    self.ckpt_dir / step_dir_name(self.step))
+                        break
+                    self.interrupted = False  # the signal came with the last step: the run is complete
         if bar is not None:
             bar.close()
         return last
@@ -546,8 +559,8 @@ class Trainer:
         previous = signal.getsignal(signal.SIGTERM)
 
         def handler(signum, frame):
-            if self._stop_signal is not None:
-                signal.signal(signal.SIGTERM, previous if callable(previous) else signal.SIG_DFL)
+            if self._stop_signal is not None:  # the second one: die now, as without this handler
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.kill(os.getpid(), signal.SIGTERM)
                 return
             self._stop_signal = signum
@@ -558,7 +571,8 @@ class Trainer:
         try:
             yield
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            # getsignal gives None for a handler installed outside Python: fall back to the default.
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
     @contextlib.contextmanager
     def _phase(self, what: str):
@@ -629,22 +643,46 @@ class Trainer:
             dist.destroy_process_group()
 
 
+def _restart_safe_store(world_size: int):
+    """None (torch's default rendezvous), except in a worker that torchrun restarted while
+    sharing its rendezvous store with the workers: that store still holds the previous attempt's
+    keys, and the new ranks would read the dead ranks' addresses and hang connecting to them
+    (pytorch#135712; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on torchrun avoids it too). A key
+    prefix per restart attempt keeps the attempts apart."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False)
+    return dist.PrefixStore(f"moetrain/attempt_{attempt}", store)
+
+
 def _collective_site(exc: BaseException) -> str:
-    """The torch.distributed call that failed and the moetrain line that made it, from the
-    traceback (``"all_to_all_single from moetrain/distributed/expert_parallel.py:412"``)."""
+    """The operation that failed, from the traceback: the torch.distributed call (or, for
+    collectives torch issues itself, the innermost torch function) with its source line, and
+    the moetrain line that led there. E.g. ``torch.distributed.all_to_all_single: `work.wait()`
+    from moetrain/distributed/expert_parallel.py:412 (_exchange_counts)``."""
     frames = traceback.extract_tb(exc.__traceback__)
+    if not frames:
+        return "unknown operation"
+    paths = [f.filename.replace(os.sep, "/") for f in frames]
     op = where = None
-    for f in reversed(frames):
-        path = f.filename.replace(os.sep, "/")
+    for f, path in zip(reversed(frames), reversed(paths)):
         public = not f.name.startswith("_") and f.name != "wrapper"  # skip torch's logging decorators
         if op is None and "/torch/distributed/" in path and public:
-            op = f.name
+            op = f"torch.distributed.{f.name}"
         if where is None and "/moetrain/" in path and not path.endswith("/train/trainer.py"):
             where = f"moetrain/{path.rsplit('/moetrain/', 1)[1]}:{f.lineno} ({f.name})"
-    if op is None and any("/torch/autograd/" in f.filename.replace(os.sep, "/") for f in frames):
-        op = "a gradient collective in backward (DDP all-reduce or expert all-to-all)"
-    parts = [p for p in (op, f"from {where}" if where else None) if p]
-    return " ".join(parts) if parts else "unknown operation"
+    inner, inner_path = frames[-1], paths[-1]
+    if op is None:
+        if inner_path.endswith("/nn/parallel/distributed.py"):
+            op = f"DistributedDataParallel.{inner.name}"
+        elif "/torch/autograd/" in inner_path:
+            op = "a gradient collective in backward (DDP all-reduce or expert all-to-all)"
+        else:
+            op = inner.name
+    text = f"{op}: `{inner.line.strip()}`" if inner.line else op
+    return f"{text} from {where}" if where else text
 
 
 class _null:

@@ -6,6 +6,7 @@ layout loads in `transformers` with no missing or unexpected weights and gives t
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import build_model, read_export, write_export
 from moetrain.interop.hf_mixtral import configs_from_hf, hf_config_from
 
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
@@ -31,8 +33,10 @@ def _tiny_mixtral(*, tie: bool = False):
     with torch.no_grad():
         for layer in model.model.layers:
             # A decisive router: with near-uniform scores (the default init) a top-2 choice may
-            # hinge on the last bit, which is not what this test is about.
-            layer.mlp.gate.weight.mul_(8.0)
+            # hinge on the last bit, which is not what this test is about. (transformers 5
+            # names the MoE block `mlp`, 4 `block_sparse_moe`.)
+            moe_block = getattr(layer, "mlp", None) or layer.block_sparse_moe
+            moe_block.gate.weight.mul_(8.0)
             # Norm gains != 1, so that a norm mapped to the wrong place shows.
             layer.input_layernorm.weight.uniform_(0.5, 1.5)
             layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
@@ -59,15 +63,20 @@ def test_from_hf_matches_transformers_logits(tmp_path, tie):
         got = model(x).logits
     assert got.shape == want.shape == (2, 24, 96)
     torch.testing.assert_close(got, want, atol=TOL, rtol=0)
-    # Expert e of layer 1 is HF's expert e (global order), transposed into the stacked layout.
-    w1 = hf.model.layers[1].mlp.experts.gate_up_proj[:, :48, :]  # [E, F, D]: the gate half
-    assert torch.equal(sd["layers.1.feed_forward.experts.w1"], w1.transpose(1, 2))
+    # Expert e of layer 1 is the file's expert e (global order), transposed into [E, D, F].
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    for e in range(4):
+        w1_FD = saved[f"model.layers.1.block_sparse_moe.experts.{e}.w1.weight"]
+        assert torch.equal(sd["layers.1.feed_forward.experts.w1"][e], w1_FD.t())
 
 
 def test_to_hf_loads_in_transformers_with_same_logits(tmp_path):
     model_cfg = ModelConfig(vocab_size=80, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, max_seq_len=64,
                             rope_theta=1000.0, norm_eps=1e-6)
-    moe_cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=40, activation="swiglu", router_init_std=0.3)
+    moe_cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=40, activation="swiglu",
+                        router_init_std=0.3)
     from moetrain.models.transformer import Transformer
 
     ours = Transformer(model_cfg, moe=moe_cfg, seed=3).eval()
@@ -105,9 +114,9 @@ def test_config_round_trip_and_refusals():
     with pytest.raises(ValueError, match="model.moe_every"):
         hf_config_from(ModelConfig(vocab_size=300, moe_every=2), MoEConfig(activation="swiglu"))
     with pytest.raises(ValueError, match="num_experts_per_tok"):
-        configs_from_hf({"model_type": "mixtral", "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 50,
-                         "num_hidden_layers": 1, "num_local_experts": 4, "num_experts_per_tok": 1,
-                         "intermediate_size": 8})
+        configs_from_hf({"model_type": "mixtral", "hidden_size": 32, "num_attention_heads": 4,
+                         "vocab_size": 50, "num_hidden_layers": 1, "num_local_experts": 4,
+                         "num_experts_per_tok": 1, "intermediate_size": 8})
 
 
 def test_convert_cli_refuses_bad_arguments(tmp_path, capsys):
