@@ -61,6 +61,13 @@ def _load(args, overrides: list[str]):
 
 
 def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False) -> int:
+    if demo and not any(o.lstrip("-").startswith("log.run_dir") for o in overrides):
+        # Every `moetrain demo` is a fresh run (a fixed folder would resume the finished one and
+        # train nothing). Chosen here, before the ranks start, so that they all agree on it.
+        import time
+
+        run_dir = f"--log.run_dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
+        overrides, argv = [*overrides, run_dir], [*argv, run_dir]
     if args.nproc and args.nproc > 1 and not _under_launcher():
         cfg = _load(args, overrides)  # validate before starting processes: errors show once, early
         return _launch(args.nproc, _strip_nproc(argv))

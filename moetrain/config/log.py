@@ -26,6 +26,10 @@ class LogConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
 
+    memory: bool = True
+    """Measure each rank's peak bytes of parameters, gradients, optimizer states and activations on
+    the log steps (a tensor-allocation tracker; it slows the step it watches) and log them as mem/*."""
+
     level: str = "info"
     """Python logging level of rank 0: "debug", "info" or "warning" (other ranks log warnings only)."""
 
@@ -36,4 +40,5 @@ class LogConfig:
         require_bool("log.tensorboard", self.tensorboard)
         require_bool("log.jsonl", self.jsonl)
         require_bool("log.progress_bar", self.progress_bar)
+        require_bool("log.memory", self.memory)
         require_choice("log.level", self.level, ("debug", "info", "warning"))

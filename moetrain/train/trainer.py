@@ -40,7 +40,7 @@ from moetrain.config import JobConfig
 from moetrain.config.loader import config_to_dict, save_config
 from moetrain.config.train import resolve_device
 from moetrain.data import prepare_data
-from moetrain.distributed.data_parallel import no_sync
+from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
 from moetrain.distributed.expert_parallel import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
@@ -56,11 +56,13 @@ from moetrain.train.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from moetrain.train.balancing import install_balancing
 from moetrain.train.flops import peak_flops
 from moetrain.train.metrics import MetricsLogger, expert_load_summary
 from moetrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.utils.cpu_allocator import tune_cpu_allocator
+from moetrain.utils.memory import MemoryTracker
 
 log = logging.getLogger("moetrain")
 
@@ -203,27 +205,26 @@ class Trainer:
         self.model.to(self.device)
         self.param_counts = self.model.param_counts()
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
-        ac = cfg.train.activation_checkpointing
-        self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=ac != "none",
-                                          compile=cfg.train.compile, blocks=self._ac_blocks)
+        t = cfg.train
+        self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=t.activation_checkpointing,
+                                          activation_checkpointing_every=t.activation_checkpointing_every,
+                                          compile=t.compile, **zero_settings(cfg))
         self.moe_layers = [blk.feed_forward for blk in self.model.layers if blk.is_moe]
-
-    def _ac_blocks(self, model) -> list:
-        ac, every = self.cfg.train.activation_checkpointing, self.cfg.train.activation_checkpointing_every
-        blocks = list(model.layers)
-        if ac == "moe":
-            return [b.feed_forward for b in blocks if b.is_moe]
-        if ac == "every_n":
-            return blocks[::every]
-        return blocks
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
-        self.optimizer = build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
-                                         eps=o.eps)
+        # ZeRO-1 shards the optimizer state (dense over dp, experts over edp); other stages pass
+        # the optimizer through (FSDP2 parameters are already shards).
+        self.optimizer = wrap_optimizer(
+            build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps),
+            self.dims, zero_stage=self.cfg.parallel.zero_stage,
+            offload_optimizer=self.cfg.zero.offload_optimizer == "cpu", bucket_numel=self.cfg.zero.allgather_bucket_size)
         self.scheduler = build_scheduler(self.optimizer, lr=o.lr, min_lr=o.resolved_min_lr,
                                          warmup_steps=o.warmup_steps, total_steps=t.steps, schedule=o.schedule)
         self.scaler = DynamicLossScaler(enabled=t.dtype == "fp16")
+        # Router-bias updates, dynamic capacity, per-expert LR and the health monitor run in
+        # optimizer pre/post-step hooks, so gradient accumulation and skipped steps are handled.
+        self.balancer = install_balancing(self.optimizer, self.model, self.dims) if self.model_config.is_moe else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
 
     def apply_collective_timeout(self) -> None:
@@ -318,6 +319,7 @@ class Trainer:
         if kept and self.metrics._file is not None:
             self.metrics._file.write("".join(kept))
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
+        self.memory_metrics: dict = {}
         self.window = _Window()
         pc = self.param_counts
         log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = dp %d x ep %d; "
@@ -385,6 +387,17 @@ class Trainer:
     def train_step(self) -> None:
         self.parallel_model.train()
         self._step_sums = _Sums()
+        # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
+        # watches), and not in the first two steps, where DDP still rebuilds its buckets.
+        track = self.cfg.log.memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0
+        tracker = MemoryTracker(self.parallel_model, self.optimizer) if track else _null()
+        with tracker:
+            good = self._train_step_inner()
+        if track:
+            self.memory_metrics = tracker.report().as_metrics()
+        self._account_step(good)
+
+    def _train_step_inner(self) -> bool:
         with self._phase(f"forward/backward of step {self.step + 1}"):
             for micro in range(self.grad_accum):
                 input_ids_BS, labels_BS = self.train_loader.next_batch()
@@ -394,7 +407,9 @@ class Trainer:
                 with (no_sync(self.parallel_model) if not sync else _null()):
                     self.forward_backward(input_ids_BS, labels_BS)
         with self._phase(f"optimizer step {self.step + 1}"):
-            good = self.optimizer_step()
+            return self.optimizer_step()
+
+    def _account_step(self, good: bool) -> None:
         w = self.window
         w.steps += 1
         w.tokens += self.cfg.train.global_batch_size * self.cfg.data.seq_len
@@ -418,6 +433,8 @@ class Trainer:
         good, stop = self._agree(finite)
         if good:
             self.optimizer.step()
+        elif self.balancer is not None:
+            self.balancer.discard_step()  # a skipped step's routing counts must not move the bias
         self.scaler.update(good)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -487,6 +504,10 @@ class Trainer:
             m.update(expert_load_summary(routed_LE))
             dropped_L = self.all_reduce_sum(w.dropped_L.float()).cpu()
             m["dropped_fraction"] = (dropped_L / routed_LE.sum(dim=1).clamp(min=1).double()).tolist()
+        if self.balancer is not None:
+            m.update(self.balancer.metrics())  # health: entropy, unused experts, alarms (collective)
+        m.update(self.memory_metrics)
+        self.memory_metrics = {}
         if self.dims.ep_enabled:
             stats = collect_comm_stats(self.model)
             m["a2a_bytes"] = stats.bytes_sent + stats.bytes_received
@@ -527,6 +548,10 @@ class Trainer:
                     self._halt_nonfinite()
                 if (c.every and self.step % c.every == 0) or (is_last and c.save_final) or self.interrupted:
                     self.save_checkpoint()
+                if self.window.steps == 0:
+                    # Evaluation and checkpointing ran after the window was closed: start the
+                    # next throughput window now, so tokens/s measures training alone.
+                    self.window.t0 = time.perf_counter()
                 if self.interrupted:
                     if self.step < t.steps:
                         log.warning("stopped by signal at step %d; checkpoint saved in %s", self.step,
