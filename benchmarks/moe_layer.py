@@ -4,8 +4,9 @@ dense matmuls (T*K rows through one expert-sized FFN, forward and backward).
     python benchmarks/moe_layer.py [--json] [--shapes A,B] [--runs 10]
     python benchmarks/moe_layer.py --device cuda --dtype bfloat16 --shapes A,B,M
 
-The layer and the ideal are timed alternately (layer, ideal, loop, layer, ideal, loop, ...) so
-machine drift cancels in the ratio; efficiency = median over runs of ideal_ms / layer_ms.
+The layer and the ideal are timed alternately (layer, ideal, layer, ideal, ...) so machine drift
+cancels in the ratio; efficiency = median over runs of ideal_ms / layer_ms. The loop path gets its
+own alternating series against the ideal (loop_efficiency).
 """
 
 from __future__ import annotations
@@ -71,24 +72,29 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
         h = F.silu(x_ND @ w1) * (x_ND @ w3) if w3 is not None else F.gelu(x_ND @ w1)
         (h @ w2).backward(g_ND)
 
-    fns = {"layer": run_layer(layer), "ideal": run_ideal}
-    if with_loop:
-        fns["loop"] = run_layer(loop)
-    for _ in range(warmup):
-        for f in fns.values():
-            f()
-    times = {k: [] for k in fns}
-    for _ in range(runs):
-        for k, f in fns.items():
-            times[k].append(_timed(f, device))
-    ratio = lambda k: statistics.median(i / t for i, t in zip(times["ideal"], times[k]))  # noqa: E731
+    def alternate(fn) -> tuple[list[float], list[float]]:
+        """(fn times, ideal times), measured fn, ideal, fn, ideal, ... after warm-up."""
+        for _ in range(warmup):
+            fn()
+            run_ideal()
+        a, b = [], []
+        for _ in range(runs):
+            a.append(_timed(fn, device))
+            b.append(_timed(run_ideal, device))
+        return a, b
+
+    def ratio(ideal_ms, ms) -> float:
+        return statistics.median(i / t for i, t in zip(ideal_ms, ms))
+
+    layer_ms, ideal_ms = alternate(run_layer(layer))
+    loop_ms, loop_ideal_ms = alternate(run_layer(loop)) if with_loop else (None, None)
     return {
         "shape": name,
-        "layer_ms": round(statistics.median(times["layer"]), 2),
-        "loop_ms": round(statistics.median(times["loop"]), 2) if with_loop else None,
-        "ideal_ms": round(statistics.median(times["ideal"]), 2),
-        "efficiency": round(ratio("layer"), 3),
-        "loop_efficiency": round(ratio("loop"), 3) if with_loop else None,
+        "layer_ms": round(statistics.median(layer_ms), 2),
+        "loop_ms": round(statistics.median(loop_ms), 2) if with_loop else None,
+        "ideal_ms": round(statistics.median(ideal_ms), 2),
+        "efficiency": round(ratio(ideal_ms, layer_ms), 3),
+        "loop_efficiency": round(ratio(loop_ideal_ms, loop_ms), 3) if with_loop else None,
     }
 
 

@@ -92,11 +92,8 @@ class TopKRouter(nn.Module):
             scores_TE = torch.sigmoid(logits_TE)
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
         if self.expert_bias is None and self.num_groups == 1:
-            # A stable descending sort instead of topk: torch.topk does not specify the order of
-            # equal scores; here ties always go to the lower expert id, on every device.
-            sorted_TE, order_TE = torch.sort(scores_TE, dim=-1, descending=True, stable=True)
-            weights_TK = sorted_TE[:, : self.top_k]
-            idx_TK = order_TE[:, : self.top_k]
+            idx_TK = top_k_lowest_id_first(scores_TE.detach(), self.top_k)
+            weights_TK = scores_TE.gather(1, idx_TK)
         else:
             # The bias and the group limit change *which* experts are chosen; the gate weights
             # are still the unbiased scores of the chosen ones.
@@ -120,6 +117,23 @@ class TopKRouter(nn.Module):
         load_E = num_routed_E.to(self.expert_bias.device, torch.float64)
         step_E = rate * torch.sign(load_E.mean() - load_E)
         self.expert_bias.add_((step_E - step_E.mean()).float())
+
+
+def top_k_lowest_id_first(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k best (non-negative) scores per row, best first, equal scores in expert-id order.
+
+    torch.topk leaves the order of equal values unspecified, and a full stable sort over E is
+    2-3x slower than topk. So topk runs on an fp64 key ``s * (1 - e * 2**-32) - e * 2**-1066``:
+    for E <= 128 the factor moves a score by less than 2**-25 of itself, under half the gap
+    between two fp32 values, so it never reorders different scores; it makes equal scores
+    distinct with the lower id larger, and the subnormal term does the same for exact zeros.
+    """
+    num_experts = scores_TE.shape[-1]
+    if num_experts > 128:
+        return torch.sort(scores_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    e_E = torch.arange(num_experts, dtype=torch.float64, device=scores_TE.device)
+    key_TE = torch.addcmul(-e_E * 2.0**-1066, scores_TE.double(), 1.0 - e_E * 2.0**-32)
+    return torch.topk(key_TE, k, dim=-1).indices
 
 
 def limit_to_groups(select_TE: torch.Tensor, *, num_groups: int, top_groups: int) -> torch.Tensor:
