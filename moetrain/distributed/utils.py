@@ -6,47 +6,90 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.distributed.expert_parallel import is_expert_shard
-
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside a DDP wrapper (or the model itself)."""
     return getattr(model, "module", model)
 
 
-def grad_norm(model: nn.Module, dims) -> torch.Tensor:
-    """Global L2 norm of all gradients, the one the single-process model would have.
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    Replicated gradients (after the DDP reduction) are counted once; expert shards are summed over
-    the ``ep`` group, which together holds every expert once (the edp copies are identical).
+
+def _sharded_axes(g: torch.Tensor) -> tuple[int, ...]:
+    """Mesh axes over which a DTensor gradient's squared norm must be summed: every axis whose
+    placement is not Replicate. Not ``placement.is_shard()``: FSDP2 sharding an ep-sharded
+    expert weight over edp uses ``_StridedShard``, whose ``is_shard()`` is False, and that sum
+    would be silently skipped. A Partial gradient (pending sum) has no local norm to add."""
+    axes = []
+    for axis, placement in enumerate(g.placements):
+        if placement.is_partial():
+            raise ValueError(f"gradient placement {placement} on mesh axis {axis} is Partial: reduce "
+                             "gradients before taking their norm")
+        if not placement.is_replicate():
+            axes.append(axis)
+    return tuple(axes)
+
+
+@torch.no_grad()
+def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
+    """L2 norm of the gradient of the *global* model.
+
+    Plain (replicated) gradients are identical on every rank after the gradient sync, so their
+    local norm is already global. A DTensor gradient holds only this rank's shard (experts over
+    ep, ZeRO-2/3 shards over dp, expert shards over edp as well): its squared norm is summed over
+    every mesh axis it is not replicated on (HSDP's replicate axis is skipped).
+
+    Collective over those axes: every rank must call it with the same parameters in the same order.
     """
-    replicated_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
-    for p in unwrap(model).parameters():
-        if p.grad is None:
+    replicated_sq = torch.zeros((), dtype=torch.float32)
+    sharded_sq: dict[object, tuple] = {}
+    for p in params:
+        g = p.grad
+        if g is None:
             continue
-        if is_expert_shard(p):
-            expert_sq += p.grad.to_local().double().square().sum().cpu()
-        else:
-            replicated_sq += p.grad.double().square().sum().cpu()
-    if dims.ep > 1:
-        expert_sq = expert_sq.to(_comm_device(dims))
-        dist.all_reduce(expert_sq, group=dims.ep_group)
-    return (replicated_sq + expert_sq.cpu()).sqrt()
+        sq = _local(g).float().pow(2).sum()
+        mesh = getattr(g, "device_mesh", None)
+        if mesh is None:
+            replicated_sq = replicated_sq.to(sq.device) + sq
+            continue
+        shard_axes = _sharded_axes(g)
+        key = (id(mesh), shard_axes)
+        if key not in sharded_sq:
+            sharded_sq[key] = (mesh, shard_axes, torch.zeros((), dtype=torch.float32, device=sq.device))
+        m, axes, acc = sharded_sq[key]
+        sharded_sq[key] = (m, axes, acc + sq)
+    total_sq = replicated_sq
+    for mesh, axes, acc in sharded_sq.values():
+        for axis in axes:
+            dist.all_reduce(acc, group=mesh.get_group(axis))
+        total_sq = total_sq.to(acc.device) + acc
+    return total_sq.sqrt()
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, dims, *, eps: float = 1e-6) -> torch.Tensor:
-    """Scale all gradients so that the global norm is at most ``max_norm``; returns the norm before.
-    Unlike ``torch.nn.utils.clip_grad_norm_`` it accepts a mix of plain and DTensor gradients."""
-    total = grad_norm(model, dims)
-    scale = min(1.0, max_norm / (total.item() + eps))  # host sync: one scalar per step
-    if scale < 1.0:
-        with torch.no_grad():
-            for p in unwrap(model).parameters():
-                if p.grad is not None:
-                    g = p.grad.to_local() if is_expert_shard(p) else p.grad
-                    g.mul_(scale)
-    return total.float()
+def grad_norm(model: nn.Module, dims=None) -> torch.Tensor:
+    """Global L2 norm of all gradients of a (wrapped) model: the norm one process holding the
+    whole model would compute. ``dims`` is accepted for symmetry; the mesh comes from the
+    DTensor gradients themselves."""
+    return global_grad_norm(list(unwrap(model).parameters()))
+
+
+@torch.no_grad()
+def clip_grad_norm_params_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale gradients so the global norm is at most ``max_norm``; returns the norm before
+    clipping (a tensor: reading it is a host sync, which the trainer does once per log step)."""
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params)
+    if max_norm > 0:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            _local(p.grad).mul_(scale.to(_local(p.grad).device))
+    return norm
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tensor:
+    """``clip_grad_norm_params_`` over a (wrapped) model's parameters."""
+    return clip_grad_norm_params_(list(unwrap(model).parameters()), max_norm)
 
 
 def mean_over_dp(value: torch.Tensor, dims) -> torch.Tensor:
