@@ -11,7 +11,7 @@ from moetrain.config.base import require, require_choice, require_positive
 @dataclass
 class ModelConfig:
     preset: str | None = None
-    """Name of a preset in ``moetrain.models.presets`` ("tiny", "tiny-dense", "mixtral-8x7b",
+    """Name of a preset in ``moetrain.models.presets`` ("tiny", "tiny-dense", "mixtral-mini", "mixtral-8x7b",
     "deepseek-moe-16b"). ``load_config`` applies it: the preset's model and moe values come first
     and every field written in the file or on the command line overrides them. (Built directly in
     Python, a ModelConfig only records the name.)"""

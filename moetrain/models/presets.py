@@ -47,6 +47,15 @@ PRESETS: dict[str, Preset] = {
         moe=MoEConfig(num_experts=8, top_k=2, expert_hidden_dim=14336, activation="swiglu", renormalize=True),
         description="Mixtral 8x7B: 46.7B parameters, 12.9B active per token.",
     ),
+    "mixtral-mini": Preset(
+        # Mixtral's structure at dim 256 (swiglu experts 3.5x dim, 8 experts top-2, 4:1 grouped-query
+        # heads, untied head): small enough to build and measure on a CPU, larger than tiny in every
+        # way. The planner's activation estimate is checked against it.
+        model=ModelConfig(vocab_size=2048, dim=256, num_layers=4, num_heads=8, num_kv_heads=2, max_seq_len=256,
+                          moe_every=1, activation="swiglu", norm_eps=1e-5, rope_theta=1e6, tie_embeddings=False),
+        moe=MoEConfig(num_experts=8, top_k=2, expert_hidden_dim=896, activation="swiglu", renormalize=True),
+        description="Mixtral-shaped model at dim 256 (24M parameters) for CPU planning checks and GPU smoke runs.",
+    ),
     "deepseek-moe-16b": Preset(
         model=ModelConfig(vocab_size=102400, dim=2048, num_layers=28, num_heads=16, max_seq_len=4096,
                           moe_every=1, moe_layer_offset=1, dense_hidden_dim=10944, activation="swiglu",
