@@ -55,6 +55,13 @@ class MoEConfig:
     """"grouped": all experts in one torch._grouped_mm (fast path). "loop": one matmul per expert
     (the test oracle; also the fallback where grouped_mm is unavailable)."""
 
+    dispatch_dedup: bool = False
+    """Under expert parallelism, send each token once to every rank that holds any of its experts
+    (then copy it to those experts there, and sum their weighted outputs there before sending one
+    row back), instead of once per routed copy. Cuts all-to-all bytes whenever a token's experts
+    share a rank: always with group-limited routing whose groups are the ep ranks. Costs a small
+    metadata exchange (12 bytes per copy)."""
+
     # ----- routing strategy (docs/routing.md compares them) -----------------------------------------
 
     router: str = "softmax"
@@ -161,6 +168,7 @@ class MoEConfig:
         require_non_negative("moe.aux_loss_coef", self.aux_loss_coef)
         require_non_negative("moe.z_loss_coef", self.z_loss_coef)
         require_choice("moe.expert_impl", self.expert_impl, ("grouped", "loop"))
+        require_bool("moe.dispatch_dedup", self.dispatch_dedup)
         self._check_routing()
 
     def _check_routing(self) -> None:

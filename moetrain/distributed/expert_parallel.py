@@ -85,6 +85,23 @@ class _A2AState:
     """Position in expert-grouped order of each received row (None: already grouped, ep=1)."""
     send_splits: list[int]
     recv_splits: list[int]
+    dedup: _DedupState | None = None
+
+
+@dataclass
+class _DedupState:
+    """Once-per-rank sending: a token goes to a rank once, however many of its experts live there."""
+
+    row_M: torch.Tensor
+    """Received unique row of each expert-grouped copy on this rank."""
+    weights_M: torch.Tensor
+    """Gate weight of each expert-grouped copy on this rank (applied here, before the way back)."""
+    num_rows: int
+    """Unique rows this rank received."""
+    send_token_U: torch.Tensor
+    """Local token of each unique row this rank sent, in send order."""
+    send_rows: list[int]
+    recv_rows: list[int]
 
 
 class AllToAllDispatcher:
@@ -96,8 +113,11 @@ class AllToAllDispatcher:
     """
 
     def __init__(self, num_experts: int, *, ep_group: dist.ProcessGroup | None,
-                 dp_group: dist.ProcessGroup | None = None, capacity_factor: float | None = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None, capacity_factor: float | None = None,
+                 dedup: bool = False) -> None:
         self.num_experts = num_experts
+        # Send a token once per destination rank (moe.dispatch_dedup); see _DedupState.
+        self.dedup = dedup and ep_group is not None
         self.ep_group = ep_group
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
@@ -168,20 +188,36 @@ class AllToAllDispatcher:
             num_remote = (torch.div(idx_N, L, rounding_mode="floor") != j).sum()
         else:
             num_remote = num_send_E.sum() - num_send_E[j * L:(j + 1) * L].sum()
+        if self.dedup:
+            # (3a) Which tokens each rank must receive: (rank, token) pairs of the kept copies,
+            #      found on the device so the host sync below stays the only one.
+            present_PT, uniq_send_P, uniq_recv_P = self._unique_rows(idx_N, order_N, num_routed_E, num_send_E,
+                                                                     num_tokens, top_k)
+            count_sent, count_received = count_sent + (P - 1) * _COUNT_BYTES, count_received + (P - 1) * _COUNT_BYTES
         # The one host sync of the layer: all_to_all_single takes its split sizes as Python ints.
         to_host = [send_P, recv_P, num_remote.view(1)]
+        if self.dedup:
+            to_host += [uniq_send_P, uniq_recv_P]
         if capacity is not None:
             to_host.append(num_routed_WE.sum(dim=1))
         host = torch.cat(to_host).tolist()
         send_splits, recv_splits, num_send_remote = host[:P], host[P:2 * P], host[2 * P]
-        if capacity is not None and any(n != num_tokens * top_k for n in host[2 * P + 1:]):
+        rest = host[2 * P + 1:]
+        if self.dedup:
+            send_rows, recv_rows, rest = rest[:P], rest[P:2 * P], rest[2 * P:]
+        if capacity is not None and any(n != num_tokens * top_k for n in rest):
             raise ValueError(f"capacity mode under data parallelism needs the same token count on every "
-                             f"rank; routed copies per rank: {host[2 * P + 1:]}")
+                             f"rank; routed copies per rank: {rest}")
         num_recv_remote = sum(recv_splits) - recv_splits[j]
         self.stats.bytes_sent += count_sent
         self.stats.bytes_received += count_received
-        self.stats.min_bytes += 2 * (num_send_remote + num_recv_remote) * row_bytes \
-            + 2 * (P - 1) * L * _COUNT_BYTES
+        if self.dedup:
+            # What must move when a token travels once per destination rank: its unique rows.
+            rows_remote = sum(send_rows) - send_rows[j] + sum(recv_rows) - recv_rows[j]
+            self.stats.min_bytes += 2 * rows_remote * row_bytes + 2 * (P - 1) * (L + 1) * _COUNT_BYTES
+        else:
+            self.stats.min_bytes += 2 * (num_send_remote + num_recv_remote) * row_bytes \
+                + 2 * (P - 1) * L * _COUNT_BYTES
 
         # 3. Permute by destination rank and expert: keep the first kept_e copies of each expert's
         #    block (the sort put them in drop-priority order), gather their token rows.
@@ -191,8 +227,12 @@ class AllToAllDispatcher:
         else:
             order_M = order_N.index_select(0, _kept_positions(num_routed_E, num_send_E, num_send))
         token_idx_M = torch.div(order_M, top_k, rounding_mode="floor")
-        x_send_MD = x_TD.index_select(0, token_idx_M)
         weights_M = weights_TK.reshape(-1).index_select(0, order_M)
+        if self.dedup:
+            return self._dispatch_dedup(x_TD, idx_N, order_M, token_idx_M, weights_M, present_PT,
+                                        send_splits, recv_splits, send_rows, recv_rows, num_recv_PL,
+                                        num_routed_E, num_send_E, num_tokens, row_bytes)
+        x_send_MD = x_TD.index_select(0, token_idx_M)
 
         # 4. Variable-size all-to-all; autograd sends the gradients back the same way.
         x_recv_RD = self._all_to_all(x_send_MD, output_splits=recv_splits, input_splits=send_splits,
@@ -219,6 +259,8 @@ class AllToAllDispatcher:
     # ----- combine -------------------------------------------------------------------------------
 
     def combine(self, y_MD: torch.Tensor, state: _A2AState) -> torch.Tensor:
+        if state.dedup is not None:
+            return self._combine_dedup(y_MD, state)
         # 7. Reverse all-to-all: back to [source rank][local expert] order, then home.
         y_recv_RD = y_MD if state.ungroup_R is None else y_MD.index_select(0, state.ungroup_R)
         y_back_MD = self._all_to_all(y_recv_RD, output_splits=state.send_splits,
@@ -226,6 +268,77 @@ class AllToAllDispatcher:
                                      row_bytes=y_MD.shape[1] * y_MD.element_size())
         # 8. Unpermute and weighted combine: out[t] = sum over t's kept copies of w * y.
         return weighted_scatter(y_back_MD, state.weights_M, state.token_idx_M, state.num_tokens)
+
+    # ----- once-per-rank dispatch (moe.dispatch_dedup) ----------------------------------------------
+
+    def _unique_rows(self, idx_N, order_N, num_routed_E, num_send_E, num_tokens: int, top_k: int):
+        """[P, T] mask of the (destination rank, token) pairs of the kept copies, the unique rows
+        this rank sends to each peer, and (exchanged) the unique rows it receives from each."""
+        P, L = self.ep_size, self.num_local_experts
+        expert_N = idx_N[order_N]
+        # Kept copies are the first num_send_E[e] of each expert's block (the sort is in priority order).
+        block_start_E = torch.cumsum(num_routed_E, dim=0) - num_routed_E
+        rank_in_expert_N = torch.arange(expert_N.numel(), device=idx_N.device) - block_start_E[expert_N]
+        keep_N = rank_in_expert_N < num_send_E[expert_N]
+        key_N = torch.div(expert_N, L, rounding_mode="floor") * num_tokens \
+            + torch.div(order_N, top_k, rounding_mode="floor")
+        hits_PT = torch.zeros(P * num_tokens, dtype=torch.int64, device=idx_N.device)
+        hits_PT.index_put_((key_N,), keep_N.long(), accumulate=True)
+        present_PT = (hits_PT > 0).view(P, num_tokens)
+        uniq_send_P = present_PT.sum(dim=1)
+        uniq_recv_P = torch.empty_like(uniq_send_P)
+        dist.all_to_all_single(uniq_recv_P, uniq_send_P, group=self.ep_group)
+        return present_PT, uniq_send_P, uniq_recv_P
+
+    def _dispatch_dedup(self, x_TD, idx_N, order_M, token_idx_M, weights_M, present_PT, send_splits,
+                        recv_splits, send_rows, recv_rows, num_recv_PL, num_routed_E, num_send_E,
+                        num_tokens: int, row_bytes: int) -> DispatchResult:
+        P, L, j = self.ep_size, self.num_local_experts, self.ep_rank
+        dev = x_TD.device
+        # 3b. Each unique row once, grouped by destination rank (token order inside a block), and
+        #     for every copy the index of its row inside the destination's block.
+        num_send_rows = sum(send_rows)
+        send_token_U = torch.nonzero_static(present_PT.reshape(-1), size=num_send_rows).squeeze(1) % num_tokens
+        row_in_block_PT = torch.cumsum(present_PT.long(), dim=1) - 1
+        dest_M = torch.div(idx_N[order_M], L, rounding_mode="floor")
+        rel_row_M = row_in_block_PT[dest_M, token_idx_M]
+        # 4. Rows (autograd), gate weights (autograd: their gradient comes back) and row indices.
+        x_recv_VD = self._all_to_all(x_TD.index_select(0, send_token_U), output_splits=recv_rows,
+                                     input_splits=send_rows, row_bytes=row_bytes)
+        w_recv_R = self._all_to_all(weights_M.contiguous(), output_splits=recv_splits, input_splits=send_splits,
+                                    row_bytes=weights_M.element_size())
+        rel_row_R = rel_row_M.new_empty(sum(recv_splits))
+        dist.all_to_all_single(rel_row_R, rel_row_M, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                               group=self.ep_group)
+        remote_sent, remote_recv = sum(send_splits) - send_splits[j], sum(recv_splits) - recv_splits[j]
+        self.stats.bytes_sent += remote_sent * rel_row_M.element_size()
+        self.stats.bytes_received += remote_recv * rel_row_M.element_size()
+        # 5. Copies arrive as [source rank][local expert]; point each at its row, group by expert.
+        num_recv = sum(recv_splits)
+        recv_rows_P = torch.tensor(recv_rows, device=dev)
+        src_R = torch.repeat_interleave(torch.arange(P, device=dev), torch.tensor(recv_splits, device=dev),
+                                        output_size=num_recv)
+        row_R = rel_row_R + (torch.cumsum(recv_rows_P, dim=0) - recv_rows_P)[src_R]
+        local_expert_R = torch.repeat_interleave(
+            torch.arange(L, device=dev).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
+        group_R = torch.sort(local_expert_R, stable=True).indices
+        row_M, w_M = row_R.index_select(0, group_R), w_recv_R.index_select(0, group_R)
+        x_MD = x_recv_VD.index_select(0, row_M)
+        dedup = _DedupState(row_M=row_M, weights_M=w_M, num_rows=sum(recv_rows), send_token_U=send_token_U,
+                            send_rows=send_rows, recv_rows=recv_rows)
+        return DispatchResult(
+            x_MD=x_MD, num_tokens_per_expert=num_recv_PL.sum(dim=0),
+            num_routed_per_expert=num_routed_E, num_dropped=(num_routed_E - num_send_E).sum(),
+            state=_A2AState(token_idx_M, weights_M, num_tokens, None, send_splits, recv_splits, dedup))
+
+    def _combine_dedup(self, y_MD: torch.Tensor, state: _A2AState) -> torch.Tensor:
+        d = state.dedup
+        # 7. Weighted sum of a token's copies on this rank into its one row, then that row home.
+        y_rows_VD = weighted_scatter(y_MD, d.weights_M, d.row_M, d.num_rows)
+        back_UD = self._all_to_all(y_rows_VD, output_splits=d.send_rows, input_splits=d.recv_rows,
+                                   row_bytes=y_MD.shape[1] * y_MD.element_size())
+        # 8. Sum the rows coming back from every rank into their tokens.
+        return back_UD.new_zeros(state.num_tokens, back_UD.shape[1]).index_add(0, d.send_token_U, back_UD)
 
     # ----- communication helpers -----------------------------------------------------------------
 
@@ -298,7 +411,7 @@ def build_dispatcher(dims, moe: MoEConfig):
     if dims.ep > 1 or (dims.dp > 1 and moe.capacity_factor is not None):
         return AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group if dims.ep > 1 else None,
                                   dp_group=dims.dp_group if dims.dp > 1 else None,
-                                  capacity_factor=moe.capacity_factor)
+                                  capacity_factor=moe.capacity_factor, dedup=moe.dispatch_dedup)
     return LocalDispatcher(moe.num_experts)
 
 

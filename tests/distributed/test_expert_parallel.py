@@ -25,6 +25,14 @@ ONE_EXPERT = Case("one_expert", moe={"top_k": 1}, force="one_expert")
 ACCUMULATE_AC = Case("accumulate_ac", micro_batches=2, activation_checkpointing=True)
 # Global-norm clipping over plain and DTensor (expert) gradients; 1e-3 is below every norm here.
 CLIPPED = Case("clipped", max_grad_norm=1e-3)
+# Once-per-rank sending (moe.dispatch_dedup): dropless, with drops, and with group-limited routing
+# whose groups are the ep ranks (every token then goes to exactly one rank).
+DEDUP = Case("dedup", moe={"dispatch_dedup": True})
+DEDUP_CAPACITY = Case("dedup_capacity", moe={"dispatch_dedup": True, "capacity_factor": 1.0})
+DEDUP_SWIGLU_SHARED = Case("dedup_swiglu_shared", moe={"dispatch_dedup": True, "activation": "swiglu",
+                                                       "num_shared_experts": 1})
+DEDUP_GROUPS = Case("dedup_group_limited", moe={"dispatch_dedup": True, "num_expert_groups": 2, "top_groups": 1})
+GROUPS = Case("group_limited", moe={"num_expert_groups": 2, "top_groups": 1})
 
 
 def _check(layouts, results, world_size):
@@ -45,7 +53,9 @@ def _check(layouts, results, world_size):
             forwards = 2 * case.steps * case.micro_batches  # 2 MoE layers
             assert ranks[0]["dispatch_calls"] == [forwards * (2 if case.activation_checkpointing else 1)]
             comm = [st["comm"] for st in ranks[0]["steps"]]
-            if ep > 1 and case.moe.get("capacity_factor") is None:
+            if ep > 1 and case.moe.get("dispatch_dedup") and case.moe.get("capacity_factor") is None:
+                _check_dedup_traffic(case, ranks, ep)
+            elif ep > 1 and case.moe.get("capacity_factor") is None and not case.moe.get("dispatch_dedup"):
                 # Dropless: exactly the minimum traffic on every rank and step.
                 for r, rank in enumerate(ranks):
                     for s, st in enumerate(rank["steps"]):
@@ -53,6 +63,21 @@ def _check(layouts, results, world_size):
                         assert st["comm"].ratio == 1.0, (case.name, r, s, st["comm"])
             elif ep == 1 and case.moe.get("capacity_factor") is None:
                 assert all(c.bytes_sent == 0 for c in comm)
+
+
+def _check_dedup_traffic(case, ranks, ep):
+    """Each token row crosses once per destination rank: the bytes are the unique-row minimum plus
+    12 bytes (row index + gate weight) per remote copy."""
+    row = case.dim * 4  # fp32
+    for r, rank in enumerate(ranks):
+        for s, st in enumerate(rank["steps"]):
+            c = st["comm"]
+            assert c.min_bytes > 0
+            assert 1.0 <= c.ratio <= 1.0 + 12 / row + 1e-9, (case.name, r, s, c)
+
+
+def _total_bytes(ranks) -> int:
+    return sum(st["comm"].bytes_sent + st["comm"].bytes_received for rank in ranks for st in rank["steps"])
 
 
 def _check_case_is_what_it_claims(case, ref, ep):
@@ -72,10 +97,17 @@ def _check_case_is_what_it_claims(case, ref, ep):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the plain-process load
 def test_ep2_world2_matches_single_process(tmp_path):
     layouts = [(2, [DROPLESS, SWIGLU_SHARED_LOOP, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ONE_EXPERT,
-                    ACCUMULATE_AC]),
+                    ACCUMULATE_AC, DEDUP, DEDUP_CAPACITY, DEDUP_SWIGLU_SHARED, GROUPS, DEDUP_GROUPS]),
                # Plain data parallelism with a capacity factor drops over the global batch too.
                (1, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE])]
-    _check(layouts, run_ranks(_worker, 2, layouts, checkpoint=("dropless", str(tmp_path)), timeout_s=120), 2)
+    results = run_ranks(_worker, 2, layouts, checkpoint=("dropless", str(tmp_path)), timeout_s=120)
+    _check(layouts, results, 2)
+    # Group-limited routing with the groups on the ep ranks sends each token to one rank: with
+    # dedup one row per token instead of one per copy (K=2), so well under per-copy traffic
+    # (half the rows, plus 12 of 64 bytes of metadata per copy at D=16).
+    per_copy = _total_bytes([r["ep2/group_limited"] for r in results])
+    once_per_rank = _total_bytes([r["ep2/dedup_group_limited"] for r in results])
+    assert once_per_rank < 0.75 * per_copy, (once_per_rank, per_copy)
 
     # The DTensor expert shards carry their global layout into the checkpoint: the ep=2 save
     # loads into one plain process as the single-process model after the same steps.
@@ -88,7 +120,8 @@ def test_ep2_world2_matches_single_process(tmp_path):
 
 
 def test_dp2_ep2_world4_matches_single_process():
-    layouts = [(2, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ACCUMULATE_AC, CLIPPED])]
+    layouts = [(2, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ACCUMULATE_AC, CLIPPED, DEDUP,
+                    DEDUP_CAPACITY])]
     _check(layouts, run_ranks(_worker, 4, layouts, timeout_s=120), 4)
 
 
