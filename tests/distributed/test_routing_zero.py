@@ -20,10 +20,9 @@ from zero_parity import (
     assert_matches,
     build,
     make_batches,
-    model_configs,
+    setup_run,
 )
 
-from moetrain.distributed import ParallelDims, parallelize, wrap_optimizer
 from moetrain.models.moe import MoELayer
 from moetrain.train.balancing import install_balancing
 from moetrain.train.precision import DynamicLossScaler
@@ -61,12 +60,7 @@ def worker(rank: int, world_size: int, runs: list[Run]) -> dict:
     out = {}
     B = GLOBAL_BATCH // world_size
     for run in runs:
-        dims = ParallelDims(world_size=world_size, ep=run.ep, num_experts=model_configs(run)[1].num_experts)
-        dims.build_mesh("cpu")
-        model = build(run)
-        train_model = parallelize(model, dims, zero_stage=run.zero_stage, offload_optimizer=run.offload_optimizer)
-        opt = wrap_optimizer(_optimizer(model), dims, zero_stage=run.zero_stage,
-                             offload_optimizer=run.offload_optimizer)
+        dims, model, train_model, opt = setup_run(run, world_size)
         install_balancing(opt, model, dims)
         params = list(model.parameters())
         scaler = DynamicLossScaler(enabled=False)

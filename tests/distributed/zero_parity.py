@@ -118,6 +118,18 @@ def run_reference(run: Run) -> dict:
     return {"loss": losses, "grad_norm": norms, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
+def setup_run(run: Run, world_size: int):
+    """(dims, plain model, parallelised model, wrapped optimizer) of ``run`` on this rank."""
+    dims = ParallelDims(world_size=world_size, ep=run.ep, num_experts=model_configs(run)[1].num_experts)
+    dims.build_mesh("cpu")
+    model = build(run)
+    train_model = parallelize(model, dims, activation_checkpointing=run.ac, zero_stage=run.zero_stage,
+                              mixed_precision=run.dtype, offload_params=run.offload_params,
+                              offload_optimizer=run.offload_optimizer, hsdp_replicate=run.hsdp_replicate)
+    opt = wrap_optimizer(_optimizer(model), dims, zero_stage=run.zero_stage, offload_optimizer=run.offload_optimizer)
+    return dims, model, train_model, opt
+
+
 def memory_worker(rank: int, world_size: int, runs: list[Run]) -> dict:
     """For each run: two warm-up steps (DDP rebuilds its gradient buckets in the second), then
     one step under ``MemoryTracker``, holding the model output through backward as the trainer
@@ -128,14 +140,7 @@ def memory_worker(rank: int, world_size: int, runs: list[Run]) -> dict:
     out = {}
     B = GLOBAL_BATCH // world_size
     for run in runs:
-        dims = ParallelDims(world_size=world_size, ep=run.ep, num_experts=model_configs(run)[1].num_experts)
-        dims.build_mesh("cpu")
-        model = build(run)
-        train_model = parallelize(model, dims, activation_checkpointing=run.ac, zero_stage=run.zero_stage,
-                                  mixed_precision=run.dtype, offload_params=run.offload_params,
-                                  offload_optimizer=run.offload_optimizer, hsdp_replicate=run.hsdp_replicate)
-        opt = wrap_optimizer(_optimizer(model), dims, zero_stage=run.zero_stage,
-                             offload_optimizer=run.offload_optimizer)
+        dims, model, train_model, opt = setup_run(run, world_size)
         batches = make_batches(run, 3)
         for s in range(3):
             tokens = batches[s][rank * B:(rank + 1) * B]
@@ -164,14 +169,7 @@ def zero_worker(rank: int, world_size: int, runs: list[Run], probe=None) -> dict
     out = {}
     B = GLOBAL_BATCH // world_size
     for run in runs:
-        dims = ParallelDims(world_size=world_size, ep=run.ep, num_experts=model_configs(run)[1].num_experts)
-        dims.build_mesh("cpu")
-        model = build(run)
-        train_model = parallelize(model, dims, activation_checkpointing=run.ac, zero_stage=run.zero_stage,
-                                  mixed_precision=run.dtype, offload_params=run.offload_params,
-                                  offload_optimizer=run.offload_optimizer, hsdp_replicate=run.hsdp_replicate)
-        opt = wrap_optimizer(_optimizer(model), dims, zero_stage=run.zero_stage,
-                             offload_optimizer=run.offload_optimizer)
+        dims, model, train_model, opt = setup_run(run, world_size)
         params = [p for p in model.parameters()]
         scaler = DynamicLossScaler(enabled=run.dtype == "fp16")
         batches = make_batches(run, run.steps)
