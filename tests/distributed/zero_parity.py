@@ -140,7 +140,7 @@ def memory_worker(rank: int, world_size: int, runs: list[Run]) -> dict:
     out = {}
     B = GLOBAL_BATCH // world_size
     for run in runs:
-        dims, model, train_model, opt = setup_run(run, world_size)
+        _, model, train_model, opt = setup_run(run, world_size)
         batches = make_batches(run, 3)
         for s in range(3):
             tokens = batches[s][rank * B:(rank + 1) * B]
