@@ -33,6 +33,7 @@ DEDUP_SWIGLU_SHARED = Case("dedup_swiglu_shared", moe={"dispatch_dedup": True, "
                                                        "num_shared_experts": 1})
 DEDUP_GROUPS = Case("dedup_group_limited", moe={"dispatch_dedup": True, "num_expert_groups": 2, "top_groups": 1})
 GROUPS = Case("group_limited", moe={"num_expert_groups": 2, "top_groups": 1})
+DEDUP_EMPTY_RANKS = Case("dedup_empty_ranks", moe={"dispatch_dedup": True}, force="first_experts")
 
 
 def _check(layouts, results, world_size):
@@ -97,7 +98,8 @@ def _check_case_is_what_it_claims(case, ref, ep):
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # the plain-process load
 def test_ep2_world2_matches_single_process(tmp_path):
     layouts = [(2, [DROPLESS, SWIGLU_SHARED_LOOP, CAPACITY_POSITION, CAPACITY_SCORE, EMPTY_RANKS, ONE_EXPERT,
-                    ACCUMULATE_AC, DEDUP, DEDUP_CAPACITY, DEDUP_SWIGLU_SHARED, GROUPS, DEDUP_GROUPS]),
+                    ACCUMULATE_AC, DEDUP, DEDUP_CAPACITY, DEDUP_SWIGLU_SHARED, GROUPS, DEDUP_GROUPS,
+                    DEDUP_EMPTY_RANKS]),
                # Plain data parallelism with a capacity factor drops over the global batch too.
                (1, [DROPLESS, CAPACITY_POSITION, CAPACITY_SCORE])]
     results = run_ranks(_worker, 2, layouts, checkpoint=("dropless", str(tmp_path)), timeout_s=120)
