@@ -36,7 +36,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _timed(fn, device) -> float:
+def _timed(fn, device, grads_of=()) -> float:
+    # As in a training step after optimizer.zero_grad(set_to_none=True): backward writes fresh
+    # gradients instead of adding into old ones (outside the timed region, for both sides).
+    for t in grads_of:
+        t.grad = None
     _sync(device)
     t0 = time.perf_counter()
     fn()
@@ -72,6 +76,8 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
         h = F.silu(x_ND @ w1) * (x_ND @ w3) if w3 is not None else F.gelu(x_ND @ w1)
         (h @ w2).backward(g_ND)
 
+    grads_of = [x_TD, x_ND, w1, w2, *([w3] if w3 is not None else []), *layer.parameters(), *loop.parameters()]
+
     def alternate(fn) -> tuple[list[float], list[float]]:
         """(fn times, ideal times), measured fn, ideal, fn, ideal, ... after warm-up."""
         for _ in range(warmup):
@@ -79,8 +85,8 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
             run_ideal()
         a, b = [], []
         for _ in range(runs):
-            a.append(_timed(fn, device))
-            b.append(_timed(run_ideal, device))
+            a.append(_timed(fn, device, grads_of))
+            b.append(_timed(run_ideal, device, grads_of))
         return a, b
 
     def ratio(ideal_ms, ms) -> float:
