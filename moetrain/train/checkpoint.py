@@ -170,7 +170,7 @@ def _fsync_dir(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        pass  # some filesystems (network mounts) cannot fsync a directory; the rename stays atomic
     finally:
         os.close(fd)
 
