@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input: one clear line, no traceback (the config is validated before any work).
         print(f"moetrain: error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # noqa: BLE001 - only the data layer's "cannot get the corpus" is expected here
+    except Exception as e:
         from moetrain.data.cache import CorpusUnavailableError
 
         if not isinstance(e, CorpusUnavailableError):

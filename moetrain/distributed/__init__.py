@@ -14,7 +14,24 @@ from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks, parallelize
 from moetrain.distributed.utils import clip_grad_norm_, grad_norm, mean_over_dp, unwrap
 
-__all__ = ["AllToAllDispatcher", "CommStats", "MoEDataParallel", "ParallelDims", "apply_activation_checkpointing",
-           "apply_data_parallel", "apply_expert_parallel", "build_dispatcher", "clip_grad_norm_",
-           "collect_comm_stats", "grad_norm", "is_expert_shard", "mean_over_dp", "no_sync", "parallelize",
-           "shard_experts", "unwrap", "wrap_optimizer", "checkpoint_blocks"]
+__all__ = [
+    "AllToAllDispatcher",
+    "CommStats",
+    "MoEDataParallel",
+    "ParallelDims",
+    "apply_activation_checkpointing",
+    "apply_data_parallel",
+    "apply_expert_parallel",
+    "build_dispatcher",
+    "checkpoint_blocks",
+    "clip_grad_norm_",
+    "collect_comm_stats",
+    "grad_norm",
+    "is_expert_shard",
+    "mean_over_dp",
+    "no_sync",
+    "parallelize",
+    "shard_experts",
+    "unwrap",
+    "wrap_optimizer",
+]

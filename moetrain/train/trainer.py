@@ -45,6 +45,7 @@ from moetrain.distributed.expert_parallel import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
 from moetrain.models.transformer import Transformer
+from moetrain.train.balancing import install_balancing
 from moetrain.train.checkpoint import (
     CheckpointError,
     capture_rng_state,
@@ -56,7 +57,6 @@ from moetrain.train.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
-from moetrain.train.balancing import install_balancing
 from moetrain.train.flops import peak_flops
 from moetrain.train.metrics import MetricsLogger, expert_load_summary
 from moetrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
