@@ -9,13 +9,13 @@ from moetrain.config.data import DataConfig
 from moetrain.config.deepspeed import apply_deepspeed_config, load_deepspeed_config
 from moetrain.config.job import JobConfig
 from moetrain.config.loader import (
-                                    SECTIONS,
-                                    config_from_dict,
-                                    config_to_dict,
-                                    format_config,
-                                    load_config,
-                                    parse_overrides,
-                                    save_config,
+    SECTIONS,
+    config_from_dict,
+    config_to_dict,
+    format_config,
+    load_config,
+    parse_overrides,
+    save_config,
 )
 from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig

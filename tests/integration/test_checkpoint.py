@@ -214,6 +214,15 @@ def _layout_rotation_and_router_state(tmp_path):
     fresh.close()
 
 
+def _train_source(run_dir):
+    """A finished 2-step run with its checkpoint at step 2: the checkpoint the next tests load."""
+    from moetrain.train.trainer import Trainer
+
+    source = Trainer(load_config(None, _ov(run_dir, steps=2)))
+    source.fit()
+    source.close()
+
+
 def test_corrupt_or_partial_checkpoint_is_refused_and_loads_nothing(tmp_path, shakespeare_cached):
     in_child(_corrupt_or_partial_refused, tmp_path)
 
@@ -221,9 +230,7 @@ def test_corrupt_or_partial_checkpoint_is_refused_and_loads_nothing(tmp_path, sh
 def _corrupt_or_partial_refused(tmp_path):
     from moetrain.train.trainer import Trainer
 
-    source = Trainer(load_config(None, _ov(tmp_path / "src", steps=2)))
-    source.fit()
-    source.close()
+    _train_source(tmp_path / "src")
     good = _step_dir(tmp_path / "src", 2)
 
     def broken(name: str, damage) -> object:
@@ -410,9 +417,7 @@ def test_other_batch_geometry_is_a_clear_error(tmp_path, shakespeare_cached):
 def _other_batch_geometry(tmp_path):
     from moetrain.train.trainer import Trainer
 
-    src = Trainer(load_config(None, _ov(tmp_path / "src", steps=2)))
-    src.fit()
-    src.close()
+    _train_source(tmp_path / "src")
     with pytest.raises(ValueError, match=r"set train\.micro_batch_size=4 to resume at this layout"):
         Trainer(load_config(None, _ov(tmp_path / "dst", steps=4, micro=8,
                                       extra=(f"--checkpoint.resume={_step_dir(tmp_path / 'src', 2)}",))))
