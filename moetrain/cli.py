@@ -78,9 +78,16 @@ def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False
     trainer = Trainer(cfg)
     try:
         final = trainer.fit()
+        if not trainer.interrupted:
+            sample = trainer.generate(args.prompt, max_new_tokens=args.sample_tokens) if args.sample_tokens else None
+        # A last collective that every rank waits in. The run's final collectives (the checkpoint's
+        # outcome broadcast) leave gloo worker threads releasing Python-owned tensors just after the
+        # ranks return from them; they need the GIL for that, and a rank that went straight on to
+        # interpreter shutdown aborted ("terminate called without an active exception"). Waiting
+        # here hands them the GIL while the interpreter is still alive.
+        trainer.barrier()
         if trainer.interrupted:  # SIGTERM: checkpoint saved; 128 + 15 tells the launcher we did not finish
             return 143
-        sample = trainer.generate(args.prompt, max_new_tokens=args.sample_tokens) if args.sample_tokens else None
     finally:
         trainer.close()
     if trainer.is_main:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -69,8 +70,18 @@ class MoEDataParallel(DistributedDataParallel):
         self._callback_queued = False
         self._pending: list[dist.Work] = []
         self._num_reduced = 0
+        # Tensor hooks live in C++, where the garbage collector cannot see them: a bound method
+        # there would keep this wrapper (and its process groups) alive until interpreter
+        # shutdown, when gloo's worker threads can no longer take the GIL and abort the process.
+        this = weakref.ref(self)
+
+        def expert_grad_ready(p: torch.Tensor) -> None:
+            wrapper = this()
+            if wrapper is not None:
+                wrapper._expert_grad_ready(p)
+
         for p in self._expert_params:
-            p.register_post_accumulate_grad_hook(self._expert_grad_ready)
+            p.register_post_accumulate_grad_hook(expert_grad_ready)
 
     def forward(self, *args, **kwargs):
         # Decided at forward time, like DDP itself: a backward belongs to the forward before it.
