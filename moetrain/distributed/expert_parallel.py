@@ -36,10 +36,18 @@ from moetrain.models.moe.dispatcher import (
     count_per_expert,
     expert_capacity,
     sort_by_expert,
-    weighted_scatter,
 )
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.layer import MoELayer
+from moetrain.models.moe.token_bags import (
+    TokenBags,
+    bags_by_index,
+    bags_from_copies,
+    gather_rows,
+    permute_rows,
+    sum_rows,
+    weighted_scatter,
+)
 
 _COUNT_BYTES = torch.empty((), dtype=torch.int64).element_size()
 # torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
@@ -81,10 +89,14 @@ class _A2AState:
     """Local token of each sent copy, in send order."""
     weights_M: torch.Tensor
     num_tokens: int
+    group_R: torch.Tensor | None
+    """Received row at each expert-grouped position (None: already grouped, ep=1)."""
     ungroup_R: torch.Tensor | None
-    """Position in expert-grouped order of each received row (None: already grouped, ep=1)."""
+    """Position in expert-grouped order of each received row (the inverse of group_R)."""
     send_splits: list[int]
     recv_splits: list[int]
+    bags: TokenBags | None = None
+    """Sent copies of each local token (None with dedup, whose state has its own)."""
     dedup: _DedupState | None = None
 
 
@@ -102,6 +114,10 @@ class _DedupState:
     """Local token of each unique row this rank sent, in send order."""
     send_rows: list[int]
     recv_rows: list[int]
+    row_bags: TokenBags
+    """Copies of each received unique row."""
+    token_bags: TokenBags
+    """Sent unique rows of each local token."""
 
 
 class AllToAllDispatcher:
@@ -232,7 +248,8 @@ class AllToAllDispatcher:
             return self._dispatch_dedup(x_TD, idx_N, order_M, token_idx_M, weights_M, present_PT,
                                         send_splits, recv_splits, send_rows, recv_rows, num_recv_PL,
                                         num_routed_E, num_send_E, num_tokens, row_bytes)
-        x_send_MD = x_TD.index_select(0, token_idx_M)
+        bags = bags_from_copies(order_M, num_tokens, top_k)
+        x_send_MD = gather_rows(x_TD, token_idx_M, bags)
 
         # 4. Variable-size all-to-all; autograd sends the gradients back the same way.
         x_recv_RD = self._all_to_all(x_send_MD, output_splits=recv_splits, input_splits=send_splits,
@@ -241,7 +258,7 @@ class AllToAllDispatcher:
         # 5. Group the received rows by local expert: they arrive as [source rank][local expert]
         #    and the experts want [local expert][source rank].
         num_recv = sum(recv_splits)
-        ungroup_R = None
+        group_R = ungroup_R = None
         x_MD = x_recv_RD
         if P > 1:
             local_expert_R = torch.repeat_interleave(
@@ -249,12 +266,13 @@ class AllToAllDispatcher:
             group_R = torch.sort(local_expert_R, stable=True).indices
             ungroup_R = torch.empty_like(group_R).scatter_(
                 0, group_R, torch.arange(num_recv, device=group_R.device))
-            x_MD = x_recv_RD.index_select(0, group_R)
+            x_MD = permute_rows(x_recv_RD, group_R, ungroup_R)
         # (6. The experts run in the layer, between dispatch and combine.)
         return DispatchResult(
             x_MD=x_MD, num_tokens_per_expert=num_recv_PL.sum(dim=0),
             num_routed_per_expert=num_routed_E, num_dropped=(num_routed_E - num_send_E).sum(),
-            state=_A2AState(token_idx_M, weights_M, num_tokens, ungroup_R, send_splits, recv_splits))
+            state=_A2AState(token_idx_M, weights_M, num_tokens, group_R, ungroup_R, send_splits, recv_splits,
+                            bags=bags))
 
     # ----- combine -------------------------------------------------------------------------------
 
@@ -262,12 +280,12 @@ class AllToAllDispatcher:
         if state.dedup is not None:
             return self._combine_dedup(y_MD, state)
         # 7. Reverse all-to-all: back to [source rank][local expert] order, then home.
-        y_recv_RD = y_MD if state.ungroup_R is None else y_MD.index_select(0, state.ungroup_R)
+        y_recv_RD = y_MD if state.ungroup_R is None else permute_rows(y_MD, state.ungroup_R, state.group_R)
         y_back_MD = self._all_to_all(y_recv_RD, output_splits=state.send_splits,
                                      input_splits=state.recv_splits,
                                      row_bytes=y_MD.shape[1] * y_MD.element_size())
         # 8. Unpermute and weighted combine: out[t] = sum over t's kept copies of w * y.
-        return weighted_scatter(y_back_MD, state.weights_M, state.token_idx_M, state.num_tokens)
+        return weighted_scatter(y_back_MD, state.weights_M, state.token_idx_M, state.num_tokens, state.bags)
 
     # ----- once-per-rank dispatch (moe.dispatch_dedup) ----------------------------------------------
 
@@ -303,7 +321,8 @@ class AllToAllDispatcher:
         dest_M = torch.div(idx_N[order_M], L, rounding_mode="floor")
         rel_row_M = row_in_block_PT[dest_M, token_idx_M]
         # 4. Rows (autograd), gate weights (autograd: their gradient comes back) and row indices.
-        x_recv_VD = self._all_to_all(x_TD.index_select(0, send_token_U), output_splits=recv_rows,
+        token_bags = bags_by_index(send_token_U, num_tokens)
+        x_recv_VD = self._all_to_all(gather_rows(x_TD, send_token_U, token_bags), output_splits=recv_rows,
                                      input_splits=send_rows, row_bytes=row_bytes)
         w_recv_R = self._all_to_all(weights_M.contiguous(), output_splits=recv_splits, input_splits=send_splits,
                                     row_bytes=weights_M.element_size())
@@ -323,22 +342,24 @@ class AllToAllDispatcher:
             torch.arange(L, device=dev).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
         group_R = torch.sort(local_expert_R, stable=True).indices
         row_M, w_M = row_R.index_select(0, group_R), w_recv_R.index_select(0, group_R)
-        x_MD = x_recv_VD.index_select(0, row_M)
+        row_bags = bags_by_index(row_M, sum(recv_rows))
+        x_MD = gather_rows(x_recv_VD, row_M, row_bags)
         dedup = _DedupState(row_M=row_M, weights_M=w_M, num_rows=sum(recv_rows), send_token_U=send_token_U,
-                            send_rows=send_rows, recv_rows=recv_rows)
+                            send_rows=send_rows, recv_rows=recv_rows, row_bags=row_bags, token_bags=token_bags)
         return DispatchResult(
             x_MD=x_MD, num_tokens_per_expert=num_recv_PL.sum(dim=0),
             num_routed_per_expert=num_routed_E, num_dropped=(num_routed_E - num_send_E).sum(),
-            state=_A2AState(token_idx_M, weights_M, num_tokens, None, send_splits, recv_splits, dedup))
+            state=_A2AState(token_idx_M, weights_M, num_tokens, None, None, send_splits, recv_splits,
+                            dedup=dedup))
 
     def _combine_dedup(self, y_MD: torch.Tensor, state: _A2AState) -> torch.Tensor:
         d = state.dedup
         # 7. Weighted sum of a token's copies on this rank into its one row, then that row home.
-        y_rows_VD = weighted_scatter(y_MD, d.weights_M, d.row_M, d.num_rows)
+        y_rows_VD = weighted_scatter(y_MD, d.weights_M, d.row_M, d.num_rows, d.row_bags)
         back_UD = self._all_to_all(y_rows_VD, output_splits=d.send_rows, input_splits=d.recv_rows,
                                    row_bytes=y_MD.shape[1] * y_MD.element_size())
         # 8. Sum the rows coming back from every rank into their tokens.
-        return back_UD.new_zeros(state.num_tokens, back_UD.shape[1]).index_add(0, d.send_token_U, back_UD)
+        return sum_rows(back_UD, d.send_token_U, d.token_bags)
 
     # ----- communication helpers -----------------------------------------------------------------
 

@@ -18,6 +18,8 @@ from fractions import Fraction
 
 import torch
 
+from moetrain.models.moe.token_bags import TokenBags, bags_from_copies, gather_rows, weighted_scatter
+
 
 def expert_capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
     """Token copies one expert takes per forward: ``ceil(factor * T * K / E)``.
@@ -76,6 +78,7 @@ class _LocalState:
     token_idx_M: torch.Tensor
     weights_M: torch.Tensor
     num_tokens: int
+    bags: TokenBags
 
 
 class LocalDispatcher:
@@ -101,43 +104,13 @@ class LocalDispatcher:
             order_M = order_N[keep_N]
             num_kept_E = num_routed_E.clamp(max=capacity)
         token_idx_M = torch.div(order_M, top_k, rounding_mode="floor")
-        x_MD = x_TD.index_select(0, token_idx_M)
+        bags = bags_from_copies(order_M, num_tokens, top_k)
+        x_MD = gather_rows(x_TD, token_idx_M, bags)
         weights_M = weights_TK.reshape(-1).index_select(0, order_M)
         num_dropped = (num_routed_E - num_kept_E).sum()
         return DispatchResult(x_MD=x_MD, num_tokens_per_expert=num_kept_E,
                               num_routed_per_expert=num_routed_E, num_dropped=num_dropped,
-                              state=_LocalState(token_idx_M, weights_M, num_tokens))
+                              state=_LocalState(token_idx_M, weights_M, num_tokens, bags))
 
     def combine(self, y_MD: torch.Tensor, state: _LocalState) -> torch.Tensor:
-        return weighted_scatter(y_MD, state.weights_M, state.token_idx_M, state.num_tokens)
-
-
-class _WeightedScatter(torch.autograd.Function):
-    """``out[t] = sum of w * y over the kept copies of token t``, with a hand-written backward.
-
-    Autograd's own graph (mul, then index_add) would write three [M, D] tensors in backward; this
-    one writes one: it gathers the output gradient per copy, takes the weight gradient as a row
-    dot product from it, then scales it in place into the gradient of y.
-    """
-
-    @staticmethod
-    def forward(ctx, y_MD, weights_M, token_idx_M, num_tokens):
-        ctx.save_for_backward(y_MD, weights_M, token_idx_M)
-        out_TD = y_MD.new_zeros(num_tokens, y_MD.shape[-1])
-        return out_TD.index_add_(0, token_idx_M, y_MD * weights_M.to(y_MD.dtype).unsqueeze(-1))
-
-    @staticmethod
-    def backward(ctx, grad_TD):
-        y_MD, weights_M, token_idx_M = ctx.saved_tensors
-        grad_MD = grad_TD.index_select(0, token_idx_M)
-        grad_w = None
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.linalg.vecdot(grad_MD, y_MD).to(weights_M.dtype)
-        grad_y = grad_MD.mul_(weights_M.to(grad_MD.dtype).unsqueeze(-1)) if ctx.needs_input_grad[0] else None
-        return grad_y, grad_w, None, None
-
-
-def weighted_scatter(y_MD: torch.Tensor, weights_M: torch.Tensor, token_idx_M: torch.Tensor,
-                     num_tokens: int) -> torch.Tensor:
-    """``out[t] = sum of w * y over the kept copies of token t``; dropped copies add nothing."""
-    return _WeightedScatter.apply(y_MD, weights_M, token_idx_M, num_tokens)
+        return weighted_scatter(y_MD, state.weights_M, state.token_idx_M, state.num_tokens, state.bags)
