@@ -6,8 +6,9 @@ the sum in three passes (fill, scaled copy, scattered add) and the combine's wei
 an ``[M, D]`` temporary. ``torch.embedding_bag`` sums (optionally weighted) lists of rows straight
 into its output, so each token's kept rows are described once as a *bag*: the row ids of all kept
 copies in token order plus each token's offset. The expert GEMMs evict these tensors from the CPU
-caches, so every pass saved is a full trip to memory: on the fine-grained benchmark shape (B) this
-file is worth ~10% of the layer time.
+caches, so every pass saved is a full trip to memory: against index_add and a gathered temporary
+this cut the layer's forward+backward by ~7% on the fine-grained benchmark shape B (314 -> 292 ms)
+and ~3% on shape A (see BENCHMARKS.md).
 
 Shape legend: T tokens (bags), M rows (kept copies; each row belongs to exactly one bag),
 D model dim, I = M entries of the bags (row ids, grouped by bag).
@@ -99,8 +100,11 @@ class _WeightedSum(torch.autograd.Function):
         grad_TD = grad_TD.contiguous()
         grad_y = grad_w = None
         if ctx.needs_input_grad[0]:
-            grad_y = F.embedding_bag(index_M.unsqueeze(1), grad_TD, mode="sum",
-                                     per_sample_weights=weights_M.to(grad_TD.dtype).unsqueeze(1))
+            # Bags of one row each. The weights are detached: embedding_bag otherwise prepares
+            # for their gradient (the slower kernel that also builds offset2bag and bag sizes).
+            one_row_M = torch.arange(index_M.numel(), device=index_M.device)
+            grad_y = F.embedding_bag(index_M, grad_TD, one_row_M, mode="sum",
+                                     per_sample_weights=weights_M.detach().to(grad_TD.dtype))
         if ctx.needs_input_grad[1]:
             grad_w_I = torch.ops.aten._embedding_bag_per_sample_weights_backward(
                 grad_TD, y_MD, rows_I, offsets_T, offset2bag, _SUM)
