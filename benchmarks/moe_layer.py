@@ -52,7 +52,7 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
                 with_loop: bool) -> dict:
     T, D, Fh, E, K, act = SHAPES[name]
     torch.manual_seed(0)
-    cfg = dict(num_experts=E, top_k=K, expert_hidden_dim=Fh, activation=act)
+    cfg = {"num_experts": E, "top_k": K, "expert_hidden_dim": Fh, "activation": act}
     layer = MoELayer(D, MoEConfig(**cfg, expert_impl="grouped")).to(device=device, dtype=dtype)
     loop = MoELayer(D, MoEConfig(**cfg, expert_impl="loop")).to(device=device, dtype=dtype)
     loop.load_state_dict(layer.state_dict())

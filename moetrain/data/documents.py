@@ -39,7 +39,8 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
                 raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg})") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{line_no} must be a JSON object with a string field \"text\"")
+                # A malformed input file is bad data (ValueError), not a programming error.
+                raise ValueError(f"{path}:{line_no} must be a JSON object with a string field \"text\"")  # noqa: TRY004
             yield text
 
 

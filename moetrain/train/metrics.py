@@ -46,7 +46,8 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "w", buffering=1)
+        # Open for the whole run (line-buffered, one record per step); close() closes it.
+        self._file = open(self.path, "w", buffering=1)  # noqa: SIM115
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 

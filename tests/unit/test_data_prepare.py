@@ -28,7 +28,7 @@ def private_default_cache(tmp_path, monkeypatch):
 
 
 def sentence(rng):
-    words = "thou art the king queen night love sword hence good lord fair sweet doth say".split()
+    words = ["thou", "art", "the", "king", "queen", "night", "love", "sword", "hence", "good", "lord", "fair", "sweet", "doth", "say"]
     return " ".join(rng.choice(words) for _ in range(rng.randint(3, 10)))
 
 
@@ -41,8 +41,7 @@ def text_folder(tmp_path):
     (root / "b.txt").write_text("\n".join(sentence(rng) for _ in range(150)) + "\n", encoding="utf-8")
     (root / "sub" / "a.txt").write_text("\n".join(sentence(rng) for _ in range(150)), encoding="utf-8")
     with open(root / "c.jsonl", "w", encoding="utf-8") as f:
-        for _ in range(3):
-            f.write(json.dumps({"text": " ".join(sentence(rng) for _ in range(60)), "id": 1}) + "\n")
+        f.writelines(json.dumps({"text": " ".join(sentence(rng) for _ in range(60)), "id": 1}) + "\n" for _ in range(3))
         f.write("\n")  # blank lines are skipped
     (root / "notes.md").write_text("ignored", encoding="utf-8")
     (root / ".hidden.txt").write_text("ignored", encoding="utf-8")
