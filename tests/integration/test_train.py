@@ -46,3 +46,15 @@ def test_expert_parallel_two_ranks_follows_single_process(tmp_path, shakespeare_
     assert ep2[0] == pytest.approx(single[0], rel=1e-5)
     assert ep2[:5] == pytest.approx(single[:5], rel=1e-4), list(zip(single, ep2))
     assert ep2 == pytest.approx(single, rel=1e-2), list(zip(single, ep2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_expert_parallel_run_follows_the_eager_run(tmp_path, shakespeare_cached):
+    # train.compile compiles every block (router, grouped-GEMM experts as custom ops, the
+    # all-to-all dispatcher with its graph breaks); the fp32 losses follow the eager run's.
+    eager = run_ranks(_train, 2, job_overrides(tmp_path / "eager", steps=4, ep=2), timeout_s=120)[0]
+    compiled = run_ranks(_train, 2, job_overrides(tmp_path / "compiled", steps=4, ep=2,
+                                                  extra=("--train.compile=true",)), timeout_s=280)[0]
+    assert len(compiled) == 4
+    assert compiled == pytest.approx(eager, rel=1e-4), list(zip(eager, compiled))

@@ -9,13 +9,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support
+    DTensor = ()
+
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 def _local(w: torch.Tensor) -> torch.Tensor:
     # Under expert parallelism the weights are DTensors sharded over the ep mesh axis; the
     # math below runs on this rank's experts only.
-    return w.to_local() if hasattr(w, "to_local") else w
+    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -23,8 +28,50 @@ def _aligned(*tensors: torch.Tensor) -> bool:
     return all((t.shape[-1] * t.element_size()) % 16 == 0 for t in tensors)
 
 
+# torch._grouped_mm wrapped as custom ops, for torch.compile only: the built-in op's fake-tensor
+# rule accepts bf16 only, so a compiled fp32 model failed to trace; with these, compile treats the
+# GEMMs as opaque kernels with known output shapes. Eager calls the built-in op directly: the
+# custom op's Python dispatch and autograd cost ~1 ms per layer step on the benchmark shapes.
+@torch.library.custom_op("moetrain::grouped_mm", mutates_args=())
+def _grouped_mm(x_MI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(x_MI, w_EIO, offs=offsets_E)
+
+
+@_grouped_mm.register_fake
+def _(x_MI, w_EIO, offsets_E):
+    return x_MI.new_empty(x_MI.shape[0], w_EIO.shape[-1])
+
+
+@torch.library.custom_op("moetrain::grouped_mm_weight_grad", mutates_args=())
+def _grouped_mm_weight_grad(x_MI: torch.Tensor, grad_MO: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """``x[rows of e].T @ grad[rows of e]`` for every expert e: the gradient of ``w[e]``."""
+    return torch._grouped_mm(x_MI.t(), grad_MO, offs=offsets_E)
+
+
+@_grouped_mm_weight_grad.register_fake
+def _(x_MI, grad_MO, offsets_E):
+    return x_MI.new_empty(offsets_E.shape[0], x_MI.shape[1], grad_MO.shape[1])
+
+
+def _grouped_mm_setup(ctx, inputs, output):
+    x_MI, w_EIO, offsets_E = inputs
+    ctx.save_for_backward(x_MI, w_EIO, offsets_E)
+
+
+def _grouped_mm_backward(ctx, grad_MO):
+    x_MI, w_EIO, offsets_E = ctx.saved_tensors
+    grad_x = _grouped_mm(grad_MO, w_EIO.transpose(-2, -1), offsets_E) if ctx.needs_input_grad[0] else None
+    grad_w = _grouped_mm_weight_grad(x_MI, grad_MO, offsets_E) if ctx.needs_input_grad[1] else None
+    return grad_x, grad_w, None
+
+
+_grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
+
+
 def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of x times ``w[e]``, all experts in one kernel."""
+    if torch.compiler.is_compiling():
+        return _grouped_mm(x_MI, w_EIO, offsets_E)
     return torch._grouped_mm(x_MI, w_EIO, offs=offsets_E)
 
 
