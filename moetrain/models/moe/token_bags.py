@@ -8,7 +8,7 @@ into its output, so each token's kept rows are described once as a *bag*: the ro
 copies in token order plus each token's offset. The expert GEMMs evict these tensors from the CPU
 caches, so every pass saved is a full trip to memory: against index_add and a gathered temporary
 this cut the layer's forward+backward by ~7% on the fine-grained benchmark shape B (314 -> 292 ms)
-and ~3% on shape A (see BENCHMARKS.md).
+and ~2% on shape A (see BENCHMARKS.md).
 
 Shape legend: T tokens (bags), M rows (kept copies; each row belongs to exactly one bag),
 D model dim, I = M entries of the bags (row ids, grouped by bag).
