@@ -261,9 +261,7 @@ class AllToAllDispatcher:
         group_R = ungroup_R = None
         x_MD = x_recv_RD
         if P > 1:
-            local_expert_R = torch.repeat_interleave(
-                torch.arange(L, device=idx_N.device).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
-            group_R = torch.sort(local_expert_R, stable=True).indices
+            group_R = _group_by_local_expert(num_recv_PL, num_recv)
             ungroup_R = torch.empty_like(group_R).scatter_(
                 0, group_R, torch.arange(num_recv, device=group_R.device))
             x_MD = permute_rows(x_recv_RD, group_R, ungroup_R)
@@ -338,9 +336,7 @@ class AllToAllDispatcher:
         src_R = torch.repeat_interleave(torch.arange(P, device=dev), torch.tensor(recv_splits, device=dev),
                                         output_size=num_recv)
         row_R = rel_row_R + (torch.cumsum(recv_rows_P, dim=0) - recv_rows_P)[src_R]
-        local_expert_R = torch.repeat_interleave(
-            torch.arange(L, device=dev).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
-        group_R = torch.sort(local_expert_R, stable=True).indices
+        group_R = _group_by_local_expert(num_recv_PL, num_recv)
         row_M, w_M = row_R.index_select(0, group_R), w_recv_R.index_select(0, group_R)
         row_bags = bags_by_index(row_M, sum(recv_rows))
         x_MD = gather_rows(x_recv_VD, row_M, row_bags)
@@ -410,6 +406,15 @@ class AllToAllDispatcher:
         kept_WE = torch.zeros_like(num_routed_WE).index_put_(
             (rank_G, idx_G[order_G]), keep_G.long(), accumulate=True)
         return num_routed_WE, kept_WE, sent, received
+
+
+def _group_by_local_expert(num_recv_PL: torch.Tensor, num_recv: int) -> torch.Tensor:
+    """Order that turns rows received as [source rank][local expert] into [local expert][source
+    rank] (stable: a rank's rows keep their order inside an expert's block)."""
+    P, L = num_recv_PL.shape
+    local_expert_R = torch.repeat_interleave(
+        torch.arange(L, device=num_recv_PL.device).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
+    return torch.sort(local_expert_R, stable=True).indices
 
 
 def _kept_positions(num_routed_E: torch.Tensor, num_kept_E: torch.Tensor, num_kept: int) -> torch.Tensor:
