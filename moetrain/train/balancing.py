@@ -258,6 +258,43 @@ class Balancer:
             scale = scale_E.to(target.expert.device)[target.expert].view(target.shape)
             self._snapshots.append((target, target.tensor.detach().clone(), scale))
 
+    # ----- checkpoint state ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """The counters as plain Python values, for the trainer's checkpoint state. A collective
+        over the data-parallel group: the window's local statistics are summed over it here (that
+        sum is what ``metrics()`` reports). Everything else is the same on every rank (routed
+        counts are global)."""
+        local_L4 = self.window_local_L4.clone()
+        if self.dp_group is not None:
+            dist.all_reduce(local_L4, group=self.dp_group)
+        return {"num_layers": len(self.layers), "num_experts": int(self.interval_routed_LE.shape[1]),
+                "steps": self.steps, "interval_routed": self.interval_routed_LE.tolist(),
+                "idle_steps": self.idle_steps_LE.tolist(), "total_alarms": self.total_alarms,
+                "window_steps": self.window_steps, "window_routed": self.window_routed_LE.tolist(),
+                "window_local": local_L4.tolist(), "window_alarms": list(self.window_alarms_L)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state_dict()``'s counters: the next interval update comes at the step it
+        would have come without the stop, from the same load. The window's local statistics go to
+        the first rank of the data-parallel group (``metrics()`` sums them over the group)."""
+        shape = (len(self.layers), int(self.interval_routed_LE.shape[1]))
+        saved = (state.get("num_layers"), state.get("num_experts"))
+        if saved != shape:
+            raise ValueError(f"balancer state (num_layers, num_experts) {saved} does not match this model's "
+                             f"MoE layers {shape}")
+        dev = self.interval_routed_LE.device
+        self.steps = int(state["steps"])
+        self.interval_routed_LE.copy_(torch.tensor(state["interval_routed"], dtype=torch.int64, device=dev))
+        self.idle_steps_LE.copy_(torch.tensor(state["idle_steps"], dtype=torch.int64, device=dev))
+        self.total_alarms = int(state["total_alarms"])
+        self.window_steps = int(state["window_steps"])
+        self.window_routed_LE.copy_(torch.tensor(state["window_routed"], dtype=torch.int64, device=dev))
+        self.window_alarms_L = [int(a) for a in state["window_alarms"]]
+        first_of_group = self.dp_group is None or dist.get_rank(self.dp_group) == 0
+        local_L4 = torch.tensor(state["window_local"], dtype=torch.float64, device=dev)
+        self.window_local_L4.copy_(local_L4 if first_of_group else torch.zeros_like(local_L4))
+
     # ----- metrics ---------------------------------------------------------------------------------
 
     def metrics(self) -> dict:

@@ -304,6 +304,8 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         self.step = loaded.step
         self.skipped_total = int(state.get("skipped_total", 0))
+        if self.balancer is not None and "balancer" in state:
+            self.balancer.load_state_dict(state["balancer"])
         if loaded.rng_state is not None:
             self._resumed_rng = loaded.rng_state  # restored at the end of __init__
         else:  # a rank the saving run did not have
@@ -368,6 +370,10 @@ class Trainer:
         config = config_to_dict(self.cfg)
         config["model"]["vocab_size"] = self.model_config.vocab_size  # a checkpoint alone can be exported
         trainer_state = {**snap, "config": config, "time": time.time()}
+        if self.balancer is not None:
+            # Taken now, not in the snapshot: skipped steps do not change it, and reading it is a
+            # collective (the snapshot is taken after every step).
+            trainer_state["balancer"] = self.balancer.state_dict()
         layout = {"world_size": self.world_size, "dp": self.dp_size, "ep": self.dims.ep,
                   "zero_stage": self.cfg.parallel.zero_stage}
         with self._phase(f"saving the checkpoint of step {snap['step']}"):

@@ -169,6 +169,41 @@ def _exact_resume_after_sigterm(tmp_path):
     assert [r["grad_norm"] for r in got] == [r["grad_norm"] for r in want]
 
 
+def test_resume_mid_balance_interval_is_exact(tmp_path, shakespeare_cached):
+    in_child(_resume_mid_balance_interval, tmp_path)
+
+
+def _resume_mid_balance_interval(tmp_path):
+    """Dynamic capacity and per-expert learning rates change every balance_interval steps from the
+    load counted since the last change: a resume between two changes must continue that count."""
+    from moetrain.train.trainer import Trainer
+
+    torch.use_deterministic_algorithms(True)  # this child process only
+    balancing = ("--train.deterministic=true", "--moe.balance_interval=3", "--moe.capacity_factor=1.25",
+                 "--moe.dynamic_capacity=true", "--moe.expert_lr_scale_max=4", "--moe.unused_expert_steps=2")
+    ref = Trainer(load_config(None, _ov(tmp_path / "ref", steps=9, extra=balancing)))
+    ref.fit()
+    ref.close()
+    want = _records(tmp_path / "ref")
+
+    # Stopped after step 4 (one step into the second interval), then resumed to step 9.
+    first = Trainer(load_config(None, _ov(tmp_path / "run", steps=4, extra=(*balancing, "--checkpoint.save_final=true"))))
+    first.fit()
+    first.close()
+    resumed = Trainer(load_config(None, _ov(tmp_path / "run", steps=9, extra=balancing)))
+    assert resumed.step == 4
+    resumed.fit()
+    resumed.close()
+    got = _records(tmp_path / "run")
+
+    assert [r["step"] for r in got] == list(range(1, 10))
+    for key in ("loss", "grad_norm", "capacity_factor", "expert_lr_scale", "unused_experts"):
+        assert [r[key] for r in got] == [r[key] for r in want], key
+    # The interval changes really happened (at steps 3, 6 and 9), so the comparison means something.
+    factors = [r["capacity_factor"] for r in want]
+    assert factors[0] == [1.25, 1.25] and len({tuple(f) for f in factors}) > 1, factors
+
+
 def test_checkpoint_layout_rotation_and_router_state(tmp_path, shakespeare_cached):
     in_child(_layout_rotation_and_router_state, tmp_path)
 

@@ -363,3 +363,22 @@ def test_a_discarded_step_leaves_no_counts_behind():
     for a, b in zip(skipped.layers, clean.layers):
         torch.testing.assert_close(a.router.expert_bias, b.router.expert_bias, rtol=0, atol=0)
         assert a.router.expert_bias.abs().sum() > 0
+
+
+def test_balancer_state_round_trips_and_refuses_another_model():
+    cfg = moe(unused_expert_steps=3, balance_interval=4)
+    model = TwoLayers(cfg)
+    balancer = train(model, 6)  # mid-interval: 2 steps counted since the update at step 4
+    state = balancer.state_dict()
+    assert state["steps"] == 6 and state["window_steps"] == 6
+    assert [sum(row) for row in state["interval_routed"]] == [2 * 32 * 2] * 2  # 2 steps x 32 tokens x K
+
+    fresh = install_balancing(torch.optim.SGD(model.parameters(), lr=0.0), TwoLayers(cfg))
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    assert torch.equal(fresh.interval_routed_LE, balancer.interval_routed_LE)
+    assert fresh.metrics() == balancer.metrics()
+
+    one_layer = install_balancing(torch.optim.SGD(model.parameters(), lr=0.0), forced_layer(cfg))
+    with pytest.raises(ValueError, match=r"balancer state \(num_layers, num_experts\) \(2, 4\) does not match"):
+        one_layer.load_state_dict(state)
