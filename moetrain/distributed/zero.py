@@ -22,6 +22,11 @@ Groups: dense (replicated) parameters shard over ``dp`` (W ranks); expert shards
 
 Cost against stage 0: one extra all-gather of the parameters per step (DDP still all-reduces
 the full gradients, which keeps gradient clipping and the backward overlap unchanged).
+
+Checkpoints: ``consolidated()`` all-gathers the state slices into a plain optimizer over the
+model's own parameters (what stage 0 holds, expert states as ep-sharded DTensors), so a stage-1
+checkpoint is an ordinary one that any layout loads; ``load_consolidated()`` takes this rank's
+slices back out of such an optimizer.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from moetrain.distributed.expert_parallel import is_expert_shard
 
@@ -90,8 +96,9 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
                 inner_groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": masters})
         cls = type(optimizer)
         accepted = inspect.signature(cls.__init__).parameters
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
-        self.inner = cls(inner_groups, **kwargs)
+        self._inner_kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+        self.inner = cls(inner_groups, **self._inner_kwargs)
+        self._shard_of = {id(s.master): s for s in self._shards}
         super().__init__(inner_groups, optimizer.defaults)
         # Adopt the inner optimizer's groups and state: schedulers edit the lr it steps with.
         self.param_groups = self.inner.param_groups
@@ -154,6 +161,72 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         recv_WC = recv.view(world, -1)
         for s, part in zip(bucket, recv_WC.split(widths, dim=1)):
             s.flat.copy_(part.reshape(-1)[:s.flat.numel()])
+
+    # ----- checkpoints ---------------------------------------------------------------------------
+
+    def plain_optimizer(self) -> torch.optim.Optimizer:
+        """A new optimizer of the inner class over the model's own parameters, with the same
+        parameter groups and hyper-parameters, and no state."""
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [self._shard_of[id(m)].param for m in g["params"]]}
+                  for g in self.inner.param_groups]
+        return type(self.inner)(groups, **self._inner_kwargs)
+
+    @torch.no_grad()
+    def consolidated(self) -> torch.optim.Optimizer:
+        """``plain_optimizer()`` holding every parameter's whole state: this rank's slices
+        all-gathered over their group (expert states as DTensors placed like their parameter).
+        What a stage-0 run's optimizer holds, so checkpoints keyed by parameter name save it and
+        any layout loads it. Collective over dp and edp; holds the full optimizer state (stage 0's
+        memory) until it is dropped."""
+        full = self.plain_optimizer()
+        for s in self._shards:  # the same order on every rank: the gathers pair up
+            state = self.inner.state.get(s.master)
+            if state:
+                full.state[s.param] = {k: self._gather_state(s, v) for k, v in state.items()}
+        return full
+
+    def _gather_state(self, s: _Shard, value):
+        if not (isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == s.hi - s.lo):
+            return value.clone() if isinstance(value, torch.Tensor) else value  # a step count
+        group, world, _ = self._groups[s.group]
+        if group is None:
+            flat = value.to(s.flat.device, copy=True)
+        else:
+            send = s.flat.new_zeros(s.chunk, dtype=value.dtype)
+            send[:s.hi - s.lo].copy_(value)
+            recv = send.new_empty(world * s.chunk)
+            _all_gather_single(recv, send, group=group)
+            flat = recv[:s.flat.numel()]
+        if isinstance(s.param, DTensor):
+            local = flat.view(s.param.to_local().shape)
+            return DTensor.from_local(local, s.param.device_mesh, s.param.placements, run_check=False,
+                                      shape=s.param.shape, stride=s.param.stride())
+        return flat.view(s.param.shape)
+
+    @torch.no_grad()
+    def load_consolidated(self, full: torch.optim.Optimizer) -> None:
+        """Take this rank's slices of the state, and the hyper-parameters, of ``full`` (an
+        optimizer like ``consolidated()``'s, e.g. loaded from a checkpoint)."""
+        if len(full.param_groups) != len(self.inner.param_groups):
+            raise ValueError(f"optimizer state with {len(full.param_groups)} parameter groups cannot be loaded "
+                             f"into one with {len(self.inner.param_groups)}")
+        for mine, theirs in zip(self.inner.param_groups, full.param_groups):
+            mine.update({k: v for k, v in theirs.items() if k != "params"})
+        self.inner.state.clear()  # the same dict as self.state
+        for s in self._shards:
+            state = full.state.get(s.param)
+            if not state:
+                continue
+            local_shape = s.param.to_local().shape if isinstance(s.param, DTensor) else s.param.shape
+            sliced = {}
+            for k, v in state.items():
+                local = v.to_local() if isinstance(v, DTensor) else v
+                if isinstance(local, torch.Tensor) and local.dim() > 0 and local.shape == local_shape:
+                    sliced[k] = local.reshape(-1)[s.lo:s.hi].to(s.master.device, copy=True)
+                else:
+                    sliced[k] = local.clone() if isinstance(local, torch.Tensor) else local
+            self.inner.state[s.master] = sliced
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for s in self._shards:

@@ -23,7 +23,9 @@ What a checkpoint holds (DCP keys):
 
 The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` on the
 *unwrapped* model, which handles plain tensors, ep-sharded DTensors and FSDP2 shards alike:
-that is what lets a checkpoint saved at one (world, ep, zero) layout load at another.
+that is what lets a checkpoint saved at one (world, ep, zero) layout load at another. ZeRO-1's
+element-sliced optimizer state goes through its ``consolidated()`` form (the stage-0 state), so a
+stage-1 checkpoint is an ordinary one.
 
 Saving and loading are collective: every rank calls them, in the same order.
 """
@@ -53,6 +55,8 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from moetrain.distributed.zero import ZeroShardedOptimizer
 
 log = logging.getLogger("moetrain")
 
@@ -219,7 +223,7 @@ def clean_stale_tmp(folder: str | os.PathLike) -> list[Path]:
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """DCP keys optimizer state by parameter name: the optimizer must step the model's own
-    parameters (not, say, flat shards of them, as an element-wise ZeRO-1 optimizer does)."""
+    parameters (not, say, flat shards of them; ZeRO-1's optimizer is consolidated first)."""
     own = {id(p) for p in model.parameters()}
     foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in own)
     if foreign:
@@ -244,6 +248,8 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
     name = step_dir_name(step)
     final, tmp = folder / name, folder / f".{name}.tmp"
     t0 = time.perf_counter()
+    if isinstance(optimizer, ZeroShardedOptimizer):
+        optimizer = optimizer.consolidated()  # collective; the full state lives until this returns
     _check_optimizer(model, optimizer)
 
     # 1. A clean temporary folder (left over by a save of the same step killed earlier).
@@ -448,6 +454,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     """
     path = Path(path)
     rank, _ = _rank_world()
+    zero = optimizer if isinstance(optimizer, ZeroShardedOptimizer) else None
+    if zero is not None:
+        optimizer = zero.plain_optimizer()  # loaded in stage-0 form, then sliced (step 4)
     _check_optimizer(model, optimizer)
     # 1. Files: present, whole, unchanged.
     manifest = verify_checkpoint(path) if verify else read_manifest(path)
@@ -486,6 +495,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
 
     # 4. Only now into the live objects.
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    if zero is not None:
+        zero.load_consolidated(optimizer)
     trainer_state = json.loads(state["trainer"])
     rng_state = pickle.loads(state["rng"][rng_key]) if has_rng else None
     return LoadedCheckpoint(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state,

@@ -247,13 +247,6 @@ class Trainer:
         newest complete checkpoint of ``checkpoint.dir``, a path loads that checkpoint."""
         c = self.cfg.checkpoint
         self.ckpt_dir = Path(c.dir) if c.dir is not None else self.run_dir / "checkpoints"
-        # ZeRO-1 keeps the optimizer state on flat element shards, which checkpoints (keyed by
-        # parameter name) cannot hold yet: train, but say loudly that nothing will be saved.
-        self.checkpointing_enabled = self.cfg.parallel.zero_stage != 1
-        if not self.checkpointing_enabled and (c.every or c.save_final) and self.is_main:
-            log.warning("parallel.zero_stage=1 cannot be checkpointed yet: checkpoint.every (%s) and "
-                        "checkpoint.save_final (%s) are ignored; use zero_stage 0, 2 or 3 to save", c.every,
-                        c.save_final)
         self.step = 0
         self.skipped_total = 0
         self.consecutive_skips = 0
@@ -359,12 +352,9 @@ class Trainer:
                 "scaler": self.scaler.state_dict(), "data": self.train_loader.state_dict(),
                 "skipped_total": self.skipped_total, "rng": capture_rng_state()}
 
-    def save_checkpoint(self, snapshot: dict | None = None) -> Path | None:
+    def save_checkpoint(self, snapshot: dict | None = None) -> Path:
         """Save the current state (or ``snapshot``'s step, data position, schedule and RNG with the
-        current weights: the last good state after skipped steps). Collective. None when the
-        layout cannot be checkpointed (ZeRO-1, warned about at startup)."""
-        if not self.checkpointing_enabled:
-            return None
+        current weights: the last good state after skipped steps). Collective."""
         snap = dict(snapshot if snapshot is not None else self._snapshot())
         rng = snap.pop("rng")
         config = config_to_dict(self.cfg)
