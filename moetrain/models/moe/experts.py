@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.models.moe import cpu_experts
+
 try:
     from torch.distributed.tensor import DTensor
 except ImportError:  # a torch build without distributed support
@@ -79,8 +81,9 @@ class GroupedExperts(nn.Module):
     """E independent FFNs evaluated together.
 
     ``activation="gelu"``: ``gelu(x @ w1) @ w2``; ``"swiglu"``: ``(silu(x @ w1) * (x @ w3)) @ w2``.
-    ``impl="grouped"`` runs each projection as one ``torch._grouped_mm``; ``impl="loop"`` runs one
-    matmul per expert and is the oracle the grouped path is tested against.
+    ``impl="grouped"`` runs each projection as one ``torch._grouped_mm`` (on a multi-core CPU as
+    whole experts per thread, ``moetrain.models.moe.cpu_experts``); ``impl="loop"`` runs one matmul
+    per expert and is the oracle the grouped path is tested against.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "gelu",
@@ -118,10 +121,20 @@ class GroupedExperts(nn.Module):
         return F.gelu(h_MF)
 
     def _forward_grouped(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
-        offsets_E = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
-        h_MF = grouped_matmul(x_MD, w1, offsets_E)
-        gate_MF = grouped_matmul(x_MD, w3, offsets_E) if w3 is not None else None
-        return grouped_matmul(self._act(h_MF, gate_MF), w2, offsets_E)
+        if cpu_experts.usable(x_MD):
+            # Reading the E counts is no device sync here: on the CPU they are host memory already.
+            sizes = num_tokens_per_expert.tolist()
+
+            def mm(x, w):
+                return cpu_experts.grouped_mm(x, w, sizes)
+        else:
+            offsets_E = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
+
+            def mm(x, w):
+                return grouped_matmul(x, w, offsets_E)
+        h_MF = mm(x_MD, w1)
+        gate_MF = mm(x_MD, w3) if w3 is not None else None
+        return mm(self._act(h_MF, gate_MF), w2)
 
     def _forward_loop(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
         # Host sync: the per-expert split sizes must be Python ints. Fine for the oracle.
