@@ -79,13 +79,15 @@ Plan make_plan(const std::vector<int64_t>& sizes, int64_t num_threads) {
 // Calls fn(e) for every expert as the plan says.
 template <typename Fn>
 void for_each_expert(const Plan& plan, Fn fn) {
+  // Plain products (the autograd Function around them does the bookkeeping). Grad mode is
+  // thread-local, and on in the pool's threads whatever the caller's is.
+  at::NoGradGuard no_grad;
   for (int64_t e : plan.alone) {
     fn(e);
   }
   const int64_t num_bins = static_cast<int64_t>(plan.bins.size());
   at::parallel_for(0, num_bins, 1, [&](int64_t begin, int64_t end) {
-    // Grad mode is thread-local and starts on in the pool's threads; these are plain GEMMs.
-    at::NoGradGuard no_grad;
+    at::NoGradGuard no_grad_here;
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t e : plan.bins[b]) {
         fn(e);
