@@ -98,6 +98,9 @@ def test_one_thread_or_the_switch_keeps_torch_grouped_mm():
     assert not cpu_experts.usable(x)
     torch.set_num_threads(2)
     assert cpu_experts.usable(x)
+    with cpu_experts.disabled():
+        assert not cpu_experts.usable(x)
+    assert cpu_experts.usable(x)
     # A fresh process with the switch off: no build, and the layer still matches its loop oracle.
     code = (
         "import torch; torch.set_num_threads(2)\n"

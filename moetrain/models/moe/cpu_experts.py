@@ -15,10 +15,12 @@ Shape legend: M token copies grouped by expert, I input dim, O output dim, E (lo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -29,6 +31,7 @@ _SOURCE = Path(__file__).with_name("csrc") / "expert_gemms.cpp"
 _lock = threading.Lock()
 _kernel = None
 _tried = False
+_off = threading.local()
 
 
 def kernel():
@@ -61,10 +64,22 @@ def kernel():
         return _kernel
 
 
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block (on this thread) the grouped path uses ``torch._grouped_mm``: for
+    comparing the two in one process (``benchmarks/moe_layer.py --compare-cpu-kernel``)."""
+    _off.depth = getattr(_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _off.depth -= 1
+
+
 def usable(x_MI: torch.Tensor) -> bool:
     """Whether the grouped GEMMs of ``x_MI`` should run whole experts per thread."""
-    return (x_MI.device.type == "cpu" and torch.get_num_threads() > 1
-            and not torch.compiler.is_compiling() and kernel() is not None)
+    # is_compiling first: dynamo must not trace into the thread count or the build.
+    return (not torch.compiler.is_compiling() and x_MI.device.type == "cpu" and torch.get_num_threads() > 1
+            and not getattr(_off, "depth", 0) and kernel() is not None)
 
 
 class _GroupedMM(torch.autograd.Function):
