@@ -5,6 +5,8 @@ Shape legend: M token copies grouped by expert, D model dim, F expert hidden dim
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -123,15 +125,9 @@ class GroupedExperts(nn.Module):
     def _forward_grouped(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
         if cpu_experts.usable(x_MD):
             # Reading the E counts is no device sync here: on the CPU they are host memory already.
-            sizes = num_tokens_per_expert.tolist()
-
-            def mm(x, w):
-                return cpu_experts.grouped_mm(x, w, sizes)
+            mm = functools.partial(cpu_experts.grouped_mm, sizes=num_tokens_per_expert.tolist())
         else:
-            offsets_E = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
-
-            def mm(x, w):
-                return grouped_matmul(x, w, offsets_E)
+            mm = functools.partial(grouped_matmul, offsets_E=torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32))
         h_MF = mm(x_MD, w1)
         gate_MF = mm(x_MD, w3) if w3 is not None else None
         return mm(self._act(h_MF, gate_MF), w2)
