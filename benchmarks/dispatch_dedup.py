@@ -3,7 +3,7 @@ for plain top-2 routing and for group-limited routing whose groups are the ep ra
 
     python benchmarks/dispatch_dedup.py [--steps 20]
 
-Trains the demo model (configs/tiny.yaml, ep=2 on 2 processes) for a few steps per setting and
+Trains the demo model (the shipped `tiny` config, ep=2 on 2 processes) for a few steps per setting and
 reads the bytes rank 0 sent and received (the dispatcher's own counters, forward exchanges of all
 layers) from metrics.jsonl. Prints a Markdown table.
 """
@@ -25,7 +25,7 @@ SETTINGS = {
 
 
 def run(extra: list[str], steps: int, run_dir: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "moetrain.cli", "train", "--config", "configs/tiny.yaml", "--nproc", "2",
+    subprocess.run([sys.executable, "-m", "moetrain.cli", "train", "--config", "tiny", "--nproc", "2",
                     f"--train.steps={steps}", f"--log.every={steps}", "--train.eval_every=0",
                     "--checkpoint.every=0", "--checkpoint.save_final=false", "--checkpoint.resume=never",
                     "--log.progress_bar=false", "--log.tensorboard=false", f"--log.run_dir={run_dir}", *extra],

@@ -3,7 +3,6 @@ dense matmuls (T*K rows through one expert-sized FFN, forward and backward).
 
     python benchmarks/moe_layer.py [--json] [--shapes A,B] [--runs 10]
     python benchmarks/moe_layer.py --device cuda --dtype bfloat16 --shapes A,B,M
-    python benchmarks/moe_layer.py --compare-cpu-kernel     # + the grouped layer without the CPU expert kernel
 
 The layer and the ideal are timed alternately (layer, ideal, layer, ideal, ...) so machine drift
 cancels in the ratio; efficiency = median over runs of ideal_ms / layer_ms. The loop path gets its
@@ -21,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.config.moe import MoEConfig
-from moetrain.models.moe import MoELayer, cpu_experts
+from moetrain.models.moe import MoELayer
 from moetrain.utils.cpu_allocator import tune_cpu_allocator
 
 SHAPES = {
@@ -50,7 +49,7 @@ def _timed(fn, device, grads_of=()) -> float:
 
 
 def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: int, warmup: int,
-                with_loop: bool, compare_cpu_kernel: bool = False) -> dict:
+                with_loop: bool) -> dict:
     T, D, Fh, E, K, act = SHAPES[name]
     torch.manual_seed(0)
     cfg = {"num_experts": E, "top_k": K, "expert_hidden_dim": Fh, "activation": act}
@@ -79,9 +78,9 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
 
     grads_of = [x_TD, x_ND, w1, w2, *([w3] if w3 is not None else []), *layer.parameters(), *loop.parameters()]
 
-    def alternate(fn, other=None) -> tuple[list[float], ...]:
-        """(fn times, ideal times[, other times]), measured fn, ideal[, other], fn, ... after warm-up."""
-        fns = [fn, run_ideal] + ([other] if other is not None else [])
+    def alternate(fn) -> tuple[list[float], list[float]]:
+        """(fn times, ideal times), measured fn, ideal, fn, ideal, ... after warm-up."""
+        fns = [fn, run_ideal]
         for _ in range(warmup):
             for f in fns:
                 f()
@@ -94,19 +93,7 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
     def ratio(ideal_ms, ms) -> float:
         return statistics.median(i / t for i, t in zip(ideal_ms, ms))
 
-    def without_kernel():
-        with cpu_experts.disabled():
-            run_layer(layer)()
-
-    extra = {}
-    if compare_cpu_kernel:
-        layer_ms, ideal_ms, off_ms = alternate(run_layer(layer), without_kernel)
-        extra = {"no_cpu_kernel_ms": round(statistics.median(off_ms), 2),
-                 "no_cpu_kernel_efficiency": round(ratio(ideal_ms, off_ms), 3),
-                 "cpu_kernel_speedup": round(statistics.median(o / t for o, t in zip(off_ms, layer_ms)), 4),
-                 "cpu_kernel_used": cpu_experts.usable(x_TD)}
-    else:
-        layer_ms, ideal_ms = alternate(run_layer(layer))
+    layer_ms, ideal_ms = alternate(run_layer(layer))
     loop_ms, loop_ideal_ms = alternate(run_layer(loop)) if with_loop else (None, None)
     return {
         "shape": name,
@@ -115,7 +102,6 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
         "ideal_ms": round(statistics.median(ideal_ms), 2),
         "efficiency": round(ratio(ideal_ms, layer_ms), 3),
         "loop_efficiency": round(ratio(loop_ideal_ms, loop_ms), 3) if with_loop else None,
-        **extra,
     }
 
 
@@ -129,9 +115,6 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="CPU threads (torch.set_num_threads)")
     p.add_argument("--no-loop", action="store_true", help="skip the per-expert loop path")
     p.add_argument("--json", action="store_true", help="one JSON object per shape")
-    p.add_argument("--compare-cpu-kernel", action="store_true",
-                   help="also time the grouped layer without moetrain's CPU expert kernel (alternated in "
-                        "the same run): no_cpu_kernel_ms, no_cpu_kernel_efficiency, cpu_kernel_speedup")
     p.add_argument("--no-tune-allocator", action="store_true",
                    help="leave glibc's allocator as it is (the layer and the ideal both pay page faults)")
     a = p.parse_args()
@@ -140,8 +123,7 @@ def main() -> None:
         tune_cpu_allocator()  # what `moetrain train` does on CPU; see moetrain/utils/cpu_allocator.py
     device, dtype = torch.device(a.device), getattr(torch, a.dtype)
     for name in a.shapes.split(","):
-        r = bench_shape(name, device=device, dtype=dtype, runs=a.runs, warmup=a.warmup, with_loop=not a.no_loop,
-                        compare_cpu_kernel=a.compare_cpu_kernel)
+        r = bench_shape(name, device=device, dtype=dtype, runs=a.runs, warmup=a.warmup, with_loop=not a.no_loop)
         if a.json:
             print(json.dumps(r), flush=True)
         else:

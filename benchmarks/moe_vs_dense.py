@@ -1,6 +1,6 @@
 """MoE vs a dense model with the same active parameters: same data, steps and layout.
 
-    python benchmarks/moe_vs_dense.py            # trains configs/tiny.yaml and configs/tiny-dense.yaml (2 procs each)
+    python benchmarks/moe_vs_dense.py            # trains the shipped configs tiny and tiny-dense (2 procs each)
     python benchmarks/moe_vs_dense.py --no-train # only tabulate runs/tiny and runs/tiny-dense
 
 Prints a Markdown table: final val loss / perplexity and the median tokens/s over the logged steps.
@@ -18,8 +18,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = {"MoE (tiny: 8 experts, top-2)": ("configs/tiny.yaml", "runs/tiny"),
-        "dense (tiny-dense: FFN 512)": ("configs/tiny-dense.yaml", "runs/tiny-dense")}
+RUNS = {"MoE (tiny: 8 experts, top-2)": ("tiny", "runs/tiny"),
+        "dense (tiny-dense: FFN 512)": ("tiny-dense", "runs/tiny-dense")}
+"""Table row -> (shipped config name, run folder under the repository root)."""
 
 
 def _params(run_dir: Path) -> tuple[float, float]:

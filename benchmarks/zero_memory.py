@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
 from dist_launcher import run_ranks
 
-from moetrain.models.presets import get_preset
+from moetrain.config.presets import get_preset
 from moetrain.plan.activations import estimate_activations
 from moetrain.plan.model_states import Layout, param_specs, rank_state_bytes, unsharded_param_peak_bytes
 

@@ -1,9 +1,9 @@
 """`moetrain` command line: train, demo, config, data, report.
 
-    moetrain train --config configs/tiny.yaml --nproc 2 --train.steps=100
+    moetrain train --config tiny --nproc 2 --train.steps=100   (a shipped config's name, or a YAML path)
     torchrun --nnodes 2 --nproc-per-node 8 ... -m moetrain.cli train --config X     (multi-node)
     moetrain demo
-    moetrain config show --config X [--section.field=value ...]
+    moetrain config show --config X [--nproc N] [--deepspeed DS.json] [--section.field=value ...]
     moetrain data list | moetrain data fetch shakespeare
     moetrain report RUN_DIR
     moetrain plan --config X --nproc N [--nodes M] [--device-memory 80GiB] [--json]
@@ -18,10 +18,9 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-DEMO_CONFIG = REPO_CONFIGS / "tiny.yaml"
+DEMO_CONFIG = "tiny"
+"""The shipped config ``moetrain demo`` trains (moetrain/configs/tiny.yaml)."""
 
 
 def _under_launcher() -> bool:
@@ -53,11 +52,42 @@ def _strip_nproc(argv: list[str]) -> list[str]:
     return out
 
 
-def _load(args, overrides: list[str]):
-    from moetrain.config.loader import load_config
+def _world_size(args) -> int | None:
+    """Processes of the job when the command knows them: torchrun's WORLD_SIZE, else --nproc;
+    ``train`` without either runs one process; ``config show`` without either does not know."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if getattr(args, "nproc", None):
+        return args.nproc
+    return 1 if args.cmd in ("train", "demo") else None
 
-    world = int(os.environ.get("WORLD_SIZE", getattr(args, "nproc", None) or 1))
-    return load_config(args.config, overrides, deepspeed=getattr(args, "deepspeed", None), world_size=world)
+
+def _load(args, overrides: list[str]):
+    """The job config of ``args``, checked as far as the command knows the job: the corpus name
+    always, the parallel layout (ParallelDims's rules) when the world size is known."""
+    from moetrain.config.loader import load_config
+    from moetrain.data.registry import check_corpus
+
+    world = _world_size(args)
+    deepspeed = getattr(args, "deepspeed", None)
+    # A DeepSpeed config's batch sizes are per process: without a world size, one process.
+    cfg = load_config(args.config, overrides, deepspeed=deepspeed, world_size=world or 1)
+    check_corpus(cfg.data.corpus)
+    ep = cfg.parallel.ep
+    if world is None:
+        if deepspeed is not None and ep > 1:
+            raise ValueError(f"moe.ep_size ({ep}) of {deepspeed} needs a world of at least {ep} processes: "
+                             "pass --nproc N, the number of processes of the job")
+        return cfg
+    from moetrain.distributed.parallel_dims import ParallelDims
+
+    try:
+        ParallelDims.from_config(cfg.parallel, world_size=world,
+                                 num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)
+    except ValueError as e:
+        told = "WORLD_SIZE" in os.environ or getattr(args, "nproc", None)
+        raise ValueError(str(e) if told else f"{e} (this runs 1 process: pass --nproc N to launch N)") from e
+    return cfg
 
 
 def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False) -> int:
@@ -160,12 +190,16 @@ def cmd_convert(args, parser: argparse.ArgumentParser) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moetrain.config.loader import shipped_config_names
+
     p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
                                 epilog="Any --section.field=value argument overrides the config.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def add_train_args(sp, *, default_config=None):
-        sp.add_argument("--config", default=default_config, help="YAML config (a run's config.yaml reproduces it)")
+        sp.add_argument("--config", default=default_config,
+                        help="YAML config (a run's config.yaml reproduces it) or a shipped config's name: "
+                             + ", ".join(shipped_config_names()))
         sp.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
         sp.add_argument("--nproc", type=int, default=None,
                         help="launch N local processes (torch.distributed.run); not needed under torchrun")
@@ -174,15 +208,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_args(sub.add_parser("train", help="train a model"))
     demo = sub.add_parser("demo", help="the default job: tiny MoE LM on Shakespeare, EP=2 on 2 processes")
-    add_train_args(demo, default_config=str(DEMO_CONFIG))
+    add_train_args(demo, default_config=DEMO_CONFIG)
     demo.set_defaults(nproc=2, sample_tokens=120)
 
     cfg = sub.add_parser("config", help="show the resolved config")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     show = cfg_sub.add_parser("show")
-    show.add_argument("--config", default=None)
-    show.add_argument("--deepspeed", default=None)
-    show.add_argument("--nproc", type=int, default=None, help="world size (for --deepspeed batch checks)")
+    show.add_argument("--config", default=None, help="YAML config or a shipped config's name")
+    show.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
+    show.add_argument("--nproc", type=int, default=None,
+                      help="world size: checks the parallel layout and sizes --deepspeed batches")
 
     data = sub.add_parser("data", help="corpora")
     data_sub = data.add_subparsers(dest="data_cmd", required=True)

@@ -6,13 +6,13 @@ import warnings
 from dataclasses import dataclass
 
 from moetrain.config.base import require, require_choice
-from moetrain.data.registry import CORPORA  # plain data: importing it loads no torch/numpy
 
 
 @dataclass
 class DataConfig:
     corpus: str = "shakespeare"
-    """Registered corpus name (see `moetrain data list`), or "path" to read `data.path`."""
+    """Registered corpus name (see `moetrain data list`), or "path" to read `data.path`. The name is
+    checked by the data layer, which owns the registry (``moetrain.data.registry.check_corpus``)."""
 
     path: str | None = None
     """User data (with corpus="path"): a folder (or file) of .txt/.jsonl documents (jsonl: a "text"
@@ -37,7 +37,8 @@ class DataConfig:
     """Where corpora, tokenisers and token files are cached; None = $MOETRAIN_CACHE or ~/.cache/moetrain."""
 
     def __post_init__(self) -> None:
-        require_choice("data.corpus", self.corpus, ("path", *sorted(CORPORA)))
+        require(isinstance(self.corpus, str) and self.corpus != "", "data.corpus", self.corpus,
+                'must be a registered corpus name or "path"')
         require_choice("data.tokenizer", self.tokenizer, ("bpe", "bytes"))
         require(_is_int(self.vocab_size) and self.vocab_size >= 257, "data.vocab_size",
                 self.vocab_size, "must be an int >= 257 (256 byte tokens + end-of-text)")

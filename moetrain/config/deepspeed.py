@@ -2,10 +2,13 @@
 
 Mapped: the three batch sizes (checked as DeepSpeed does), fp16/bf16, gradient_clipping,
 optimizer (Adam/AdamW params), scheduler (WarmupLR, WarmupCosineLR), steps_per_print,
-zero_optimization (stage -> parallel.zero_stage, offload/overlap/bucket settings -> the `zero`
-section) and a top-level ``"moe": {"ep_size", "num_experts", "k", "capacity_factor", "drop_tokens"}``.
-Every other key is ignored with ONE warning naming them all. ``"auto"`` (the Hugging Face
-convention) counts as not set.
+zero_optimization (stage -> parallel.zero_stage; offload and bucket sizes -> the `zero` section)
+and a top-level ``"moe": {"ep_size", "num_experts", "k", "capacity_factor", "drop_tokens"}``.
+Every other key is ignored with ONE warning naming them all: among them the ZeRO knobs FSDP2/DDP
+have no equivalent for (contiguous_gradients, the stage3_* prefetch/persistence/live/reuse
+limits; overlap_comm unless true, which is what DDP and FSDP2 do). ``"auto"`` (the Hugging Face
+convention) counts as not set. ``moe.ep_size`` is checked against the world size and the experts
+where the layout is built (``ParallelDims``).
 """
 
 from __future__ import annotations
@@ -17,26 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from moetrain.config.base import require
+from moetrain.config.convert import config_from_dict, config_to_dict
 from moetrain.config.job import JobConfig
-from moetrain.config.loader import config_from_dict, config_to_dict
 
 # Keys accepted without a warning when they hold the value moetrain behaves as anyway.
 _MATCHING = {
     "fp16.loss_scale": 0,  # 0 = dynamic loss scaling, what fp16 training here does
     "zero_optimization.allgather_partitions": True,
     "zero_optimization.reduce_scatter": True,
+    # DDP reduces gradient buckets during the backward and FSDP2 prefetches the next unit's
+    # all-gather: both overlap communication with compute, always.
+    "zero_optimization.overlap_comm": True,
     "moe.enabled": True,
 }
-_ZERO_FIELDS = {
-    "overlap_comm": "overlap_comm",
-    "contiguous_gradients": "contiguous_gradients",
-    "reduce_bucket_size": "reduce_bucket_size",
-    "allgather_bucket_size": "allgather_bucket_size",
-    "stage3_prefetch_bucket_size": "prefetch_bucket_size",
-    "stage3_param_persistence_threshold": "param_persistence_threshold",
-    "stage3_max_live_parameters": "max_live_parameters",
-    "stage3_max_reuse_distance": "max_reuse_distance",
-}
+_ZERO_FIELDS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size"}
+"""zero_optimization keys (DeepSpeed name -> field of the ``zero`` section) that act here."""
 
 
 def load_deepspeed_config(path: str | Path) -> dict:
@@ -64,7 +62,7 @@ def apply_deepspeed_config(cfg: JobConfig, ds: Mapping[str, Any], *, world_size:
     _apply_optimizer(d, ds.get("optimizer"), ignored)
     _apply_scheduler(d, ds.get("scheduler"), ignored)
     _apply_zero(d, ds.get("zero_optimization"), ignored)
-    _apply_moe(d, ds.get("moe"), ignored, world_size)
+    _apply_moe(d, ds.get("moe"), ignored)
 
     handled = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "fp16",
                "bf16", "bfloat16", "gradient_clipping", "steps_per_print", "optimizer", "scheduler",
@@ -209,16 +207,15 @@ def _apply_offload(d: dict, key: str, block: Any, ignored: list[str]) -> None:
     ignored += [f"zero_optimization.{key}.{k}" for k in block if k not in ("device", "pin_memory")]
 
 
-def _apply_moe(d: dict, block: Any, ignored: list[str], world_size: int) -> None:
+def _apply_moe(d: dict, block: Any, ignored: list[str]) -> None:
     if block is None:
         return
     require(isinstance(block, Mapping), "moe", block, 'must be an object like {"ep_size": 8}')
     block = {k: v for k, v in block.items() if not _auto(v)}
     for key, value in block.items():
         if key == "ep_size":
-            if not (isinstance(value, int) and value > 0 and world_size % value == 0):
-                raise ValueError(f"moe.ep_size ({value!r}) must be an int > 0 that divides the world size "
-                                 f"({world_size})")
+            require(isinstance(value, int) and not isinstance(value, bool) and value > 0, "moe.ep_size", value,
+                    "must be an int > 0")
             d["parallel"]["ep"] = value
         elif key == "num_experts":
             d["moe"]["num_experts"] = value

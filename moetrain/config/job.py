@@ -28,7 +28,7 @@ class JobConfig:
     """Parallel degrees (dp, ep, zero_stage, ...)."""
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
-    """ZeRO/FSDP offload, overlap and bucket settings."""
+    """ZeRO/FSDP offload and bucket settings."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
@@ -46,12 +46,9 @@ class JobConfig:
     """Run folder and metric sinks."""
 
     def __post_init__(self) -> None:
-        m, moe, par = self.model, self.moe, self.parallel
-        if m.is_moe:
-            require(moe.num_experts % par.ep == 0, "parallel.ep", par.ep,
-                    f"must divide moe.num_experts ({moe.num_experts})")
-        else:
-            require(par.ep == 1, "parallel.ep", par.ep, "must be 1 for a dense model (model.moe_every = 0)")
+        m, par = self.model, self.parallel
+        # How parallel.ep splits the world and the experts is ParallelDims's rule (it knows the world).
+        require(m.is_moe or par.ep == 1, "parallel.ep", par.ep, "must be 1 for a dense model (model.moe_every = 0)")
         require(self.data.seq_len <= m.max_seq_len, "data.seq_len", self.data.seq_len,
                 f"must be <= model.max_seq_len ({m.max_seq_len})")
         if m.vocab_size is not None:

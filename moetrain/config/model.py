@@ -11,10 +11,10 @@ from moetrain.config.base import require, require_choice, require_positive
 @dataclass
 class ModelConfig:
     preset: str | None = None
-    """Name of a preset in ``moetrain.models.presets`` ("tiny", "tiny-dense", "mixtral-mini", "mixtral-8x7b",
-    "deepseek-moe-16b"). ``load_config`` applies it: the preset's model and moe values come first
-    and every field written in the file or on the command line overrides them. (Built directly in
-    Python, a ModelConfig only records the name.)"""
+    """Name of a preset in ``moetrain.config.presets`` ("tiny", "tiny-dense", "mixtral-mini", "mixtral-8x7b",
+    "deepseek-moe-16b"). ``load_config`` checks and applies it: the preset's model and moe values
+    come first and every field written in the file or on the command line overrides them. (Built
+    directly in Python, a ModelConfig only records the name.)"""
 
     vocab_size: int | None = None
     """Vocabulary size V. None = take it from the tokenizer when the model is built."""
@@ -69,10 +69,10 @@ class ModelConfig:
     """Number of classes of the classifier head; required (>= 2) when head is "classifier"."""
 
     def __post_init__(self) -> None:
-        if self.preset is not None:
-            from moetrain.models.presets import PRESETS  # lazy: presets import this module
-
-            require_choice("model.preset", self.preset, tuple(PRESETS))
+        # The name is checked where it is applied (config_from_dict): the presets are built from
+        # this class, so it cannot consult them.
+        require(self.preset is None or (isinstance(self.preset, str) and self.preset != ""), "model.preset",
+                self.preset, "must be None or a preset name")
         require_int("model.vocab_size", self.vocab_size, min_value=2, none_ok=True,
                     note=" (None = from the tokenizer)")
         for name in ("dim", "num_layers", "num_heads", "max_seq_len"):

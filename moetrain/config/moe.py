@@ -114,7 +114,8 @@ class MoEConfig:
     summed over all ranks, so every rank computes the same factor."""
 
     dynamic_capacity_base: float = 1.0
-    """b of factor = b + s * sigmoid(std(load) - c). The seeds' formula is b=1.0, s=0.5, c=1.0."""
+    """b of factor = b + s * sigmoid(std(load) - c). The defaults b=1.0, s=0.5, c=1.0
+    are the formula of a practitioner's blog post on distributed MoE training with PyTorch."""
 
     dynamic_capacity_scale: float = 0.5
     """s of factor = b + s * sigmoid(std(load) - c)."""
@@ -135,13 +136,29 @@ class MoEConfig:
 
     collapse_threshold: float = 0.5
     """Routing-collapse alarm: warn (naming the layer and expert) when one expert was chosen by more
-    than this fraction of a layer's tokens over a balance_interval window (the seeds use 50%).
-    Disabled, with a warning, when top_k / num_experts (every expert's fraction under perfectly
-    balanced routing) is already >= it. 1.0 = never."""
+    than this fraction of a layer's tokens over a balance_interval window (50%: the share at which a blog post on DeepSpeed
+    ZeRO-3 with MoE calls routing collapsed), at
+    collapse_consecutive_checks checks in a row and after collapse_warmup_steps. Disabled, with a
+    warning, when top_k / num_experts (every expert's fraction under perfectly balanced routing)
+    is already >= it. 1.0 = never."""
+
+    collapse_warmup_steps: int = 100
+    """No collapse alarm (and so no collapse_aux_increase) at the checks of the first this many
+    optimizer steps. A freshly initialised router often sends over half of a layer's tokens to one
+    expert for the first few steps, before the aux loss or the selection bias has acted; that is
+    initialisation, not collapse. The checks inside the warm-up still count for
+    collapse_consecutive_checks, so a collapse that lasts from the start is reported at the first
+    check after the warm-up. 0 = alarms from the first check on."""
+
+    collapse_consecutive_checks: int = 3
+    """Checks in a row (one every balance_interval steps) at which a layer's most chosen expert must
+    be above collapse_threshold before the alarm fires (the expert may change between them); the
+    alarm then repeats at every further check above it. With the default interval of 10 steps, 3 =
+    a skew that lasted 30 steps. 1 = alarm at the first check above the threshold."""
 
     collapse_aux_increase: float = 0.0
-    """On each collapse alarm, add this to the layer's aux_loss_coef (up to collapse_aux_max).
-    0 = only warn."""
+    """On each collapse alarm, add this to the layer's aux_loss_coef (up to collapse_aux_max), under
+    the same warm-up and persistence rule as the alarm. 0 = only warn."""
 
     collapse_aux_max: float = 0.1
     """Ceiling of the aux_loss_coef raised by collapse alarms."""
@@ -217,6 +234,8 @@ class MoEConfig:
         require(isinstance(self.collapse_threshold, (int, float)) and not isinstance(self.collapse_threshold, bool)
                 and 0 < self.collapse_threshold <= 1, "moe.collapse_threshold", self.collapse_threshold,
                 "must be in (0, 1] (a fraction of the tokens; 1 = never)")
+        require_int("moe.collapse_warmup_steps", self.collapse_warmup_steps, min_value=0)
+        require_int("moe.collapse_consecutive_checks", self.collapse_consecutive_checks, min_value=1)
         _require_finite_non_negative("moe.collapse_aux_increase", self.collapse_aux_increase)
         _require_finite_non_negative("moe.collapse_aux_max", self.collapse_aux_max)
         require_int("moe.unused_expert_steps", self.unused_expert_steps, min_value=1)

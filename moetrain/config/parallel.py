@@ -15,7 +15,8 @@ class ParallelConfig:
 
     ep: int = 1
     """Expert-parallel degree: each EP group of `ep` consecutive ranks splits the experts among
-    itself. Must divide the world size and moe.num_experts."""
+    itself. Must divide the world size and moe.num_experts (checked by ``ParallelDims``, with the
+    world size: `moetrain train`, `moetrain config show --nproc N`)."""
 
     tp: int = 1
     """Tensor-parallel degree (reserved; only 1 is supported)."""

@@ -6,36 +6,48 @@ The trainer's path::
     train = data.train_loader(global_batch_size=G, dp_rank=r, dp_size=n, seed=seed)
     val = data.val_loader(global_batch_size=G, dp_rank=r, dp_size=n)
     input_ids_BS, labels_BS = train.next_batch()
-
-Names are resolved lazily (PEP 562) so that ``moetrain.config`` can consult the registry without
-importing torch, numpy or tokenizers.
 """
 
-from __future__ import annotations
+from moetrain.data.cache import (
+    CorpusIntegrityError,
+    CorpusUnavailableError,
+    cached_corpus_files,
+    fetch_corpus,
+    is_cached,
+    resolve_cache_dir,
+)
+from moetrain.data.documents import Documents, scan_user_path
+from moetrain.data.loader import TokenLoader
+from moetrain.data.prepare import PreparedData, load_documents, prepare_data, split_tokens
+from moetrain.data.registry import CORPORA, Corpus, check_corpus, get_corpus, list_corpora
+from moetrain.data.tokenizer import BPETokenizer, ByteTokenizer, Tokenizer, build_tokenizer, train_bpe
+from moetrain.data.tokens import open_token_file, token_dtype, write_token_file
 
-import importlib
-
-_EXPORTS = {
-    "moetrain.data.cache": ("CorpusIntegrityError", "CorpusUnavailableError", "cached_corpus_files",
-                            "fetch_corpus", "is_cached", "resolve_cache_dir"),
-    "moetrain.data.documents": ("Documents", "scan_user_path"),
-    "moetrain.data.loader": ("TokenLoader",),
-    "moetrain.data.prepare": ("PreparedData", "load_documents", "prepare_data", "split_tokens"),
-    "moetrain.data.registry": ("CORPORA", "Corpus", "get_corpus", "list_corpora"),
-    "moetrain.data.tokenizer": ("BPETokenizer", "ByteTokenizer", "Tokenizer", "build_tokenizer", "train_bpe"),
-    "moetrain.data.tokens": ("open_token_file", "token_dtype", "write_token_file"),
-}
-_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
-__all__ = sorted(_MODULE_OF)  # noqa: PLE0605 (a list, built from _EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module 'moetrain.data' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(list(globals()) + __all__)
+__all__ = [
+    "CORPORA",
+    "BPETokenizer",
+    "ByteTokenizer",
+    "Corpus",
+    "CorpusIntegrityError",
+    "CorpusUnavailableError",
+    "Documents",
+    "PreparedData",
+    "TokenLoader",
+    "Tokenizer",
+    "build_tokenizer",
+    "cached_corpus_files",
+    "check_corpus",
+    "fetch_corpus",
+    "get_corpus",
+    "is_cached",
+    "list_corpora",
+    "load_documents",
+    "open_token_file",
+    "prepare_data",
+    "resolve_cache_dir",
+    "scan_user_path",
+    "split_tokens",
+    "token_dtype",
+    "train_bpe",
+    "write_token_file",
+]

@@ -17,6 +17,7 @@ from moetrain.config.data import DataConfig
 from moetrain.data.cache import cached_corpus_files, fetch_corpus
 from moetrain.data.documents import Documents, scan_user_path
 from moetrain.data.loader import TokenLoader
+from moetrain.data.registry import check_corpus
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
 from moetrain.data.tokens import load_or_build_tokens, open_token_file
 
@@ -67,6 +68,7 @@ def load_documents(cfg: DataConfig, *, download: bool = True) -> Documents:
 
     With ``download=False`` a corpus that is not cached raises instead of running pip.
     """
+    check_corpus(cfg.corpus)
     if cfg.corpus == "path":
         kind, files = scan_user_path(cfg.path)
         if kind != "text":
@@ -79,6 +81,7 @@ def load_documents(cfg: DataConfig, *, download: bool = True) -> Documents:
 
 def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData:
     """Fetch, tokenise (cached) and split the data of `cfg`; see the module docstring."""
+    check_corpus(cfg.corpus)  # before any work, whichever kind of data follows
     kind, files = scan_user_path(cfg.path) if cfg.corpus == "path" else ("corpus", [])
     if kind == "tokens":
         token_file = files[0]

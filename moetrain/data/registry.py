@@ -74,6 +74,13 @@ def list_corpora() -> list[Corpus]:
     return [CORPORA[name] for name in sorted(CORPORA)]
 
 
+def check_corpus(name: str) -> None:
+    """``data.corpus`` is "path" (user data in ``data.path``) or a registered corpus; ``ValueError``
+    naming the registered ones otherwise. The command line calls it before starting any process."""
+    if name != "path":
+        get_corpus(name)
+
+
 def get_corpus(name: str) -> Corpus:
     """The registered corpus ``name``; ``ValueError`` naming the choices otherwise."""
     if name not in CORPORA:

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from moetrain.data.cache import atomic_path, resolve_cache_dir
+from moetrain.data.cache import resolve_cache_dir
+from moetrain.utils.files import atomic_path
 
 EOS_TOKEN = "<|endoftext|>"
 

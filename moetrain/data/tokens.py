@@ -24,7 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.data.cache import atomic_path, atomic_write_text, resolve_cache_dir
+from moetrain.data.cache import resolve_cache_dir
+from moetrain.utils.files import atomic_path, atomic_write_text
 
 TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 

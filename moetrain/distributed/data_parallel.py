@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import warnings
 import weakref
 
 import torch
@@ -35,7 +34,9 @@ from torch import nn
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from moetrain.config.job import JobConfig
 from moetrain.distributed.expert_parallel import is_expert_shard
+from moetrain.distributed.parallel_dims import ParallelDims
 
 _DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 
@@ -49,7 +50,7 @@ class MoEDataParallel(DistributedDataParallel):
     the sum.
     """
 
-    def __init__(self, module: nn.Module, dims, *, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(self, module: nn.Module, dims: ParallelDims, *, bucket_cap_mb: float = 25.0) -> None:
         expert_names = [n for n, p in module.named_parameters() if is_expert_shard(p)]
         # DDP cannot all-reduce DTensor shards and must not average them over all ranks anyway.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, expert_names)
@@ -112,7 +113,7 @@ class MoEDataParallel(DistributedDataParallel):
         self._pending, self._num_reduced, self._callback_queued = [], 0, False
 
 
-def apply_data_parallel(model: nn.Module, dims, *, bucket_cap_mb: float = 25.0, zero_stage: int = 0,
+def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: float = 25.0, zero_stage: int = 0,
                         blocks: list[nn.Module] | None = None, mixed_precision: str = "fp32",
                         offload_params: bool = False, offload_optimizer: bool = False, pin_memory: bool = True,
                         hsdp_replicate: int = 1) -> nn.Module:
@@ -146,7 +147,7 @@ def apply_data_parallel(model: nn.Module, dims, *, bucket_cap_mb: float = 25.0, 
     return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb)
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, dims, *, zero_stage: int, offload_optimizer: bool = False,
+def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims, *, zero_stage: int, offload_optimizer: bool = False,
                    bucket_numel: int = 500_000_000) -> torch.optim.Optimizer:
     """The optimizer to step for ZeRO stage ``zero_stage``: at stage 1 a ``ZeroShardedOptimizer``
     (states sharded over dp, experts' over edp); otherwise ``optimizer`` itself (at stages 2/3 it
@@ -158,26 +159,16 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, dims, *, zero_stage: int, o
     return ZeroShardedOptimizer(optimizer, dims, offload=offload_optimizer, bucket_numel=bucket_numel)
 
 
-_ZERO_DEFAULTS = {"overlap_comm": True, "contiguous_gradients": True, "prefetch_bucket_size": 50_000_000,
-                  "param_persistence_threshold": 100_000, "max_live_parameters": 1_000_000_000,
-                  "max_reuse_distance": 1_000_000_000}
-
-
-def zero_settings(cfg) -> dict:
+def zero_settings(cfg: JobConfig) -> dict:
     """The ``parallelize`` keyword arguments of a ``JobConfig``'s ZeRO settings (parallel.zero_stage,
-    parallel.hsdp_replicate, the ``zero`` section, train.dtype), warning once about ``zero``
-    fields set away from their defaults that FSDP2/DDP have no knob for.
+    parallel.hsdp_replicate, the ``zero`` section, train.dtype).
 
     ``zero.reduce_bucket_size`` (elements), when changed from DeepSpeed's default, sizes DDP's
     buckets at stages 0/1 (4-byte gradients); at the default DDP keeps its own 25 MB, since one
     2 GB bucket would leave nothing to overlap with the backward. ``zero.allgather_bucket_size``
     sizes the ZeRO-1 all-gathers (pass it to ``wrap_optimizer``)."""
     z, par = cfg.zero, cfg.parallel
-    ignored = [f"zero.{k} ({getattr(z, k)!r})" for k, default in _ZERO_DEFAULTS.items() if getattr(z, k) != default]
-    if ignored:
-        warnings.warn("ignored (FSDP2/DDP have no equivalent; FSDP2 always overlaps and prefetches one unit): "
-                      + ", ".join(ignored), UserWarning, stacklevel=2)
-    return {"zero_stage": par.zero_stage, "hsdp_replicate": getattr(par, "hsdp_replicate", 1),
+    return {"zero_stage": par.zero_stage, "hsdp_replicate": par.hsdp_replicate,
             "mixed_precision": cfg.train.dtype, "offload_params": z.offload_param == "cpu",
             "offload_optimizer": z.offload_optimizer == "cpu", "pin_memory": z.pin_memory,
             "bucket_cap_mb": 25.0 if z.reduce_bucket_size == 500_000_000 else z.reduce_bucket_size * 4 / 2**20}

@@ -33,7 +33,7 @@ import contextlib
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
@@ -43,6 +43,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
+from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.experts import GroupedExperts
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -67,26 +68,14 @@ def offload_policy(offload: bool, *, pin_memory: bool = True) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
 
 
-def dense_fsdp_mesh(dims, *, hsdp_replicate: int = 1) -> DeviceMesh:
+def dense_fsdp_mesh(dims: ParallelDims, *, hsdp_replicate: int = 1) -> DeviceMesh:
     """The mesh the dense units shard over: ``dp`` (1-D), or (replicate, shard) for HSDP."""
     if hsdp_replicate == 1:
         return dims.dp_mesh
-    if not isinstance(hsdp_replicate, int) or hsdp_replicate < 1 or dims.dp % hsdp_replicate != 0:
-        raise ValueError(f"parallel.hsdp_replicate ({hsdp_replicate!r}) must be an int >= 1 that divides "
-                         f"parallel.dp ({dims.dp})")
-    cached = getattr(dims, "_hsdp_mesh", None)
-    if cached is not None and cached.shape == (hsdp_replicate, dims.dp // hsdp_replicate):
-        return cached
-    # Row-major: shard groups are consecutive ranks (one node), replicas stride across nodes.
-    # A separate root mesh is fine here: dense parameters are plain tensors, so FSDP does not
-    # have to compose this mesh with the ep mesh of the expert DTensors.
-    mesh = init_device_mesh(dims.mesh.device_type, (hsdp_replicate, dims.dp // hsdp_replicate),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
-    dims._hsdp_mesh = mesh
-    return mesh
+    return dims.hsdp_mesh(hsdp_replicate)
 
 
-def apply_fsdp(model: nn.Module, dims, *, zero_stage: int, blocks: list[nn.Module],
+def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks: list[nn.Module],
                mixed_precision: str = "fp32", offload_params: bool = False, offload_optimizer: bool = False,
                pin_memory: bool = True, hsdp_replicate: int = 1) -> nn.Module:
     """Shard ``model`` in place with FSDP2 for ZeRO stage 2 or 3; returns it (now an FSDPModule).

@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
 
 
@@ -50,6 +49,7 @@ class ParallelDims:
     """Routed experts per MoE layer; ``ep`` must divide it. None skips that check (dense model)."""
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _hsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.dp == -1 and isinstance(self.world_size, int) and self.world_size > 0:
@@ -74,7 +74,7 @@ class ParallelDims:
         elif self.dp % self.ep != 0:
             errors.append(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp})")
         if self.num_experts is not None and self.num_experts % self.ep != 0:
-            errors.append(f"parallel.ep ({self.ep}) must divide moe.num_experts ({self.num_experts})")
+            errors.append(self._experts_rule(self.num_experts))
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -115,13 +115,15 @@ class ParallelDims:
                              f"= {local_batch_size})")
         return local_batch_size
 
-    def dispatcher(self, moe: MoEConfig):
-        """The token dispatcher this layout needs for a layer with config ``moe``: the all-to-all
-        one when experts are split over ranks (or capacity drops must be decided over the global
-        batch), else the local one. Needs the mesh."""
-        from moetrain.distributed.expert_parallel import build_dispatcher
+    def check_experts(self, num_experts: int, *, layer: str | None = None) -> None:
+        """``parallel.ep`` must divide the routed experts of every MoE layer (of ``layer``, named in
+        the error): for a model whose expert count was not given to the constructor."""
+        if num_experts % self.ep != 0:
+            where = "" if layer is None else f" of layer {layer!r}"
+            raise ValueError(self._experts_rule(num_experts) + where)
 
-        return build_dispatcher(self, moe)
+    def _experts_rule(self, num_experts: int) -> str:
+        return f"parallel.ep ({self.ep}) must divide moe.num_experts ({num_experts})"
 
     # ----- rank layout (pure arithmetic, no process group needed) --------------------------------
 
@@ -181,6 +183,23 @@ class ParallelDims:
         if self.mesh is None:
             raise RuntimeError("call ParallelDims.build_mesh() first")
         return self._dp_mesh
+
+    def hsdp_mesh(self, replicate: int) -> DeviceMesh:
+        """The (dp_replicate, dp_shard) mesh of HSDP with ``replicate`` replicas: shard groups of
+        dp / replicate consecutive ranks (one node), replicas striding across nodes. Collective the
+        first time; built once."""
+        if not isinstance(replicate, int) or replicate < 1 or self.dp % replicate != 0:
+            raise ValueError(f"parallel.hsdp_replicate ({replicate!r}) must be an int >= 1 that divides "
+                             f"parallel.dp ({self.dp})")
+        if self.mesh is None:
+            raise RuntimeError("call ParallelDims.build_mesh() first")
+        shape = (replicate, self.dp // replicate)
+        if self._hsdp_mesh is None or self._hsdp_mesh.shape != shape:
+            # A separate root mesh is fine here: dense parameters are plain tensors, so FSDP does
+            # not have to compose this mesh with the ep mesh of the expert DTensors.
+            self._hsdp_mesh = init_device_mesh(self.mesh.device_type, shape,
+                                               mesh_dim_names=("dp_replicate", "dp_shard"))
+        return self._hsdp_mesh
 
     @property
     def ep_group(self) -> dist.ProcessGroup:

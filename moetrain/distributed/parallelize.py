@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.distributed.data_parallel import apply_data_parallel
 from moetrain.distributed.expert_parallel import apply_expert_parallel
+from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.layer import MoELayer
 
 
@@ -66,7 +67,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
         block.forward = forward
 
 
-def parallelize(model: nn.Module, dims, *, activation_checkpointing: bool | str = False, compile: bool = False,
+def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointing: bool | str = False, compile: bool = False,
                 blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks,
                 bucket_cap_mb: float = 25.0, activation_checkpointing_every: int = 2, zero_stage: int = 0,
                 mixed_precision: str = "fp32", offload_params: bool = False, offload_optimizer: bool = False,

@@ -1,4 +1,5 @@
-"""Small distributed helpers the trainer needs around a parallelised model."""
+"""Small distributed helpers: collectives across torch versions, and what the trainer needs
+around a parallelised model (the global gradient norm and its clipping, the mean over dp)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.utils.tensors import local_tensor
+
+# torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model inside a DDP wrapper (or the model itself)."""
     return getattr(model, "module", model)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _sharded_axes(g: torch.Tensor) -> tuple[int, ...]:
@@ -48,7 +51,7 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
         g = p.grad
         if g is None:
             continue
-        sq = _local(g).float().pow(2).sum()
+        sq = local_tensor(g).float().pow(2).sum()
         mesh = getattr(g, "device_mesh", None)
         if mesh is None:
             replicated_sq = replicated_sq.to(sq.device) + sq
@@ -67,32 +70,33 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     return total_sq.sqrt()
 
 
-def grad_norm(model: nn.Module, dims=None) -> torch.Tensor:
+def grad_norm(model: nn.Module) -> torch.Tensor:
     """Global L2 norm of all gradients of a (wrapped) model: the norm one process holding the
-    whole model would compute. ``dims`` is accepted for symmetry; the mesh comes from the
-    DTensor gradients themselves."""
+    whole model would compute (the mesh comes from the DTensor gradients themselves)."""
     return global_grad_norm(list(unwrap(model).parameters()))
 
 
 @torch.no_grad()
-def clip_grad_norm_params_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Scale gradients so the global norm is at most ``max_norm``; returns the norm before
-    clipping (a tensor: reading it is a host sync, which the trainer does once per log step)."""
+def clip_global_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Scale the gradients of ``params`` so their global norm (:func:`global_grad_norm`) is at
+    most ``max_norm``; returns the norm before clipping (a tensor: reading it is a host sync,
+    which the trainer does once per log step). Collective, like the norm."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params)
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
-            _local(p.grad).mul_(scale.to(_local(p.grad).device))
+            grad = local_tensor(p.grad)
+            grad.mul_(scale.to(grad.device))
     return norm
 
 
-def clip_grad_norm_(model: nn.Module, max_norm: float, dims=None) -> torch.Tensor:
-    """``clip_grad_norm_params_`` over a (wrapped) model's parameters."""
-    return clip_grad_norm_params_(list(unwrap(model).parameters()), max_norm)
+def clip_model_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """:func:`clip_global_grad_norm_` over all parameters of a (wrapped) model."""
+    return clip_global_grad_norm_(list(unwrap(model).parameters()), max_norm)
 
 
-def mean_over_dp(value: torch.Tensor, dims) -> torch.Tensor:
+def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Mean of a per-rank scalar (e.g. the loss) over the data-parallel ranks: with equal local
     batches, the single-process value of the global batch."""
     out = value.detach().clone().to(_comm_device(dims))
@@ -102,5 +106,5 @@ def mean_over_dp(value: torch.Tensor, dims) -> torch.Tensor:
     return out
 
 
-def _comm_device(dims) -> torch.device:
+def _comm_device(dims: ParallelDims) -> torch.device:
     return torch.device(dims.mesh.device_type) if dims.mesh is not None else torch.device("cpu")

@@ -37,13 +37,12 @@ import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from moetrain.distributed.expert_parallel import is_expert_shard
-
-# torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.utils import all_gather_single
+from moetrain.utils.tensors import local_tensor
 
 
 def shard_range(numel: int, *, rank: int, world: int) -> tuple[int, int]:
@@ -79,7 +78,7 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
     ``bucket_numel`` bounds the elements per all-gather (zero.allgather_bucket_size).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, dims, *, offload: bool = False,
+    def __init__(self, optimizer: torch.optim.Optimizer, dims: ParallelDims, *, offload: bool = False,
                  bucket_numel: int = 500_000_000) -> None:
         self._groups = {"dense": (dims.dp_group if dims.dp > 1 else None, dims.dp, dims.dp_rank),
                         "expert": (dims.edp_group if dims.edp > 1 else None, dims.edp, dims.edp_rank)}
@@ -104,10 +103,15 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
 
+    @property
+    def shards(self) -> tuple[_Shard, ...]:
+        """This rank's element range of each parameter, in stepping order (read-only view)."""
+        return tuple(self._shards)
+
     def _make_shard(self, p: torch.Tensor) -> torch.Tensor:
         group = "expert" if is_expert_shard(p) else "dense"
         _, world, rank = self._groups[group]
-        local = p.to_local() if is_expert_shard(p) else p
+        local = local_tensor(p)
         flat = local.detach().view(-1)  # a view of the parameter's storage (checked below)
         assert flat.data_ptr() == local.data_ptr(), "parameter data must be contiguous"
         lo, hi = shard_range(flat.numel(), rank=rank, world=world)
@@ -128,7 +132,7 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
             if g is None:
                 s.master.grad = None
                 continue
-            g = (g.to_local() if is_expert_shard(s.param) else g).reshape(-1)[s.lo:s.hi]
+            g = local_tensor(g).reshape(-1)[s.lo:s.hi]
             s.master.grad = g.to("cpu", copy=True) if self.offload else g
         # 2. Step the slices.
         self.inner.step()
@@ -157,7 +161,7 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         for s, part in zip(bucket, send.split(widths)):
             part[:s.hi - s.lo].copy_(s.flat[s.lo:s.hi])
         recv = send.new_empty(world * send.numel())
-        _all_gather_single(recv, send, group=group)
+        all_gather_single(recv, send, group=group)
         recv_WC = recv.view(world, -1)
         for s, part in zip(bucket, recv_WC.split(widths, dim=1)):
             s.flat.copy_(part.reshape(-1)[:s.flat.numel()])
@@ -196,10 +200,10 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
             send = s.flat.new_zeros(s.chunk, dtype=value.dtype)
             send[:s.hi - s.lo].copy_(value)
             recv = send.new_empty(world * s.chunk)
-            _all_gather_single(recv, send, group=group)
+            all_gather_single(recv, send, group=group)
             flat = recv[:s.flat.numel()]
         if isinstance(s.param, DTensor):
-            local = flat.view(s.param.to_local().shape)
+            local = flat.view(local_tensor(s.param).shape)
             return DTensor.from_local(local, s.param.device_mesh, s.param.placements, run_check=False,
                                       shape=s.param.shape, stride=s.param.stride())
         return flat.view(s.param.shape)
@@ -218,10 +222,10 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
             state = full.state.get(s.param)
             if not state:
                 continue
-            local_shape = s.param.to_local().shape if isinstance(s.param, DTensor) else s.param.shape
+            local_shape = local_tensor(s.param).shape
             sliced = {}
             for k, v in state.items():
-                local = v.to_local() if isinstance(v, DTensor) else v
+                local = local_tensor(v)
                 if isinstance(local, torch.Tensor) and local.dim() > 0 and local.shape == local_shape:
                     sliced[k] = local.reshape(-1)[s.lo:s.hi].to(s.master.device, copy=True)
                 else:

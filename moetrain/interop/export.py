@@ -22,9 +22,11 @@ from typing import Any
 import torch
 import yaml
 
+from moetrain.config.convert import build_section
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.train.checkpoint import MANIFEST, CheckpointError, load_model_weights, resolve_checkpoint
+from moetrain.utils.files import atomic_write_text, atomic_write_with
 
 EXPORT_FORMAT = "moetrain-export/1"
 WEIGHTS = "model.safetensors"
@@ -67,21 +69,6 @@ def load_source(source: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor
     return trainer_state["config"], tensors, {"source": str(ckpt), "step": int(trainer_state["step"])}
 
 
-def _write_atomic_bytes(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # safetensors creates its files 0600; exports are for sharing
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def write_export(out_dir: str | os.PathLike, *, config: dict, state_dict: dict[str, torch.Tensor],
                  info: dict | None = None) -> Path:
     """Write ``state_dict`` (full tensors) and ``config`` into ``out_dir``, each file atomically."""
@@ -92,11 +79,12 @@ def write_export(out_dir: str | os.PathLike, *, config: dict, state_dict: dict[s
     # safetensors refuses tensors that share storage (a tied embedding and LM head): one copy each.
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
     meta = {"format": EXPORT_FORMAT, **{k: str(v) for k, v in (info or {}).items()}}
-    _write_atomic_bytes(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=meta))
+    # Durable, and readable by others: safetensors creates its files 0600, exports are for sharing.
+    atomic_write_with(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=meta), shared=True)
     header = (f"# moetrain export ({EXPORT_FORMAT}) of {meta.get('source', 'a model')}"
               + (f" at step {meta['step']}" if "step" in meta else "") + "\n")
     text = header + yaml.safe_dump(config, sort_keys=False)
-    _write_atomic_bytes(out / CONFIG, lambda p: p.write_text(text))
+    atomic_write_text(out / CONFIG, text, durable=True)
     return out
 
 
@@ -122,8 +110,6 @@ def read_export(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor],
 
 
 def _section(cls: type, name: str, values: dict[str, Any] | None) -> Any:
-    from moetrain.config.loader import _build  # type coercion of YAML values, naming the field
-
     values = dict(values or {})
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
@@ -132,7 +118,7 @@ def _section(cls: type, name: str, values: dict[str, Any] | None) -> Any:
                       f"{', '.join(unknown)}", stacklevel=3)
     # Every field is written out, so a preset name would only be a label here.
     values = {k: v for k, v in values.items() if k in known and k != "preset"}
-    return _build(cls, name, values)
+    return build_section(cls, name, values)
 
 
 def model_configs(config: dict) -> tuple[ModelConfig, MoEConfig]:

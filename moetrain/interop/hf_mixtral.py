@@ -32,6 +32,7 @@ import torch
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import load_source, model_configs, write_export
+from moetrain.utils.files import atomic_write_text, atomic_write_with
 
 HF_WEIGHTS = "model.safetensors"
 
@@ -258,8 +259,6 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     ``MixtralForCausalLM.from_pretrained(OUT)`` loads (config.json + model.safetensors)."""
     from safetensors.torch import save_file
 
-    from moetrain.interop.export import _write_atomic_bytes
-
     config, sd, _ = load_source(source)
     model, moe = model_configs(config)
     hf_config = hf_config_from(model, moe)
@@ -270,9 +269,9 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().contiguous().clone() for k, v in hf_sd.items()}
-    _write_atomic_bytes(out / HF_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}))
-    text = json.dumps(hf_config, indent=2, sort_keys=True) + "\n"
-    _write_atomic_bytes(out / "config.json", lambda p: p.write_text(text))
+    atomic_write_with(out / HF_WEIGHTS, lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+                      shared=True)
+    atomic_write_text(out / "config.json", json.dumps(hf_config, indent=2, sort_keys=True) + "\n", durable=True)
     return out
 
 

@@ -1,8 +1,8 @@
 """``moetrain plan``: print (or ``--json``) the per-rank memory and per-step communication of every
 ZeRO stage x expert-parallel degree x offload x activation-checkpointing choice for a config.
 
-    moetrain plan --config configs/mixtral-8x7b.yaml --nproc 64 --nodes 8 --device-memory 80GiB
-    moetrain plan --config configs/tiny.yaml --nproc 2 --json
+    moetrain plan --config mixtral-8x7b --nproc 64 --nodes 8 --device-memory 80GiB
+    moetrain plan --config tiny --nproc 2 --json
 
 Wiring in ``moetrain/cli.py``: ``add_plan_parser(sub)`` in ``build_parser`` and
 ``return run_plan(args, overrides)`` for ``args.cmd == "plan"`` (``--section.field=value``
@@ -18,7 +18,8 @@ import sys
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="memory and communication of each parallel choice, before launching")
-    p.add_argument("--config", default=None, help="YAML config (model, moe, train, data sections are used)")
+    p.add_argument("--config", default=None,
+                   help="YAML config or a shipped config's name (its model, moe, train, data sections are used)")
     p.add_argument("--nproc", type=int, required=True, help="total number of processes (ranks)")
     p.add_argument("--nodes", type=int, default=1, help="nodes the processes are spread over (default 1)")
     p.add_argument("--device-memory", default=None,

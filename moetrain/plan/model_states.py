@@ -21,8 +21,8 @@ instantiates. The sharding rules are those of the code that trains:
   per parameter tensor, also for an empty shard.
 
 Everything is fp32 at rest (mixed precision computes in bf16 from fp32 master parameters), so
-the bytes per parameter are 4 (param) + 4 (grad) + 8 (AdamW) = 16 -- the seeds' 2 + 2 + 12 of
-DeepSpeed's fp16 weights/gradients plus fp32 master/momentum/variance, distributed differently.
+the bytes per parameter are 4 (param) + 4 (grad) + 8 (AdamW) = 16 -- the ZeRO paper's (Rajbhandari et
+al., 2020) 2 + 2 + 12 of fp16 weights/gradients plus fp32 master/momentum/variance, distributed differently.
 """
 
 from __future__ import annotations

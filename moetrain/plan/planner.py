@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
+from moetrain.config.train import TrainConfig
+from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.plan.activations import estimate_activations
 from moetrain.plan.comm import comm_per_step
 from moetrain.plan.model_states import (
@@ -86,11 +88,15 @@ class Plan:
     grad_accum: int
     counts: dict[str, int]
     rows: list[PlanRow]
+    micro_batch_size: int = 1
+    """Sequences per micro-batch the plan assumes (see ``planned_micro_batch``)."""
+    batch_note: str | None = None
+    """Why the plan assumes another micro-batch than the config's (None when it does not)."""
 
     @property
     def ranked(self) -> list[PlanRow]:
         """Valid choices that fit (all valid ones when no device memory is given): those whose
-        expert-parallel groups stay inside a node first (the seeds' advice: all-to-alls are the
+        expert-parallel groups stay inside a node first (the advice of a blog post on DeepSpeed ZeRO-3 with MoE: all-to-alls are the
         bulk of an MoE step's traffic and must not cross the slow link), then fewest
         communication bytes, then fewest inter-node bytes; ties go to the lower stage (fewer, larger collectives), no
         offload, less recomputation, then least device memory."""
@@ -105,6 +111,7 @@ class Plan:
         return {
             "world": self.world, "nodes": self.nodes, "device_memory": self.device_memory,
             "tokens_per_micro_batch": self.tokens_per_micro_batch, "grad_accum": self.grad_accum,
+            "micro_batch_size": self.micro_batch_size, "batch_note": self.batch_note,
             "params": self.counts,
             "ranked": [_row_dict(r) for r in self.ranked],
             "choices": [_row_dict(r) for r in self.rows],
@@ -139,6 +146,27 @@ def resolve_vocab(cfg: JobConfig) -> ModelConfig:
     return cfg.model.with_vocab_size(vocab)
 
 
+def planned_micro_batch(train: TrainConfig, dp: int) -> tuple[int, int, str | None]:
+    """``(micro_batch_size, grad_accum, note)`` for ``dp`` data-parallel ranks: the config's
+    micro-batch when the global batch splits into it, else the largest micro-batch up to it that
+    divides each rank's share (``note`` says so). A global batch that does not split over the
+    ranks at all cannot be planned."""
+    share, rest = divmod(train.global_batch_size, dp)
+    if rest:
+        raise ValueError(f"train.global_batch_size ({train.global_batch_size}) must be divisible by the "
+                         f"data-parallel size ({dp}) to plan for --nproc {dp}")
+    micro = max(m for m in range(1, min(train.micro_batch_size, share) + 1) if share % m == 0)
+    accum = share // micro
+    per_rank = f"the {share} sequences per rank (train.global_batch_size ({train.global_batch_size}) / {dp} ranks)"
+    if micro != train.micro_batch_size:
+        why = f"train.micro_batch_size ({train.micro_batch_size}) does not divide {per_rank}"
+    elif train.grad_accum not in (None, accum):
+        why = f"train.grad_accum ({train.grad_accum}) micro-batches of {micro} do not make {per_rank}"
+    else:
+        return micro, accum, None
+    return micro, accum, f"planned with micro-batch {micro} and {accum} accumulation step(s): {why}"
+
+
 def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int | None = None,
               stages=(0, 1, 2, 3), eps=None, offloads=OFFLOADS, acs=AC_CHOICES) -> Plan:
     """Evaluate every choice for ``nproc`` processes in all (over ``nodes`` nodes)."""
@@ -150,8 +178,8 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
     moe = cfg.moe
     if cfg.parallel.dp not in (-1, nproc):
         raise ValueError(f"parallel.dp ({cfg.parallel.dp}) must be -1 or the world size ({nproc}) to plan")
-    grad_accum = cfg.train.grad_accum_steps(nproc)  # raises naming the batch fields
-    T = cfg.train.micro_batch_size * cfg.data.seq_len
+    micro, grad_accum, batch_note = planned_micro_batch(cfg.train, nproc)
+    T = micro * cfg.data.seq_len
     specs = param_specs(model, moe)
     compute_bytes = 4 if cfg.train.dtype == "fp32" else 2
     per_node = nproc // nodes
@@ -174,20 +202,22 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
         reason = _invalid(choice, model, moe, nproc)
         row = PlanRow(choice=choice, valid=reason is None, reason=reason)
         if reason is None:
-            _fill(row, specs, model, cfg, nproc=nproc, T=T, grad_accum=grad_accum, compute_bytes=compute_bytes,
-                  per_node=per_node, device_memory=device_memory, states=states)
+            _fill(row, specs, model, cfg, nproc=nproc, micro=micro, grad_accum=grad_accum,
+                  compute_bytes=compute_bytes, per_node=per_node, device_memory=device_memory, states=states)
         rows.append(row)
     counts = {"total": sum(s.numel for s in specs), "expert": sum(s.numel for s in specs if s.expert)}
     counts["non_expert"] = counts["total"] - counts["expert"]
     return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
-                grad_accum=grad_accum, counts=counts, rows=rows)
+                grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note)
 
 
 def _invalid(c: Choice, model: ModelConfig, moe, world: int) -> str | None:
     if not model.is_moe and c.ep > 1:
         return f"parallel.ep ({c.ep}) must be 1 for a dense model (model.moe_every = 0)"
-    if model.is_moe and moe.num_experts % c.ep != 0:
-        return f"parallel.ep ({c.ep}) must divide moe.num_experts ({moe.num_experts})"
+    try:
+        ParallelDims(world_size=world, ep=c.ep, dp=world, num_experts=moe.num_experts if model.is_moe else None)
+    except ValueError as e:
+        return str(e)
     if c.zero_stage > 0 and world == 1:
         return f"parallel.zero_stage ({c.zero_stage}) needs more than one data-parallel rank to shard over"
     if c.offload == "optimizer" and c.zero_stage == 0:
@@ -201,7 +231,7 @@ def _invalid(c: Choice, model: ModelConfig, moe, world: int) -> str | None:
     return None
 
 
-def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int, T: int, grad_accum: int,
+def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int, micro: int, grad_accum: int,
           compute_bytes: int, per_node: int, device_memory: int | None, states) -> None:
     c = row.choice
     layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
@@ -211,7 +241,8 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
     worst = max(per_rank, key=lambda s: s.total)
     row.param_bytes, row.grad_bytes, row.optim_bytes = worst.param, worst.grad, worst.optim
     row.gathered_param_bytes = unsharded_param_peak_bytes(specs, layout, compute_bytes=compute_bytes)
-    act = estimate_activations(model, cfg.moe, micro_batch_size=cfg.train.micro_batch_size,
+    T = micro * cfg.data.seq_len
+    act = estimate_activations(model, cfg.moe, micro_batch_size=micro,
                                seq_len=cfg.data.seq_len, ep=c.ep, ac=c.ac,
                                ac_every=cfg.train.activation_checkpointing_every, dtype=cfg.train.dtype)
     row.activation_bytes, row.a2a_buffer_bytes = act.peak_bytes, act.a2a_buffer_bytes
@@ -245,7 +276,7 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
 
 
 def stage3_advice(plan: Plan) -> list[str]:
-    """The seeds' advice, from the numbers: stage 3 only when nothing lighter fits; EP inside a node."""
+    """The advice of a blog post on DeepSpeed ZeRO-3 with MoE, from the numbers: stage 3 only when nothing lighter fits; EP inside a node."""
     out = []
     ranked = plan.ranked
     if ranked:
@@ -271,8 +302,10 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
         return f"{x / scale:8.2f}"
 
     lines = [(f"world {plan.world} processes on {plan.nodes} node(s); {plan.tokens_per_micro_batch} tokens per "
-             f"micro-batch, {plan.grad_accum} micro-batch(es) per step; parameters {plan.counts['total'] / 1e9:.3f}B "
-             f"({plan.counts['expert'] / 1e9:.3f}B in experts)")]
+             f"micro-batch ({plan.micro_batch_size} sequence(s)), {plan.grad_accum} micro-batch(es) per step; "
+             f"parameters {plan.counts['total'] / 1e9:.3f}B ({plan.counts['expert'] / 1e9:.3f}B in experts)")]
+    if plan.batch_note is not None:
+        lines.append("note: " + plan.batch_note)
     if plan.device_memory is not None:
         lines.append(f"device memory {plan.device_memory / gib:.2f} GiB per rank")
     lines.append(f"per rank, {unit} (the largest rank); communication: {unit} this rank sends per step")

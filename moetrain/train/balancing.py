@@ -13,7 +13,10 @@ are identical on every rank and independent of gradient accumulation) and
 
 1. moves the auxiliary-loss-free selection bias (``moe.router_bias_update_rate``),
 2. every ``moe.balance_interval`` steps, from the load of that interval: recomputes the dynamic
-   capacity factor, the per-expert learning-rate scales, and checks for routing collapse,
+   capacity factor, the per-expert learning-rate scales, and checks for routing collapse (an
+   alarm once one expert's share has stayed above ``moe.collapse_threshold`` for
+   ``moe.collapse_consecutive_checks`` checks in a row, never in the first
+   ``moe.collapse_warmup_steps`` steps),
 3. keeps the expert-health window (load, drops, entropy, idle experts) for ``metrics()``.
 
 The post-step hook applies the per-expert learning-rate scales (see :func:`scale_expert_updates`).
@@ -38,7 +41,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.utils import unwrap
+from moetrain.distributed.zero import ZeroShardedOptimizer
 from moetrain.models.moe.layer import MoELayer
 from moetrain.train.health import expert_health_summary, token_fraction
 
@@ -47,10 +52,11 @@ log = logging.getLogger("moetrain")
 
 def seed_capacity_factor(relative_load_E: torch.Tensor, *, base: float = 1.0, scale: float = 0.5,
                          shift: float = 1.0) -> float:
-    """The seeds' dynamic capacity factor ``base + scale * sigmoid(std(load) - shift)``.
+    """The dynamic capacity factor of a practitioner's blog post on PyTorch MoE
+    training, ``base + scale * sigmoid(std(load) - shift)``.
 
     ``relative_load_E`` is each expert's load over the mean load (1.0 everywhere = balanced), so
-    ``std`` (torch.std, unbiased, as the seeds wrote it) is the coefficient of variation: a
+    ``std`` (torch.std, unbiased, as the blog post writes it) is the coefficient of variation: a
     balanced layer gets 1.0 + 0.5 * sigmoid(-1) = 1.134, a very skewed one approaches 1.5.
     """
     std = relative_load_E.double().std().item() if relative_load_E.numel() > 1 else 0.0
@@ -70,7 +76,7 @@ class Balancer:
     """State and hooks of :func:`install_balancing`. ``metrics()`` returns the expert-health
     window (a collective over the data-parallel group: call it on every rank)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, dims=None, *,
+    def __init__(self, optimizer: torch.optim.Optimizer, model: nn.Module, dims: ParallelDims | None = None, *,
                  capacity_fn: Callable[[torch.Tensor], float] | None = None) -> None:
         self.named_layers = [(name, m) for name, m in unwrap(model).named_modules() if isinstance(m, MoELayer)]
         self.layers = [m for _, m in self.named_layers]
@@ -89,6 +95,8 @@ class Balancer:
         self.idle_steps_LE = torch.zeros_like(self.window_routed_LE)
         self.steps = 0
         self.total_alarms = 0
+        # Consecutive collapse checks above the threshold, per layer (the persistence rule).
+        self.collapse_streak_L = [0] * num_layers
         # Per-expert learning rates: what the optimizer really steps (see _lr_targets), and the
         # copies taken before the step.
         self._stepped_owner = optimizer
@@ -184,11 +192,22 @@ class Balancer:
                 self._check_collapse(i, name, layer, counts_E, first)
 
     def _check_collapse(self, i: int, name: str, layer: MoELayer, counts_E: torch.Tensor, first: int) -> None:
+        """Alarm when the layer's most chosen expert took more than ``collapse_threshold`` of the
+        tokens at ``collapse_consecutive_checks`` checks in a row (the expert may change between
+        them), except during the first ``collapse_warmup_steps`` steps: a freshly initialised
+        router is often that skewed for a few steps, before the balancing has acted. The streak
+        counts during the warm-up too, so a collapse that persists since initialisation is
+        reported at the first check after it."""
         c = layer.config
         tokens = counts_E.sum() / c.top_k  # every token routes exactly K copies (before drops)
         frac_E = token_fraction(counts_E.unsqueeze(0), tokens.view(1))[0]
         top = int(frac_E.argmax())
         if frac_E[top] <= c.collapse_threshold:
+            self.collapse_streak_L[i] = 0
+            return
+        self.collapse_streak_L[i] += 1
+        streak = self.collapse_streak_L[i]
+        if self.steps <= c.collapse_warmup_steps or streak < c.collapse_consecutive_checks:
             return
         self.window_alarms_L[i] += 1
         self.total_alarms += 1
@@ -198,6 +217,8 @@ class Balancer:
             new = max(old, min(c.collapse_aux_max, old + c.collapse_aux_increase))
             layer.aux_loss_coef_now.fill_(new)
             action = f"; aux_loss_coef of this layer {old:g} -> {new:g}"
+        if streak > 1:
+            action = f"; above it at {streak} checks in a row{action}"
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.warning("ROUTING COLLAPSE in MoE layer %d (%s): expert %d was chosen by %.1f%% of the tokens in "
                         "steps %d-%d (alarm above %.0f%%; balanced would be %.1f%%)%s", i, name, top,
@@ -224,8 +245,8 @@ class Balancer:
                     if w is not None and w.requires_grad:
                         layer_of[id(w)] = i
         targets = []
-        shards = getattr(self._stepped_owner, "_shards", None)
-        if shards is not None:
+        if isinstance(self._stepped_owner, ZeroShardedOptimizer):
+            shards = self._stepped_owner.shards
             # ZeRO-1: the inner optimizer steps element ranges [lo, hi) of each flattened local
             # parameter (or host copies of them); element j of the local tensor is expert
             # first + j // (elements per expert).
@@ -272,7 +293,8 @@ class Balancer:
                 "steps": self.steps, "interval_routed": self.interval_routed_LE.tolist(),
                 "idle_steps": self.idle_steps_LE.tolist(), "total_alarms": self.total_alarms,
                 "window_steps": self.window_steps, "window_routed": self.window_routed_LE.tolist(),
-                "window_local": local_L4.tolist(), "window_alarms": list(self.window_alarms_L)}
+                "window_local": local_L4.tolist(), "window_alarms": list(self.window_alarms_L),
+                "collapse_streak": list(self.collapse_streak_L)}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s counters: the next interval update comes at the step it
@@ -291,6 +313,8 @@ class Balancer:
         self.window_steps = int(state["window_steps"])
         self.window_routed_LE.copy_(torch.tensor(state["window_routed"], dtype=torch.int64, device=dev))
         self.window_alarms_L = [int(a) for a in state["window_alarms"]]
+        # Checkpoints written before the persistence rule existed carry no streak: it restarts.
+        self.collapse_streak_L = [int(n) for n in state.get("collapse_streak", [0] * len(self.layers))]
         first_of_group = self.dp_group is None or dist.get_rank(self.dp_group) == 0
         local_L4 = torch.tensor(state["window_local"], dtype=torch.float64, device=dev)
         self.window_local_L4.copy_(local_L4 if first_of_group else torch.zeros_like(local_L4))
@@ -325,7 +349,7 @@ class Balancer:
         return m
 
 
-def install_balancing(optimizer: torch.optim.Optimizer, model: nn.Module, dims=None, *,
+def install_balancing(optimizer: torch.optim.Optimizer, model: nn.Module, dims: ParallelDims | None = None, *,
                       capacity_fn: Callable[[torch.Tensor], float] | None = None) -> Balancer:
     """Attach the between-step balancing and the expert-health monitor to ``optimizer`` for every
     ``MoELayer`` of ``model`` (plain, or wrapped by ``parallelize``). Call it once, after
@@ -374,6 +398,4 @@ class _LrTarget:
 def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """The optimizer whose step updates the tensors: ZeRO-1's inner optimizer (which steps this
     rank's slices, host copies when offloading), else ``optimizer`` itself."""
-    from moetrain.distributed.zero import ZeroShardedOptimizer  # lazy: distributed stays optional
-
     return optimizer.inner if isinstance(optimizer, ZeroShardedOptimizer) else optimizer

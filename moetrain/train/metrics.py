@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +33,76 @@ def expert_load_summary(counts_LE: torch.Tensor) -> dict:
     }
 
 
+@dataclass
+class StepSums:
+    """Device-side sums over the micro-steps of one optimizer step (adding them is no host sync).
+    The expert-load counts are the balancer's (``moetrain.train.balancing``)."""
+
+    loss: torch.Tensor | None = None
+    aux: torch.Tensor | None = None
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        cur = getattr(self, name)
+        setattr(self, name, value.detach().clone() if cur is None else cur + value.detach())
+
+
+@dataclass
+class MetricsWindow(StepSums):
+    """Sums over the good (not skipped) steps since the last log step; read once per log step
+    (the host sync)."""
+
+    steps: int = 0
+    """Steps taken, skipped ones included (for the step time and throughput)."""
+    skipped: int = 0
+    tokens: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+
+    def add_step(self, sums: StepSums | None, *, tokens: int) -> None:
+        """Count an optimizer step of ``tokens`` tokens: taken, with its ``sums``, or skipped (None)."""
+        self.steps += 1
+        self.tokens += tokens
+        if sums is None:
+            self.skipped += 1
+            return
+        for name in ("loss", "aux"):
+            value = getattr(sums, name)
+            if value is not None:
+                self.add(name, value)
+
+    def throughput(self, *, seq_len: int, num_ranks: int, flops_per_token: float, peak_flops: float) -> dict:
+        """Tokens and samples per second, the mean step time and the model-FLOPs utilisation of
+        the window up to now (``peak_flops``: one rank's)."""
+        dt = time.perf_counter() - self.t0
+        tokens_per_s = self.tokens / dt
+        return {"tokens_per_s": tokens_per_s, "samples_per_s": tokens_per_s / seq_len, "step_time_s": dt / self.steps,
+                "mfu": tokens_per_s / num_ranks * flops_per_token / peak_flops}
+
+
+class ProgressBar:
+    """The tqdm bar of the training steps, showing the last logged loss, tokens/s and validation
+    loss; does nothing when not ``enabled`` (on every rank but the main one)."""
+
+    def __init__(self, *, enabled: bool, total: int, initial: int) -> None:
+        self._bar = None
+        if enabled:
+            from tqdm import tqdm  # lazy: only the main rank draws a bar
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+    def show(self, metrics: dict) -> None:
+        if self._bar is not None:
+            val = {"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics else {}
+            self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", **val)
+
+    def update(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
 PER_EXPERT_KEYS = ("expert_share", "expert_bias", "expert_lr_scale")
 """Metrics that are [layer][expert] tables of numbers (TensorBoard histograms per layer). Other
 nested lists (``unused_experts``: expert ids per layer) are kept in metrics.jsonl only; their
@@ -38,7 +110,15 @@ counts (``num_unused_experts``) go to TensorBoard as per-layer scalars."""
 
 
 class MetricsLogger:
-    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True) -> None:
+    """Writes ``metrics.jsonl`` (and TensorBoard events) in ``run_dir``.
+
+    ``keep_until_step``: a resumed run's file keeps the records of steps up to this one and
+    drops those the stopped run wrote after it, so it reads like the file of a run that never
+    stopped. None starts an empty file.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True,
+                 keep_until_step: int | None = None) -> None:
         self.enabled = enabled
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
@@ -46,8 +126,10 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = _records_until(self.path, keep_until_step) if keep_until_step is not None else []
         # Open for the whole run (line-buffered, one record per step); close() closes it.
         self._file = open(self.path, "w", buffering=1)  # noqa: SIM115
+        self._file.write("".join(kept))
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -85,6 +167,21 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _records_until(path: Path, step: int) -> list[str]:
+    """The lines of ``path`` whose record's step is <= ``step``, newline-terminated."""
+    if not path.exists():
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the kill that stopped the previous run
+    return kept
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Optimizer, learning-rate schedule and gradient clipping."""
+"""Optimizer and learning-rate schedule. Gradient clipping over the global (all-rank) norm is
+``moetrain.distributed.utils.clip_global_grad_norm_``."""
 
 from __future__ import annotations
 
@@ -6,9 +7,6 @@ import math
 
 import torch
 from torch import nn
-
-from moetrain.distributed.utils import clip_grad_norm_params_ as clip_grad_norm_  # noqa: F401
-from moetrain.distributed.utils import global_grad_norm  # noqa: F401 (re-exported for the trainer)
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:

@@ -12,15 +12,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from moetrain.utils.tensors import local_tensor
+
 
 def autocast_context(device: torch.device, dtype: str):
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class DynamicLossScaler:
@@ -48,7 +46,7 @@ class DynamicLossScaler:
         for p in params:
             if p.grad is None:
                 continue
-            g = _local(p.grad)
+            g = local_tensor(p.grad)
             g.mul_(inv)
             found_inf = found_inf.to(g.device)
             found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())

@@ -1,49 +1,41 @@
 """The training loop, as a class whose steps are named and can be read top to bottom.
 
-    trainer = Trainer(cfg)       # setup_distributed -> build_data -> build_model -> build_optimizer
-                                 #   -> build_checkpointing (resume) -> build_logging
+    trainer = Trainer(cfg)       # setup_distributed -> setup_run_dir -> build_data -> build_model
+                                 #   -> build_optimizer -> build_checkpointing (resume) -> build_logging
     trainer.fit()                # train_step x N, evaluate every train.eval_every, log every log.every,
                                  #   save every checkpoint.every, at the end and on SIGTERM
     trainer.close()
 
-Runs standalone (one process) or under torchrun (one or many nodes); the parallel layout comes
-from ``cfg.parallel`` through ``ParallelDims``, and the model code never knows about it.
+One optimizer step, from data to update: ``train_step`` -> for each micro-batch ``next_batch`` and
+``forward_backward`` -> ``optimizer_step`` (unscale, clip, agree with the other ranks, step) ->
+``_account_step`` (counters, the metrics window, the last good state).
 
-Fault tolerance: a step whose loss or gradient is not finite is skipped on every rank (and
-counted); ``train.max_consecutive_skips`` of them in a row stop the run with a checkpoint of the
-last good state. Collectives time out after ``train.collective_timeout_s`` with an error naming
-the phase and operation, so a stalled rank fails the job (which torchrun can restart from the
-latest checkpoint) instead of hanging it.
+Runs standalone (one process) or under torchrun (one or many nodes); the parallel layout comes
+from ``cfg.parallel`` through ``ParallelDims``, and the model code never knows about it. The
+process group and its timeouts live in ``moetrain.distributed.runtime``; non-finite steps,
+SIGTERM and failed collectives in ``moetrain.train.faults``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import math
-import os
-import re
-import signal
-import threading
 import time
-import traceback
-from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from moetrain.config import JobConfig
 from moetrain.config.loader import config_to_dict, save_config
-from moetrain.config.train import resolve_device
 from moetrain.data import prepare_data
+from moetrain.distributed import runtime
 from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
 from moetrain.distributed.expert_parallel import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
+from moetrain.distributed.utils import clip_global_grad_norm_, mean_over_dp
 from moetrain.models.transformer import Transformer
 from moetrain.train.balancing import install_balancing
 from moetrain.train.checkpoint import (
@@ -57,62 +49,14 @@ from moetrain.train.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
+from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
 from moetrain.train.flops import peak_flops
-from moetrain.train.metrics import MetricsLogger, expert_load_summary
-from moetrain.train.optim import build_optimizer, build_scheduler, clip_grad_norm_
+from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums
+from moetrain.train.optim import build_optimizer, build_scheduler
 from moetrain.train.precision import DynamicLossScaler, autocast_context
-from moetrain.utils.cpu_allocator import tune_cpu_allocator
 from moetrain.utils.memory import MemoryTracker
 
 log = logging.getLogger("moetrain")
-
-
-class CollectiveError(RuntimeError):
-    """A collective did not complete (timed out, or a peer went away): another rank stalled or
-    died. Names the training phase and the operation."""
-
-
-class NonFiniteError(RuntimeError):
-    """``train.max_consecutive_skips`` steps in a row had a non-finite loss or gradient."""
-
-
-@dataclass
-class _Sums:
-    """Device-side sums of the micro-steps of one optimizer step (no host sync)."""
-
-    loss: torch.Tensor | None = None
-    aux: torch.Tensor | None = None
-    routed_LE: torch.Tensor | None = None
-    dropped_L: torch.Tensor | None = None
-    routed_L: list[int] = field(default_factory=list)
-
-    def add(self, name: str, value: torch.Tensor) -> None:
-        cur = getattr(self, name)
-        setattr(self, name, value.detach().clone() if cur is None else cur + value.detach())
-
-
-@dataclass
-class _Window(_Sums):
-    """Sums over the good (not skipped) steps since the last log; read once per log step (host sync)."""
-
-    steps: int = 0
-    """Steps taken, skipped ones included (for the step time and throughput)."""
-    skipped: int = 0
-    tokens: int = 0
-    t0: float = field(default_factory=time.perf_counter)
-
-    def merge(self, step: _Sums) -> None:
-        for name in ("loss", "aux", "routed_LE", "dropped_L"):
-            value = getattr(step, name)
-            if value is not None:
-                self.add(name, value)
-        if step.routed_L:
-            self.routed_L = step.routed_L
-
-
-# Text of the errors torch's process groups raise when a collective cannot complete.
-_TIMEOUT_RE = re.compile(r"timed out|timeout", re.IGNORECASE)
-_PEER_GONE_RE = re.compile(r"connection (closed|reset) by peer|broken pipe|connection refused", re.IGNORECASE)
 
 
 class Trainer:
@@ -123,7 +67,8 @@ class Trainer:
         self.build_data()
         self.build_model()
         self.build_optimizer()
-        self.apply_collective_timeout()
+        # The long setup (rank 0 preparing the data) is over: collectives time out from here on.
+        runtime.set_collective_timeout(cfg.train.collective_timeout_s, self.dims)
         self.build_checkpointing()
         self.build_logging()
         # Last: setup draws random numbers (the peak-FLOPs probe), which would advance a
@@ -136,41 +81,17 @@ class Trainer:
 
     def setup_distributed(self) -> None:
         cfg = self.cfg
-        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = resolve_device(cfg.train.device)
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.local_rank)
-            self.device = torch.device("cuda", self.local_rank)
-        else:
-            tune_cpu_allocator()
-        if cfg.train.deterministic:
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        backend = cfg.parallel.backend
-        if backend == "auto":
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-        if not dist.is_initialized():
-            # The default (long) timeout while rank 0 prepares the data and the others wait for
-            # it; apply_collective_timeout shortens it once training collectives start.
-            if self.world_size > 1:
-                device_id = self.device if backend == "nccl" else None
-                store = _restart_safe_store(self.world_size)
-                if store is None:
-                    dist.init_process_group(backend=backend, device_id=device_id)
-                else:
-                    dist.init_process_group(backend=backend, device_id=device_id, store=store, rank=self.rank,
-                                            world_size=self.world_size)
-            else:
-                # One process: an in-memory store, no port; the mesh and collectives still work.
-                dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
-        self.dims = ParallelDims.from_config(cfg.parallel, world_size=self.world_size,
-                                             num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)
+        proc = runtime.init_runtime(device=cfg.train.device, backend=cfg.parallel.backend,
+                                    deterministic=cfg.train.deterministic)
+        self.world_size, self.rank, self.local_rank = proc.world_size, proc.rank, proc.local_rank
+        self.device, self.is_main = proc.device, proc.is_main
+        self.dims: ParallelDims = ParallelDims.from_config(
+            cfg.parallel, world_size=self.world_size, num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)
         self.dims.build_mesh(self.device.type)
         self.dp_size, self.dp_rank = self.dims.dp, self.dims.dp_rank
         self.grad_accum = cfg.train.grad_accum_steps(self.dp_size)
-        self.is_main = self.rank == 0
-        self.phase = "setup"
+        self.phase = Phase(rank=self.rank, timeout_s=cfg.train.collective_timeout_s)
+        self.stop = StopRequest(rank=self.rank)
         logging.basicConfig(level=getattr(logging, cfg.log.level.upper()) if self.is_main else logging.WARNING,
                             format="%(asctime)s %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
@@ -209,7 +130,6 @@ class Trainer:
         self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=t.activation_checkpointing,
                                           activation_checkpointing_every=t.activation_checkpointing_every,
                                           compile=t.compile, **zero_settings(cfg))
-        self.moe_layers = [blk.feed_forward for blk in self.model.layers if blk.is_moe]
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -226,21 +146,7 @@ class Trainer:
         # optimizer pre/post-step hooks, so gradient accumulation and skipped steps are handled.
         self.balancer = install_balancing(self.optimizer, self.model, self.dims) if self.model_config.is_moe else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-
-    def apply_collective_timeout(self) -> None:
-        """``train.collective_timeout_s`` on every process group the training uses: the world and
-        the mesh's ep, edp and dp groups (the mesh creates its groups with torch's default of
-        30 minutes, whatever the world group's timeout is)."""
-        timeout = timedelta(seconds=self.cfg.train.collective_timeout_s)
-        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
-        if set_timeout is None:  # not in every torch release
-            log.warning("this torch cannot change a process group's timeout: train.collective_timeout_s "
-                        "is ignored")
-            return
-        groups = {id(g): g for g in (dist.group.WORLD, self.dims.ep_group, self.dims.edp_group,
-                                     self.dims.dp_group)}
-        for group in groups.values():
-            set_timeout(timeout, group)
+        self.grad_norm: torch.Tensor | None = None
 
     def build_checkpointing(self) -> None:
         """Where checkpoints go, and the resume: ``checkpoint.resume`` "auto" continues from the
@@ -248,55 +154,40 @@ class Trainer:
         c = self.cfg.checkpoint
         self.ckpt_dir = Path(c.dir) if c.dir is not None else self.run_dir / "checkpoints"
         self.step = 0
-        self.skipped_total = 0
-        self.consecutive_skips = 0
+        self.skips = SkipCounter(max_consecutive=self.cfg.train.max_consecutive_skips)
         self.interrupted = False
         self.resumed_from: Path | None = None
         self._last_saved_step: int | None = None
-        self._stop_signal: int | None = None
-        # Rank 0 removes what killed saves left behind, then decides what to resume from and
-        # tells the others (they must all load the same checkpoint).
-        choice: list = [None]
-        if self.is_main:
-            for p in clean_stale_tmp(self.ckpt_dir):
-                log.warning("removed %s, left by a checkpoint save that did not finish", p)
-            try:
-                if c.resume == "auto":
-                    found = latest_checkpoint(self.ckpt_dir)
-                    choice = [str(found) if found is not None else None]
-                elif c.resume != "never":
-                    choice = [str(resolve_checkpoint(c.resume))]
-            except CheckpointError as e:
-                choice = [e]
-        if dist.is_initialized() and self.world_size > 1:
-            dist.broadcast_object_list(choice, src=0)
-        if isinstance(choice[0], Exception):
-            raise choice[0]
         self._resumed_rng = None
-        if choice[0] is not None:
-            self.resume(Path(choice[0]))
+        # Rank 0 decides what to resume from and tells the others (they must all load the same one).
+        choice = runtime.broadcast_from_main(self._resume_choice() if self.is_main else None)
+        if isinstance(choice, Exception):
+            raise choice
+        if choice is not None:
+            self.resume(Path(choice))
+
+    def _resume_choice(self) -> str | CheckpointError | None:
+        """Rank 0: remove what killed saves left behind, then pick the checkpoint to resume from."""
+        for p in clean_stale_tmp(self.ckpt_dir):
+            log.warning("removed %s, left by a checkpoint save that did not finish", p)
+        resume = self.cfg.checkpoint.resume
+        try:
+            found = latest_checkpoint(self.ckpt_dir) if resume == "auto" else (
+                None if resume == "never" else resolve_checkpoint(resume))
+        except CheckpointError as e:
+            return e
+        return str(found) if found is not None else None
 
     def resume(self, path: Path) -> None:
         """Load checkpoint ``path`` (saved at any layout) and continue exactly where it stopped."""
-        with self._phase(f"loading checkpoint {path}"):
+        with self.phase(f"loading checkpoint {path}"):
             loaded = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         state = loaded.trainer_state
-        try:
-            self.train_loader.load_state_dict(state["data"])
-        except ValueError as e:
-            saved = state["data"].get("global_batch_size")
-            if not isinstance(saved, int) or saved == self.train_loader.global_batch_size:
-                raise
-            fix = (f"set train.micro_batch_size={saved // self.dp_size} to resume at this layout"
-                   if saved % self.dp_size == 0 else
-                   f"no train.micro_batch_size fits {self.dp_size} data-parallel ranks")
-            raise ValueError(
-                f"{e}. The data position is counted in batches of train.micro_batch_size * data-parallel "
-                f"size sequences ({saved} when saved, {self.train_loader.global_batch_size} now): {fix}") from e
+        self._load_data_position(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = loaded.step
-        self.skipped_total = int(state.get("skipped_total", 0))
+        self.skips.total = int(state.get("skipped_total", 0))
         if self.balancer is not None and "balancer" in state:
             self.balancer.load_state_dict(state["balancer"])
         if loaded.rng_state is not None:
@@ -312,36 +203,31 @@ class Trainer:
             log.info("step %d >= train.steps (%d): nothing left to train (raise train.steps to continue, "
                      "or --checkpoint.resume=never to start over)", self.step, self.cfg.train.steps)
 
+    def _load_data_position(self, data_state: dict) -> None:
+        try:
+            self.train_loader.load_state_dict(data_state)
+        except ValueError as e:
+            saved, now = data_state.get("global_batch_size"), self.train_loader.global_batch_size
+            if not isinstance(saved, int) or saved == now:
+                raise
+            fix = (f"set train.micro_batch_size={saved // self.dp_size} to resume at this layout"
+                   if saved % self.dp_size == 0 else f"no train.micro_batch_size fits {self.dp_size} data-parallel ranks")
+            raise ValueError(f"{e}. The data position is counted in batches of train.micro_batch_size * data-parallel "
+                             f"size sequences ({saved} when saved, {now} now): {fix}") from e
+
     def build_logging(self) -> None:
         lc = self.cfg.log
-        # metrics.jsonl of a resumed run reads like that of a run that never stopped: the lines
-        # up to the resumed step stay, those the stopped run wrote after it go.
-        kept = self._metrics_lines_to_keep() if self.resumed_from is not None and self.is_main else []
-        self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main and lc.jsonl, tensorboard=lc.tensorboard)
-        if kept and self.metrics._file is not None:
-            self.metrics._file.write("".join(kept))
+        # metrics.jsonl of a resumed run reads like that of a run that never stopped.
+        self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main and lc.jsonl, tensorboard=lc.tensorboard,
+                                     keep_until_step=self.step if self.resumed_from is not None else None)
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
         self.memory_metrics: dict = {}
-        self.window = _Window()
+        self.window = MetricsWindow()
         pc = self.param_counts
         log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = dp %d x ep %d; "
                  "%d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6, pc.active / 1e6, pc.expert / 1e6,
                  self.world_size, self.dp_size, self.dims.ep, self.grad_accum, self.cfg.train.micro_batch_size,
                  self.run_dir)
-
-    def _metrics_lines_to_keep(self) -> list[str]:
-        path = self.run_dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        kept = []
-        with open(path) as f:
-            for line in f:
-                try:
-                    if json.loads(line)["step"] <= self.step:
-                        kept.append(line if line.endswith("\n") else line + "\n")
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by the kill that stopped the previous run
-        return kept
 
     # --- checkpoint state -------------------------------------------------------------------------
 
@@ -350,7 +236,7 @@ class Trainer:
         and optimizer are saved from the live objects (a skipped step does not change them)."""
         return {"step": self.step, "scheduler": copy.deepcopy(self.scheduler.state_dict()),
                 "scaler": self.scaler.state_dict(), "data": self.train_loader.state_dict(),
-                "skipped_total": self.skipped_total, "rng": capture_rng_state()}
+                "skipped_total": self.skips.total, "rng": capture_rng_state()}
 
     def save_checkpoint(self, snapshot: dict | None = None) -> Path:
         """Save the current state (or ``snapshot``'s step, data position, schedule and RNG with the
@@ -366,7 +252,7 @@ class Trainer:
             trainer_state["balancer"] = self.balancer.state_dict()
         layout = {"world_size": self.world_size, "dp": self.dp_size, "ep": self.dims.ep,
                   "zero_stage": self.cfg.parallel.zero_stage}
-        with self._phase(f"saving the checkpoint of step {snap['step']}"):
+        with self.phase(f"saving the checkpoint of step {snap['step']}"):
             path = save_checkpoint(self.ckpt_dir, snap["step"], model=self.model, optimizer=self.optimizer,
                                    trainer_state=trainer_state, rng_state=rng,
                                    keep_last=self.cfg.checkpoint.keep_last, layout=layout)
@@ -375,6 +261,28 @@ class Trainer:
 
     # --- one optimizer step -----------------------------------------------------------------------
 
+    def train_step(self) -> None:
+        self.parallel_model.train()
+        self._step_sums = StepSums()
+        # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
+        # watches), and not in the first two steps, where DDP still rebuilds its buckets.
+        track = self.cfg.log.memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0
+        tracker = MemoryTracker(self.parallel_model, self.optimizer) if track else contextlib.nullcontext()
+        with tracker:
+            with self.phase(f"forward/backward of step {self.step + 1}"):
+                for micro in range(self.grad_accum):
+                    input_ids_BS, labels_BS = self.train_loader.next_batch()
+                    input_ids_BS, labels_BS = input_ids_BS.to(self.device), labels_BS.to(self.device)
+                    # No gradient reduction on the non-final micro-steps: gradients accumulate locally.
+                    last_micro = micro == self.grad_accum - 1
+                    with contextlib.nullcontext() if last_micro else no_sync(self.parallel_model):
+                        self.forward_backward(input_ids_BS, labels_BS)
+            with self.phase(f"optimizer step {self.step + 1}"):
+                good = self.optimizer_step()
+        if track:
+            self.memory_metrics = tracker.report().as_metrics()
+        self._account_step(good)
+
     def forward_backward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> None:
         with autocast_context(self.device, self.cfg.train.dtype):
             out = self.parallel_model(input_ids_BS, labels_BS)
@@ -382,61 +290,16 @@ class Trainer:
         # makes the summed gradient the gradient of the mean over the whole step.
         loss = out.total_loss / self.grad_accum
         self.scaler.scale_loss(loss).backward()
-        s = self._step_sums
-        s.add("loss", out.loss.float())
-        s.add("aux", out.aux_loss.float())
-        if out.moe_aux:
-            s.add("routed_LE", torch.stack([a.num_routed_per_expert for a in out.moe_aux]))
-            s.add("dropped_L", torch.stack([a.num_dropped for a in out.moe_aux]))
-            s.routed_L = [a.num_routed for a in out.moe_aux]
-
-    def train_step(self) -> None:
-        self.parallel_model.train()
-        self._step_sums = _Sums()
-        # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
-        # watches), and not in the first two steps, where DDP still rebuilds its buckets.
-        track = self.cfg.log.memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0
-        tracker = MemoryTracker(self.parallel_model, self.optimizer) if track else _null()
-        with tracker:
-            good = self._train_step_inner()
-        if track:
-            self.memory_metrics = tracker.report().as_metrics()
-        self._account_step(good)
-
-    def _train_step_inner(self) -> bool:
-        with self._phase(f"forward/backward of step {self.step + 1}"):
-            for micro in range(self.grad_accum):
-                input_ids_BS, labels_BS = self.train_loader.next_batch()
-                input_ids_BS, labels_BS = input_ids_BS.to(self.device), labels_BS.to(self.device)
-                # No gradient reduction on the non-final micro-steps: gradients accumulate locally.
-                sync = micro == self.grad_accum - 1
-                with (no_sync(self.parallel_model) if not sync else _null()):
-                    self.forward_backward(input_ids_BS, labels_BS)
-        with self._phase(f"optimizer step {self.step + 1}"):
-            return self.optimizer_step()
-
-    def _account_step(self, good: bool) -> None:
-        w = self.window
-        w.steps += 1
-        w.tokens += self.cfg.train.global_batch_size * self.cfg.data.seq_len
-        self.step += 1
-        if good:
-            w.merge(self._step_sums)
-            self.consecutive_skips = 0
-            self._last_good = self._snapshot()
-        else:
-            w.skipped += 1
-            self.skipped_total += 1
-            self.consecutive_skips += 1
-            log.warning("step %d skipped: non-finite loss or gradient (%d in a row, %d in all)", self.step,
-                        self.consecutive_skips, self.skipped_total)
+        self._step_sums.add("loss", out.loss.float())
+        self._step_sums.add("aux", out.aux_loss.float())
 
     def optimizer_step(self) -> bool:
         """Unscale, clip and step, unless the loss or a gradient is not finite on some rank; then
         every rank skips the update. Returns whether the step was taken."""
         finite = self.scaler.unscale_and_check(self.params)
-        self.grad_norm = clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
-        good, stop = self._agree(finite)
+        self.grad_norm = clip_global_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        good, stop = agree_on_step(grad_norm=self.grad_norm, loss=self._step_sums.loss, finite=finite,
+                                   stop=self.stop, device=self.device)
         if good:
             self.optimizer.step()
         elif self.balancer is not None:
@@ -448,21 +311,13 @@ class Trainer:
             self.interrupted = True
         return good
 
-    def _agree(self, finite: bool) -> tuple[bool, bool]:
-        """(take this step, stop after it): the same answers on every rank. One pair of flags is
-        all-reduced per step for both the non-finite check and a SIGTERM received by any rank
-        (ranks that saw the signal at different steps would otherwise stop at different steps)."""
-        bad = ~torch.isfinite(self.grad_norm.float())
-        if self._step_sums.loss is not None:
-            bad = bad | ~torch.isfinite(self._step_sums.loss)
-        if not finite:  # fp16 overflow (the scaler already agreed on it over the ranks)
-            bad = torch.ones_like(bad)
-        stop = torch.tensor(self._stop_signal is not None, device=bad.device)
-        flags = torch.stack([bad, stop]).float().to(self.device)
-        if dist.is_initialized() and self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad_any, stop_any = flags.tolist()  # host sync: skipping and stopping are decided on the host
-        return bad_any == 0, stop_any > 0
+    def _account_step(self, good: bool) -> None:
+        self.step += 1
+        self.window.add_step(self._step_sums if good else None,
+                             tokens=self.cfg.train.global_batch_size * self.cfg.data.seq_len)
+        self.skips.record(self.step, good=good)
+        if good:
+            self._last_good = self._snapshot()
 
     # --- evaluation -------------------------------------------------------------------------------
 
@@ -476,8 +331,7 @@ class Trainer:
                 out = self.model(input_ids_BS.to(self.device), labels_BS.to(self.device))
             total += out.loss.float()
             num += 1
-        total = self.all_reduce_mean(total / max(num, 1))
-        val_loss = total.item()
+        val_loss = mean_over_dp(total / max(num, 1), self.dims).item()
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
     # --- logging ----------------------------------------------------------------------------------
@@ -485,40 +339,29 @@ class Trainer:
     def collect_metrics(self) -> dict:
         """Turn the window's device sums into numbers: the one host sync per log step."""
         w = self.window
-        dt = time.perf_counter() - w.t0
         good = w.steps - w.skipped
         if good > 0:
-            loss = self.all_reduce_mean(w.loss / (good * self.grad_accum)).item()
-            aux = self.all_reduce_mean(w.aux / (good * self.grad_accum)).item()
+            loss = mean_over_dp(w.loss / (good * self.grad_accum), self.dims).item()
+            aux = mean_over_dp(w.aux / (good * self.grad_accum), self.dims).item()
         else:
             loss = aux = float("nan")  # every step of the window was skipped
-        tokens_per_s = w.tokens / dt
-        m = {
-            "loss": loss, "aux_loss": aux, "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": float(self.grad_norm) if hasattr(self, "grad_norm") else None,
-            "tokens_per_s": tokens_per_s, "samples_per_s": tokens_per_s / self.cfg.data.seq_len,
-            "step_time_s": dt / w.steps,
-            "mfu": tokens_per_s / self.world_size * self.flops_per_token / self.peak_flops,
-            "skipped_steps": w.skipped,
-            "skipped_steps_total": self.skipped_total,
-        }
+        m = {"loss": loss, "aux_loss": aux, "lr": self.scheduler.get_last_lr()[0],
+             "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
+             **w.throughput(seq_len=self.cfg.data.seq_len, num_ranks=self.world_size,
+                            flops_per_token=self.flops_per_token, peak_flops=self.peak_flops),
+             "skipped_steps": w.skipped, "skipped_steps_total": self.skips.total}
         if self.cfg.train.dtype == "fp16":
             m["loss_scale"] = self.scaler.scale
-        if w.routed_LE is not None:
-            # The layers' counts are already summed over the data-parallel ranks (balance_group).
-            routed_LE = w.routed_LE.cpu()
-            m.update(expert_load_summary(routed_LE))
-            dropped_L = self.all_reduce_sum(w.dropped_L.float()).cpu()
-            m["dropped_fraction"] = (dropped_L / routed_LE.sum(dim=1).clamp(min=1).double()).tolist()
         if self.balancer is not None:
-            m.update(self.balancer.metrics())  # health: entropy, unused experts, alarms (collective)
+            # Expert load, drops, entropy, unused experts, collapse alarms (a collective).
+            m.update(self.balancer.metrics())
         m.update(self.memory_metrics)
         self.memory_metrics = {}
         if self.dims.ep_enabled:
             stats = collect_comm_stats(self.model)
             m["a2a_bytes"] = stats.bytes_sent + stats.bytes_received
             m["a2a_bytes_ratio"] = stats.ratio
-        self.window = _Window()
+        self.window = MetricsWindow()
         return m
 
     # --- the loop ---------------------------------------------------------------------------------
@@ -528,29 +371,17 @@ class Trainer:
         (any rank) the ranks finish the current step, log it (even off the log.every cadence, so
         no step goes unreported), save a checkpoint and return with ``self.interrupted`` set."""
         t, lc, c = self.cfg.train, self.cfg.log, self.cfg.checkpoint
-        bar = None
-        if self.is_main and lc.progress_bar:
-            from tqdm import tqdm
-
-            bar = tqdm(total=t.steps, initial=self.step, desc="train", dynamic_ncols=True)
+        bar = ProgressBar(enabled=self.is_main and lc.progress_bar, total=t.steps, initial=self.step)
         last = {}
-        with self._sigterm_handler():
+        with self.stop.installed():
             while self.step < t.steps:
                 self.train_step()
                 is_last = self.step == t.steps
-                halt = t.max_consecutive_skips > 0 and self.consecutive_skips >= t.max_consecutive_skips
-                if self.step % lc.every == 0 or is_last or self.interrupted or halt:
-                    with self._phase(f"metrics of step {self.step}"):
-                        last = self.collect_metrics()
-                        if t.eval_every and (self.step % t.eval_every == 0 or is_last):
-                            last.update(self.evaluate())
-                    self.metrics.log(self.step, last)
-                    if bar is not None:
-                        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
-                                        **({"val": f"{last['val_loss']:.3f}"} if "val_loss" in last else {}))
-                if bar is not None:
-                    bar.update(1)
-                if halt:
+                if self.step % lc.every == 0 or is_last or self.interrupted or self.skips.halt:
+                    last = self.log_step(evaluate=t.eval_every > 0 and (self.step % t.eval_every == 0 or is_last))
+                    bar.show(last)
+                bar.update()
+                if self.skips.halt:
                     self._halt_nonfinite()
                 if (c.every and self.step % c.every == 0) or (is_last and c.save_final) or self.interrupted:
                     self.save_checkpoint()
@@ -564,70 +395,28 @@ class Trainer:
                                     self.ckpt_dir / step_dir_name(self.step))
                         break
                     self.interrupted = False  # the signal came with the last step: the run is complete
-        if bar is not None:
-            bar.close()
+        bar.close()
         return last
 
+    def log_step(self, *, evaluate: bool) -> dict:
+        """Collect (and, with ``evaluate``, add the validation loss to) the metrics of the step
+        just taken, and write them. Collective."""
+        with self.phase(f"metrics of step {self.step}"):
+            metrics = self.collect_metrics()
+            if evaluate:
+                metrics.update(self.evaluate())
+        self.metrics.log(self.step, metrics)
+        return metrics
+
     def _halt_nonfinite(self) -> None:
+        """Stop after ``train.max_consecutive_skips`` skipped steps in a row, with the last good
+        state saved: the current weights (the skipped steps left them as they were) with the
+        step, data position, schedule and RNG of the last step taken."""
         good = self._last_good
-        first_bad = good["step"] + 1
         path = self.ckpt_dir / step_dir_name(good["step"])
         if self._last_saved_step != good["step"] or not path.exists():
             path = self.save_checkpoint(good)
-        raise NonFiniteError(
-            f"steps {first_bad}-{self.step} all had a non-finite loss or gradient and were skipped "
-            f"(train.max_consecutive_skips={self.cfg.train.max_consecutive_skips}); stopped. The last good "
-            f"state (after step {good['step']}) is in {path}; resume from it with "
-            f"--checkpoint.resume={path} after lowering optim.lr or fixing the data")
-
-    @contextlib.contextmanager
-    def _sigterm_handler(self):
-        """SIGTERM (a scheduler's preemption, torchrun stopping the job) asks for a clean stop at
-        the end of the current step; a second SIGTERM kills at once."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.getsignal(signal.SIGTERM)
-
-        def handler(signum, frame):
-            if self._stop_signal is not None:  # the second one: die now, as without this handler
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            self._stop_signal = signum
-            log.warning("rank %d: SIGTERM received; will save a checkpoint and stop after this step",
-                        self.rank)
-
-        signal.signal(signal.SIGTERM, handler)
-        try:
-            yield
-        finally:
-            # getsignal gives None for a handler installed outside Python: fall back to the default.
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
-
-    @contextlib.contextmanager
-    def _phase(self, what: str):
-        """Names what the ranks are doing, so that a collective that fails (a rank stalled past
-        train.collective_timeout_s, or died) reports the phase and the operation."""
-        previous, self.phase = self.phase, what
-        try:
-            yield
-        except RuntimeError as e:
-            if isinstance(e, (CollectiveError, NonFiniteError)):
-                raise
-            text = str(e)
-            timed_out = _TIMEOUT_RE.search(text) is not None
-            if not timed_out and _PEER_GONE_RE.search(text) is None:
-                raise
-            limit = self.cfg.train.collective_timeout_s
-            cause = (f"did not complete within train.collective_timeout_s={limit:g} s" if timed_out
-                     else "failed because a peer rank went away")
-            raise CollectiveError(
-                f"rank {self.rank}: a collective ({_collective_site(e)}) {cause} during {what}: another rank "
-                f"stalled or died. Original error: {text.strip().splitlines()[-1] if text.strip() else text}"
-            ) from e
-        finally:
-            self.phase = previous
+        raise self.skips.error(self.step, last_good_step=good["step"], path=path)
 
     @torch.no_grad()
     def generate(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
@@ -649,76 +438,9 @@ class Trainer:
             ids.append(nxt)
         return tok.decode(ids)
 
-    # --- collectives ------------------------------------------------------------------------------
-
     def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
-    def all_reduce_mean(self, t: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and self.dp_size > 1:
-            t = t.clone()
-            dist.all_reduce(t, group=self.dims.dp_group)
-            t /= self.dp_size
-        return t
-
-    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        if dist.is_initialized() and self.dp_size > 1:
-            t = t.clone()
-            dist.all_reduce(t, group=self.dims.dp_group)
-        return t
+        runtime.barrier()
 
     def close(self) -> None:
         self.metrics.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _restart_safe_store(world_size: int):
-    """None (torch's default rendezvous), except in a worker that torchrun restarted while
-    sharing its rendezvous store with the workers: that store still holds the previous attempt's
-    keys, and the new ranks would read the dead ranks' addresses and hang connecting to them
-    (pytorch#135712; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on torchrun avoids it too). A key
-    prefix per restart attempt keeps the attempts apart."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=False)
-    return dist.PrefixStore(f"moetrain/attempt_{attempt}", store)
-
-
-def _collective_site(exc: BaseException) -> str:
-    """The operation that failed, from the traceback: the torch.distributed call (or, for
-    collectives torch issues itself, the innermost torch function) with its source line, and
-    the moetrain line that led there. E.g. ``torch.distributed.all_to_all_single: `work.wait()`
-    from moetrain/distributed/expert_parallel.py:412 (_exchange_counts)``."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return "unknown operation"
-    paths = [f.filename.replace(os.sep, "/") for f in frames]
-    op = where = None
-    for f, path in zip(reversed(frames), reversed(paths)):
-        public = not f.name.startswith("_") and f.name != "wrapper"  # skip torch's logging decorators
-        if op is None and "/torch/distributed/" in path and public:
-            op = f"torch.distributed.{f.name}"
-        if where is None and "/moetrain/" in path and not path.endswith("/train/trainer.py"):
-            where = f"moetrain/{path.rsplit('/moetrain/', 1)[1]}:{f.lineno} ({f.name})"
-    inner, inner_path = frames[-1], paths[-1]
-    if op is None:
-        if inner_path.endswith("/nn/parallel/distributed.py"):
-            op = f"DistributedDataParallel.{inner.name}"
-        elif "/torch/autograd/" in inner_path:
-            op = "a gradient collective in backward (DDP all-reduce or expert all-to-all)"
-        else:
-            op = inner.name
-    text = f"{op}: `{inner.line.strip()}`" if inner.line else op
-    return f"{text} from {where}" if where else text
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+        runtime.shutdown()

@@ -25,7 +25,7 @@ from torch import nn
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed import (
     ParallelDims,
-    clip_grad_norm_,
+    clip_model_grad_norm_,
     collect_comm_stats,
     grad_norm,
     is_expert_shard,
@@ -157,10 +157,10 @@ def _train(model, train_model, case: Case, x, target, slices, dims) -> dict:
             rec["routed"].append([a.num_routed_per_expert.tolist() for a in auxes])
         rec["grads"] = _grads(model, dims)
         if dims is not None:
-            rec["grad_norm"] = grad_norm(train_model, dims).item()
+            rec["grad_norm"] = grad_norm(train_model).item()
             rec["comm"] = collect_comm_stats(train_model)
             if case.max_grad_norm is not None:
-                clip_grad_norm_(train_model, case.max_grad_norm, dims)
+                clip_model_grad_norm_(train_model, case.max_grad_norm)
         else:
             rec["grad_norm"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm().item()
             if case.max_grad_norm is not None:

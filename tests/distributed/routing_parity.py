@@ -16,11 +16,20 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from ep_parity import Case, _grads, _micro_slices, _params, assert_rel_close, build_model, loss_fn, make_data
 
 from moetrain.distributed import ParallelDims, collect_comm_stats, grad_norm, no_sync, parallelize
 from moetrain.models.moe import MoELayer
 from moetrain.train.balancing import install_balancing
+from tests.distributed.ep_parity import (
+    Case,
+    _grads,
+    _micro_slices,
+    _params,
+    assert_rel_close,
+    build_model,
+    loss_fn,
+    make_data,
+)
 
 
 @dataclass
@@ -69,7 +78,7 @@ def train_balanced(model, train_model, case: RoutingCase, x, target, slices, dim
                                  for a in auxes])
         rec["grads"] = _grads(model, dims)
         if dims is not None:
-            rec["grad_norm"] = grad_norm(train_model, dims).item()
+            rec["grad_norm"] = grad_norm(train_model).item()
             rec["comm"] = collect_comm_stats(train_model)
         else:
             rec["grad_norm"] = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).double().norm().item()

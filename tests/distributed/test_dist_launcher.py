@@ -6,7 +6,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_launcher import RankError, run_ranks
+
+from tests.distributed.dist_launcher import RankError, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

@@ -8,8 +8,16 @@ the tiny models, dominates the time on the 2-core CI machine.
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from dist_launcher import run_ranks
-from ep_parity import Case, assert_parity, assert_rel_close, build_model, parity_worker, run_reference
+
+from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.ep_parity import (
+    Case,
+    assert_parity,
+    assert_rel_close,
+    build_model,
+    parity_worker,
+    run_reference,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

@@ -5,12 +5,12 @@ import re
 
 import pytest
 import torch
-from dist_launcher import run_ranks
 
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.distributed import ParallelDims, parallelize
 from moetrain.models.moe import MoELayer
+from tests.distributed.dist_launcher import run_ranks
 
 EP3_E8 = "parallel.ep (3) must divide moe.num_experts (8)"
 EP4_W2 = "parallel.ep (4) must divide the world size (2)"
@@ -33,6 +33,15 @@ def test_degrees_and_from_config():
     dims = ParallelDims.from_config(ParallelConfig(ep=2), world_size=8, num_experts=8)
     assert (dims.dp, dims.ep, dims.edp) == (8, 2, 4)
     assert ParallelDims(world_size=4, ep=4, num_experts=8).edp == 1
+
+
+def test_check_experts_is_the_constructor_rule_for_a_model_built_later():
+    dims = ParallelDims(world_size=6, ep=3)  # no num_experts given: the constructor cannot check it
+    dims.check_experts(9, layer="layers.0.ffn")
+    with pytest.raises(ValueError, match=re.escape(EP3_E8 + " of layer 'layers.0.ffn'")):
+        dims.check_experts(8, layer="layers.0.ffn")
+    with pytest.raises(ValueError, match=re.escape(EP3_E8) + "$"):
+        dims.check_experts(8)
 
 
 def test_rank_order_puts_ep_groups_on_consecutive_ranks():

@@ -6,9 +6,10 @@ coefficient) on every rank.
 """
 
 import pytest
-from dist_launcher import run_ranks
-from ep_parity import assert_parity
-from routing_parity import RoutingCase, assert_balance_parity, routing_worker, run_reference
+
+from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.ep_parity import assert_parity
+from tests.distributed.routing_parity import RoutingCase, assert_balance_parity, routing_worker, run_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -30,10 +31,11 @@ DYNAMIC = RoutingCase("dynamic_capacity", moe={"capacity_factor": 1.0, "dynamic_
                                                "balance_interval": 1}, steps=4)
 LR_SCALE = RoutingCase("expert_lr_scale", moe={"expert_lr_scale_max": 3.0, "balance_interval": 1})
 SEQ_AUX = RoutingCase("sequence_aux", moe={"aux_loss_type": "sequence", "aux_loss_coef": 0.1}, seq_len=4)
-# Layer 0 sends every token to expert 0: the alarm fires at each step and raises that layer's
-# coefficient on every rank alike.
+# Layer 0 sends every token to expert 0: with no warm-up and one check in a row, the alarm fires at
+# each step and raises that layer's coefficient on every rank alike.
 COLLAPSE = RoutingCase("collapse", moe={"top_k": 1, "collapse_threshold": 0.5, "collapse_aux_increase": 0.05,
-                                        "balance_interval": 1}, force="one_expert")
+                                        "balance_interval": 1, "collapse_warmup_steps": 0,
+                                        "collapse_consecutive_checks": 1}, force="one_expert")
 
 
 def _check(layouts, results, world_size):

@@ -11,8 +11,12 @@ scale of each expert must reach exactly its own elements in every case.
 import pytest
 import torch
 import torch.distributed as dist
-from dist_launcher import run_ranks
-from zero_parity import (
+
+from moetrain.models.moe import MoELayer
+from moetrain.train.balancing import install_balancing
+from moetrain.train.precision import DynamicLossScaler
+from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.zero_parity import (
     GLOBAL_BATCH,
     Run,
     _optimizer,
@@ -22,10 +26,6 @@ from zero_parity import (
     make_batches,
     setup_run,
 )
-
-from moetrain.models.moe import MoELayer
-from moetrain.train.balancing import install_balancing
-from moetrain.train.precision import DynamicLossScaler
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

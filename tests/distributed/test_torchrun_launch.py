@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from ep_parity import assert_parity, run_reference
-from torchrun_parity import LAYOUTS
+
+from tests.distributed.ep_parity import assert_parity, run_reference
+from tests.distributed.torchrun_parity import LAYOUTS
 
 SCRIPT = Path(__file__).with_name("torchrun_parity.py")
 

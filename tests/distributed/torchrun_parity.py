@@ -13,9 +13,10 @@ import sys
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Run as a script: the repository root makes `tests.distributed` importable, as under pytest.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from ep_parity import Case, parity_worker
+from tests.distributed.ep_parity import Case, parity_worker
 
 LAYOUTS = [(2, [Case("dropless"), Case("capacity_position", moe={"capacity_factor": 1.0})])]
 

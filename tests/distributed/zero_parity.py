@@ -22,9 +22,9 @@ import torch.distributed as dist
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed import ParallelDims, no_sync, parallelize, wrap_optimizer
+from moetrain.distributed import ParallelDims, clip_global_grad_norm_, no_sync, parallelize, wrap_optimizer
 from moetrain.models.transformer import Transformer
-from moetrain.train.optim import build_optimizer, clip_grad_norm_
+from moetrain.train.optim import build_optimizer
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 
 GLOBAL_BATCH = 8
@@ -91,7 +91,7 @@ def _step(train_model, optimizer, params, rows_per_micro: list[torch.Tensor], ru
             scaler.scale_loss(out.total_loss / n).backward()
         loss_sum += out.loss.item() / n
     finite = scaler.unscale_and_check(params)
-    norm = clip_grad_norm_(params, run.grad_clip)
+    norm = clip_global_grad_norm_(params, run.grad_clip)
     if finite:
         optimizer.step()
     scaler.update(finite)

@@ -384,8 +384,10 @@ def test_reshard_single_process_to_ep2_and_back_with_global_expert_index(tmp_pat
     assert load_config(out / "config.yaml").model.vocab_size == 256
 
 
-# The trainer does not pass parallel.zero_stage to parallelize yet: the ZeRO layouts are driven
-# here by a plain loop over the same model, optimizer and checkpoint functions.
+# The ZeRO layouts are driven here by a plain loop over the model, optimizer and checkpoint
+# functions the trainer uses: one loop runs any (world, ep, zero) on random tokens, with no data
+# position to keep in step across layouts. The trainer itself at ep=2 x zero=3, checkpoint and
+# resume included, is run through the command line in test_cli_zero3.py.
 
 
 def _zero_run(rank: int, world_size: int, ep: int, zero_stage: int, ckpt_dir: str,

@@ -4,6 +4,7 @@ complete run directory, and the saved config.yaml reproduces the run exactly."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,12 +58,64 @@ def test_bad_config_fails_fast_with_the_field_named(tmp_path):
     assert not (tmp_path / "x").exists()  # nothing was started or written
 
 
-def test_config_show_prints_the_resolved_config():
-    cmd = [sys.executable, "-m", "moetrain.cli", "config", "show", "--config", str(ROOT / "configs/tiny.yaml"),
-           "--moe.top_k=1"]
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 0, r.stderr
-    import re
+def _cli(args: list[str], cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "moetrain.cli", *args]
+    return subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=120, check=False)
 
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    """The single ``moetrain: error: ...`` line of a refused command (no traceback)."""
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.startswith("moetrain: error: ")]
+    assert len(lines) == 1, r.stderr
+    return lines[0].removeprefix("moetrain: error: ")
+
+
+@pytest.mark.parametrize("config", ["moetrain/configs/tiny.yaml", "tiny"])
+def test_config_show_prints_the_resolved_config(config):
+    r = _cli(["config", "show", "--config", config, "--moe.top_k=1"])
+    assert r.returncode == 0, r.stderr
     assert re.search(r"^\* moe\.top_k\s+= 1$", r.stdout, re.MULTILINE), r.stdout
     assert re.search(r"^  moe\.num_experts\s+= 8$", r.stdout, re.MULTILINE), r.stdout
+    assert re.search(r"^\* parallel\.ep\s+= 2$", r.stdout, re.MULTILINE), r.stdout
+
+
+def test_a_config_that_is_neither_file_nor_name_lists_the_shipped_ones(tmp_path):
+    message = _one_error_line(_cli(["config", "show", "--config", "tiny.yml"], cwd=tmp_path))
+    assert message == ("--config ('tiny.yml') is neither a file nor a shipped config; shipped configs: "
+                       "deepseek-moe-16b, mixtral-8x7b, tiny, tiny-dense")
+
+
+def test_config_show_checks_the_layout_when_it_knows_the_world():
+    # tiny: ep=2 over 8 experts; 3 processes cannot hold ep groups of 2.
+    message = _one_error_line(_cli(["config", "show", "--config", "tiny", "--nproc", "3"]))
+    assert message.startswith("parallel.ep (2) must divide the world size (3)"), message
+    message = _one_error_line(_cli(["config", "show", "--config", "tiny", "--nproc", "4", "--parallel.ep=4",
+                                    "--moe.num_experts=6"]))
+    assert "parallel.ep (4) must divide moe.num_experts (6)" in message
+    assert _cli(["config", "show", "--config", "tiny", "--nproc", "4"]).returncode == 0
+
+
+def test_deepspeed_ep_size_larger_than_the_world_asks_for_nproc():
+    ds = str(ROOT / "tests" / "fixtures" / "ds_zero3_moe.json")  # ep_size 8
+    message = _one_error_line(_cli(["config", "show", "--deepspeed", ds]))
+    assert message == (f"moe.ep_size (8) of {ds} needs a world of at least 8 processes: pass --nproc N, "
+                       "the number of processes of the job")
+    r = _cli(["config", "show", "--deepspeed", ds, "--nproc", "16"])
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^\* parallel\.ep\s+= 8$", r.stdout, re.MULTILINE), r.stdout
+
+
+def test_plan_on_eight_ranks_says_which_micro_batch_it_assumed():
+    r = _cli(["plan", "--nproc", "8"])
+    assert r.returncode == 0, r.stderr
+    assert "note: planned with micro-batch 2 and 1 accumulation step(s)" in r.stdout
+    assert "train.micro_batch_size (8)" in r.stdout and "zero=" in r.stdout
+
+
+def test_an_unknown_corpus_fails_before_any_process_starts(tmp_path):
+    message = _one_error_line(_cli(["train", "--nproc", "2", "--data.corpus=shakspeare",
+                                    f"--log.run_dir={tmp_path / 'x'}"]))
+    assert message == "data.corpus ('shakspeare') must be one of 'shakespeare', or 'path' with data.path=DIR"
+    assert not (tmp_path / "x").exists()

@@ -342,7 +342,8 @@ def test_consecutive_nonfinite_steps_stop_with_last_good_checkpoint(tmp_path, sh
 
 
 def _consecutive_nonfinite_steps_stop(tmp_path):
-    from moetrain.train.trainer import NonFiniteError, Trainer
+    from moetrain.train.faults import NonFiniteError
+    from moetrain.train.trainer import Trainer
 
     clean = _fit(job_overrides(tmp_path / "clean", steps=6, extra=("--checkpoint.every=1",
                                                                          "--checkpoint.keep_last=0")))

@@ -27,14 +27,16 @@ def test_zero3_moe_skeleton_from_the_design_notes():
     message = str(record[0].message)
     assert "zero_optimization.stage3_gather_16bit_weights_on_model_save" in message
     assert "moe.use_tutel" in message
-    assert "moe.enabled" not in message and "pin_memory" not in message  # supported, no warning
+    # No equivalent in FSDP2/DDP: named in the one warning, under its DeepSpeed name.
+    assert "zero_optimization.contiguous_gradients" in message
+    # Supported, or what moetrain does anyway (overlap_comm: true): no warning.
+    assert "moe.enabled" not in message and "pin_memory" not in message and "overlap_comm" not in message
     assert (cfg.train.global_batch_size, cfg.train.micro_batch_size, cfg.train.grad_accum) == (64, 1, 4)
     assert cfg.grad_accum_steps(16) == 4
     assert cfg.train.dtype == "fp16"
     assert (cfg.parallel.zero_stage, cfg.parallel.ep) == (3, 8)
     z = cfg.zero
-    assert (z.offload_optimizer, z.offload_param, z.pin_memory, z.overlap_comm, z.contiguous_gradients) == \
-        ("cpu", "cpu", True, True, True)
+    assert (z.offload_optimizer, z.offload_param, z.pin_memory) == ("cpu", "cpu", True)
 
 
 BATCHES = [
@@ -85,8 +87,8 @@ def test_inconsistent_batch_sizes_name_the_three_values(ds, world):
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      r"zero\.offload_param \('cpu'\)"),
     ({"zero_optimization": {"stage": 5}}, r"parallel\.zero_stage \(5\)"),
-    ({"moe": {"ep_size": 3}}, r"moe\.ep_size \(3\) must be .* divides the world size \(8\)"),
-    ({"moe": {"ep_size": 8, "num_experts": 4}}, r"parallel\.ep \(8\) must divide moe\.num_experts \(4\)"),
+    ({"moe": {"ep_size": 0}}, r"moe\.ep_size \(0\) must be an int > 0"),
+    ({"moe": {"ep_size": True}}, r"moe\.ep_size \(True\) must be an int > 0"),
     ({"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}, r"optimizer\.type \('Lamb'\)"),
     ({"gradient_clipping": -1.0}, r"optim\.grad_clip \(-1\.0\)"),
 ])
@@ -117,10 +119,8 @@ def test_zero_optimizer_scheduler_and_moe_fields():
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 200,
                                                            "cos_min_ratio": 0.1}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
-                              "allgather_partitions": True, "reduce_scatter": True, "overlap_comm": False,
-                              "reduce_bucket_size": 2e8, "allgather_bucket_size": 3e8,
-                              "stage3_prefetch_bucket_size": 1e7, "stage3_param_persistence_threshold": 1e4,
-                              "stage3_max_live_parameters": 1e8, "stage3_max_reuse_distance": 1e8},
+                              "allgather_partitions": True, "reduce_scatter": True, "overlap_comm": True,
+                              "reduce_bucket_size": 2e8, "allgather_bucket_size": 3e8},
         "moe": {"ep_size": 4, "num_experts": 8, "k": 1, "capacity_factor": 1.25},
     }
     cfg = _apply(ds, world_size=8)
@@ -131,12 +131,8 @@ def test_zero_optimizer_scheduler_and_moe_fields():
     assert cfg.optim.min_lr == pytest.approx(2e-5)
     assert cfg.parallel.zero_stage == 2
     z = cfg.zero
-    assert (z.offload_optimizer, z.offload_param, z.pin_memory, z.overlap_comm) == \
-        ("cpu", "none", False, False)
-    assert (z.reduce_bucket_size, z.allgather_bucket_size, z.prefetch_bucket_size) == \
-        (200_000_000, 300_000_000, 10_000_000)
-    assert (z.param_persistence_threshold, z.max_live_parameters, z.max_reuse_distance) == \
-        (10_000, 100_000_000, 100_000_000)
+    assert (z.offload_optimizer, z.offload_param, z.pin_memory) == ("cpu", "none", False)
+    assert (z.reduce_bucket_size, z.allgather_bucket_size) == (200_000_000, 300_000_000)
     assert (cfg.parallel.ep, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor) == (4, 8, 1, 1.25)
 
 
@@ -164,6 +160,32 @@ def test_one_warning_names_every_unsupported_key():
                 "optimizer.params.torch_adam", "moe.use_residual", "moe.enabled"):
         assert key in message, key
     assert cfg.parallel.ep == 2 and cfg.optim.lr == 1e-3 and cfg.train.dtype == "fp16"
+
+
+def test_zero_knobs_without_an_equivalent_are_named_in_the_one_warning():
+    """DeepSpeed ZeRO settings FSDP2/DDP have no knob for do not become config fields that only warn:
+    they are ignored keys, listed under their DeepSpeed names, and the zero section keeps its defaults."""
+    unhonoured = {"overlap_comm": False, "contiguous_gradients": True, "stage3_prefetch_bucket_size": 1e7,
+                  "stage3_param_persistence_threshold": 1e4, "stage3_max_live_parameters": 1e8,
+                  "stage3_max_reuse_distance": 1e8}
+    with pytest.warns(UserWarning) as record:
+        cfg = apply_deepspeed_config(JobConfig(), {"zero_optimization": {"stage": 3, **unhonoured}}, world_size=8)
+    assert len(record) == 1
+    message = str(record[0].message)
+    for key in unhonoured:
+        assert f"zero_optimization.{key}" in message, key
+    assert cfg.parallel.zero_stage == 3 and cfg.zero == JobConfig().zero
+
+
+def test_ep_size_is_taken_as_given_and_checked_with_the_layout():
+    """moe.ep_size becomes parallel.ep; whether it divides the world and the experts is decided where
+    the layout is built (ParallelDims), with the world size the job really has."""
+    from moetrain.distributed.parallel_dims import ParallelDims
+
+    cfg = _apply({"moe": {"ep_size": 8, "num_experts": 4}}, world_size=8)
+    assert (cfg.parallel.ep, cfg.moe.num_experts) == (8, 4)
+    with pytest.raises(ValueError, match=r"parallel\.ep \(8\) must divide moe\.num_experts \(4\)"):
+        ParallelDims.from_config(cfg.parallel, world_size=8, num_experts=cfg.moe.num_experts)
 
 
 def test_deepspeed_file_needs_the_world_size(tmp_path):

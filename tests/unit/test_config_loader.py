@@ -1,4 +1,5 @@
-"""YAML files, --section.field=value overrides, presets, and the save/load round trip."""
+"""YAML files (by path or a shipped config's name), --section.field=value overrides, presets, and the
+save/load round trip."""
 
 from pathlib import Path
 
@@ -14,13 +15,16 @@ from moetrain.config import (
     format_config,
     load_config,
     parse_overrides,
+    resolve_config_path,
     save_config,
+    shipped_config_names,
 )
-from moetrain.models.presets import PRESETS
+from moetrain.config.presets import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
-CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+SHIPPED = ROOT / "moetrain" / "configs"
+CONFIGS = sorted(SHIPPED.glob("*.yaml"))
 
 
 def test_no_file_no_overrides_is_the_default():
@@ -74,6 +78,8 @@ BAD_OVERRIDES = [
     ("--model=64", r"must look like --section\.field=value"),
     ("--model.dim", r"must look like --section\.field=value"),
     ("--model.preset=gpt-5", r"model\.preset \('gpt-5'\) must be one of 'tiny'"),
+    ("--zero.overlap_comm=true", r"unknown field zero\.overlap_comm; valid fields of zero: offload_optimizer"),
+    ("--data.corpus=", r"data\.corpus \(''\) must be a registered corpus name or \"path\""),
 ]
 
 
@@ -108,6 +114,17 @@ def test_preset_override_on_the_command_line():
     cfg = load_config(None, ["--model.preset=mixtral-8x7b", "--data.vocab_size=32000", "--parallel.ep=8"])
     assert (cfg.model.dim, cfg.model.num_kv_heads, cfg.moe.expert_hidden_dim, cfg.moe.activation) == \
         (4096, 8, 14336, "swiglu")
+
+
+@pytest.mark.parametrize("field", ["overlap_comm", "contiguous_gradients", "prefetch_bucket_size",
+                                   "param_persistence_threshold", "max_live_parameters", "max_reuse_distance"])
+def test_zero_fields_that_would_not_act_do_not_exist(tmp_path, field):
+    path = tmp_path / "job.yaml"
+    path.write_text(f"zero:\n  {field}: 1\n")
+    with pytest.raises(ValueError, match=rf"config: unknown field zero\.{field}; valid fields of zero: "
+                                         "offload_optimizer, offload_param, pin_memory, reduce_bucket_size, "
+                                         "allgather_bucket_size$"):
+        load_config(path, [])
 
 
 def test_bad_file_section_and_field(tmp_path):
@@ -161,17 +178,39 @@ def test_format_config_marks_changed_fields():
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
 def test_shipped_configs_load_and_start_with_their_command(path):
     first = path.read_text().splitlines()[0]
-    assert first.startswith("# ") and "train --config configs/" + path.name in first
+    assert first.startswith("# ") and f"train --config {path.stem}" in first
     cfg = load_config(path, [])
     assert cfg.model.preset == path.stem
+    # By name, with or without .yaml: the same file, the same config.
+    assert load_config(path.stem, []) == load_config(path.name, []) == cfg
+
+
+def test_shipped_config_names_are_the_package_data():
+    assert shipped_config_names() == sorted(p.stem for p in CONFIGS) and "tiny" in shipped_config_names()
+    assert resolve_config_path("tiny") == SHIPPED / "tiny.yaml"
+
+
+def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny").write_text("train:\n  steps: 7\n")
+    assert resolve_config_path("tiny") == Path("tiny") and load_config("tiny", []).train.steps == 7
+
+
+@pytest.mark.parametrize("config", ["nope", "configs/tiny.yaml", "tiny.yml"])
+def test_neither_file_nor_shipped_name_lists_the_shipped_configs(config, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no file of that name here
+    with pytest.raises(ValueError) as err:
+        load_config(config, [])
+    assert str(err.value) == (f"--config ({config!r}) is neither a file nor a shipped config; shipped configs: "
+                              "deepseek-moe-16b, mixtral-8x7b, tiny, tiny-dense")
 
 
 def test_tiny_config_is_the_cpu_demo():
-    cfg = load_config(ROOT / "configs" / "tiny.yaml", [])
-    assert "--nproc 2" in (ROOT / "configs" / "tiny.yaml").read_text().splitlines()[0]
+    cfg = load_config(SHIPPED / "tiny.yaml", [])
+    assert "--nproc 2" in (SHIPPED / "tiny.yaml").read_text().splitlines()[0]
     assert (cfg.parallel.ep, cfg.data.corpus, cfg.train.dtype) == (2, "shakespeare", "fp32")
     assert cfg.grad_accum_steps(2) >= 1
-    dense = load_config(ROOT / "configs" / "tiny-dense.yaml", [])
+    dense = load_config(SHIPPED / "tiny-dense.yaml", [])
     # Same data and schedule: only the model differs.
     for section in ("data", "train", "optim"):
         assert getattr(dense, section) == getattr(cfg, section)

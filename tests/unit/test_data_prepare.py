@@ -17,7 +17,7 @@ from moetrain.data import cache as cache_module
 from moetrain.data import tokens as tokens_module
 from moetrain.data.documents import scan_user_path
 from moetrain.data.prepare import load_documents, prepare_data
-from moetrain.data.registry import CORPORA, Corpus
+from moetrain.data.registry import CORPORA, Corpus, check_corpus
 from moetrain.data.tokens import open_token_file, token_dtype, write_token_file
 
 
@@ -165,9 +165,23 @@ def test_bad_user_data_is_named(tmp_path):
         list(load_documents(cfg(corpus="path", path=str(tmp_path))))
 
 
+def test_an_unknown_corpus_is_named_where_the_data_layer_resolves_it(tmp_path):
+    # The config layer cannot see the registry (it sits below data): any name is recorded...
+    config = cfg(corpus="shakspeare", cache_dir=str(tmp_path))
+    assert config.corpus == "shakspeare"
+    # ... and the data layer refuses it before any work, naming the field, the value and the corpora.
+    message = r"data.corpus \('shakspeare'\) must be one of 'shakespeare', or 'path' with data.path=DIR"
+    for resolve in (check_corpus, lambda name: prepare_data(config), lambda name: load_documents(config)):
+        with pytest.raises(ValueError, match=message):
+            resolve("shakspeare")
+    assert not any(tmp_path.iterdir())  # nothing fetched or written
+    check_corpus("path")
+    check_corpus("shakespeare")
+
+
 def test_config_validation_names_the_field():
-    with pytest.raises(ValueError, match=r"data.corpus \('shakspeare'\) must be one of 'path', 'shakes"):
-        DataConfig(corpus="shakspeare")
+    with pytest.raises(ValueError, match=r"data.corpus \(''\) must be a registered corpus name"):
+        DataConfig(corpus="")
     with pytest.raises(ValueError, match=r"data.path \(None\) must be set"):
         DataConfig(corpus="path")
     with pytest.raises(ValueError, match=r"data.vocab_size \(256\)"):

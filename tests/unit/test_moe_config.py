@@ -78,7 +78,8 @@ def test_integer_fields_reject_non_integers(field, value, others):
     {"aux_loss_coef": 0.0, "z_loss_coef": 0.0, "renormalize": False},
 ])
 def test_valid_configs_construct(kwargs):
-    MoEConfig(**kwargs)
+    cfg = MoEConfig(**kwargs)
+    assert {k: getattr(cfg, k) for k in kwargs} == kwargs
 
 
 def test_shared_hidden_dim_defaults_to_num_shared_times_expert_hidden():

@@ -87,15 +87,25 @@ def test_capacity_keep_mask_keeps_the_first_copies_of_each_expert(capacity, expe
 
 # ---------------------------------------------------------------- dispatch and combine
 
-# capacity, drop_policy -> tokens each expert receives, dropped copies, kept weight sum per token
+# capacity factor, drop_policy -> tokens each expert receives, dropped copies, kept weight sum per
+# token. The dispatcher turns the factor into a capacity over its T=4 tokens: ceil(f * 4 * 2 / 5),
+# 2 for f=1.0 ("cap2") and 1 for f=0.5 ("cap1").
 DISPATCH_CASES = {
     "dropless": (None, "position", [[0, 2], [0, 1, 2, 3], [1], [3], []], 0, [1.0, 1.0, 1.0, 1.0]),
-    "position_cap2": (2, "position", [[0, 2], [0, 1], [1], [3], []], 2, [1.0, 1.0, 0.4, 0.4]),
-    "score_cap2": (2, "score", [[0, 2], [1, 2], [1], [3], []], 2, [0.6, 1.0, 1.0, 0.4]),
+    "position_cap2": (1.0, "position", [[0, 2], [0, 1], [1], [3], []], 2, [1.0, 1.0, 0.4, 0.4]),
+    "score_cap2": (1.0, "score", [[0, 2], [1, 2], [1], [3], []], 2, [0.6, 1.0, 1.0, 0.4]),
     # Capacity 1: token 2 loses both its copies and must come back as an exact zero row.
-    "position_cap1": (1, "position", [[0], [0], [1], [3], []], 4, [1.0, 0.3, 0.0, 0.4]),
-    "score_cap1": (1, "score", [[0], [1], [1], [3], []], 4, [0.6, 1.0, 0.0, 0.4]),
+    "position_cap1": (0.5, "position", [[0], [0], [1], [3], []], 4, [1.0, 0.3, 0.0, 0.4]),
+    "score_cap1": (0.5, "score", [[0], [1], [1], [3], []], 4, [0.6, 1.0, 0.0, 0.4]),
 }
+
+
+@pytest.mark.parametrize("case", list(DISPATCH_CASES))
+def test_dispatch_cases_have_the_capacity_their_name_says(case):
+    factor = DISPATCH_CASES[case][0]
+    if factor is not None:
+        capacity = expert_capacity(4, num_experts=NUM_EXPERTS, top_k=2, capacity_factor=factor)
+        assert capacity == int(case[-1])
 
 # Which copy (t, k) each case keeps; the others are dropped.
 KEEP_TK = {
@@ -109,9 +119,9 @@ KEEP_TK = {
 
 @pytest.mark.parametrize("case", list(DISPATCH_CASES))
 def test_dispatch_groups_copies_by_expert_and_drops_the_right_ones(case):
-    capacity, policy, tokens_per_expert, num_dropped, _ = DISPATCH_CASES[case]
+    factor, policy, tokens_per_expert, num_dropped, _ = DISPATCH_CASES[case]
     x_TD = token_rows(4)
-    d = LocalDispatcher(NUM_EXPERTS).dispatch(x_TD, IDX_TK, WEIGHTS_TK, capacity=capacity, drop_policy=policy)
+    d = LocalDispatcher(NUM_EXPERTS).dispatch(x_TD, IDX_TK, WEIGHTS_TK, capacity_factor=factor, drop_policy=policy)
 
     assert d.num_routed_per_expert.tolist() == NUM_ROUTED_E
     assert d.num_tokens_per_expert.tolist() == [len(toks) for toks in tokens_per_expert]
@@ -122,15 +132,17 @@ def test_dispatch_groups_copies_by_expert_and_drops_the_right_ones(case):
     blocks = token_of_row_M.split(d.num_tokens_per_expert.tolist())
     assert [sorted(b.tolist()) for b in blocks] == tokens_per_expert
     torch.testing.assert_close(d.x_MD, x_TD[token_of_row_M], rtol=0, atol=0)
+    assert d.token_idx_M.tolist() == token_of_row_M.tolist()
+    assert d.num_token_rank_sends is None, "all experts are local: nothing is sent"
 
 
 @pytest.mark.parametrize("case", list(DISPATCH_CASES))
 def test_combine_sums_the_kept_copies_and_dropped_copies_add_zero(case):
-    capacity, policy, _, _, kept_weight_T = DISPATCH_CASES[case]
+    factor, policy, _, _, kept_weight_T = DISPATCH_CASES[case]
     x_TD = token_rows(4).requires_grad_()
     weights_TK = WEIGHTS_TK.clone().requires_grad_()
     dispatcher = LocalDispatcher(NUM_EXPERTS)
-    d = dispatcher.dispatch(x_TD, IDX_TK, weights_TK, capacity=capacity, drop_policy=policy)
+    d = dispatcher.dispatch(x_TD, IDX_TK, weights_TK, capacity_factor=factor, drop_policy=policy)
     # A stand-in expert e that multiplies by (e + 1), so a copy paired with the wrong weight shows.
     scale_M = torch.repeat_interleave(torch.arange(1.0, NUM_EXPERTS + 1), d.num_tokens_per_expert)
     out_TD = dispatcher.combine(d.x_MD * scale_M[:, None], d.state)
@@ -161,9 +173,9 @@ def test_all_copies_to_one_expert_and_experts_with_no_token():
     torch.testing.assert_close(d.x_MD, x_TD, rtol=0, atol=0)
     torch.testing.assert_close(dispatcher.combine(d.x_MD, d.state), weights_TK * x_TD)
 
-    cap = expert_capacity(6, num_experts=4, top_k=1, capacity_factor=1.0)  # ceil(1.5) = 2
+    # Capacity ceil(1.0 * 6 * 1 / 4) = ceil(1.5) = 2.
     for policy, kept in (("position", [0, 1]), ("score", [4, 5])):
-        d = dispatcher.dispatch(x_TD, idx_TK, weights_TK, capacity=cap, drop_policy=policy)
+        d = dispatcher.dispatch(x_TD, idx_TK, weights_TK, capacity_factor=1.0, drop_policy=policy)
         assert d.num_tokens_per_expert.tolist() == [0, 0, 0, 2]
         assert d.num_routed_per_expert.tolist() == [0, 0, 0, 6]
         assert int(d.num_dropped) == 4

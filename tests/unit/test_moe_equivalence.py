@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from moe_reference import reference_experts, reference_moe
 
 from moetrain.config.moe import MoEConfig
-from moetrain.models.moe import GroupedExperts, MoELayer, cpu_experts
+from moetrain.models.moe import GroupedExperts, MoELayer
 
 DIM, HIDDEN, NUM_EXPERTS, TOP_K = 16, 32, 4, 2
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
@@ -27,19 +27,12 @@ MODES = {
 }
 
 
-@pytest.fixture(params=["torch_grouped_mm", "expert_per_thread"])
-def grouped_mm_calls(request, monkeypatch):
-    """Runs the test with each grouped backend (torch's grouped matmul; on this multi-threaded CPU,
-    moetrain's whole-experts-per-thread kernel) and counts that backend's calls, to prove the
-    grouped path is not silently skipped."""
+@pytest.fixture
+def grouped_mm_calls(monkeypatch):
+    """Counts the calls of torch's grouped matmul, to prove the grouped path is not silently
+    skipped."""
     calls = []
-    if request.param == "expert_per_thread":
-        assert torch.get_num_threads() > 1 and cpu_experts.kernel() is not None, "the kernel must build and run here"
-        targets = [(cpu_experts, "grouped_mm")]
-    else:
-        monkeypatch.setattr(cpu_experts, "usable", lambda x: False)
-        targets = [(torch, "_grouped_mm"), (F, "grouped_mm")]
-    for owner, name in targets:
+    for owner, name in [(torch, "_grouped_mm"), (F, "grouped_mm")]:
         fn = getattr(owner, name, None)
         if fn is not None:
             def counted(*args, _fn=fn, **kwargs):

@@ -13,13 +13,13 @@ from moetrain.config.job import JobConfig
 from moetrain.config.loader import load_config
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.models.presets import get_preset
+from moetrain.config.presets import get_preset
 from moetrain.models.transformer import Transformer, count_params
 from moetrain.plan import Layout, comm_per_step, make_plan, param_specs, parse_bytes, rank_state_bytes
 from moetrain.plan.cli import add_plan_parser, run_plan
 from moetrain.plan.planner import format_plan
 
-CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "moetrain" / "configs"
 
 
 def _tiny(vocab=4096):
@@ -46,7 +46,7 @@ def test_param_specs_of_large_presets_match_the_analytic_count(preset):
 
 
 def test_sixteen_bytes_per_parameter_replicated():
-    # fp32 param + fp32 grad + AdamW m and v: 4 + 4 + 8 = 16 bytes (the seeds' 2 + 2 + 12), plus a
+    # fp32 param + fp32 grad + AdamW m and v: 4 + 4 + 8 = 16 bytes (the ZeRO paper's 2 + 2 + 12 in mixed precision), plus a
     # 4-byte step counter per tensor.
     specs = param_specs(*_tiny())
     n, tensors = sum(s.numel for s in specs), len(specs)
@@ -104,7 +104,7 @@ def test_comm_formulas_by_hand():
     assert vol(1, 1).all_gather == int(4 * n * (W - 1) / W)
     # Experts at ep=2: dense gradients over all 4 ranks, the local expert half over edp = 2.
     assert vol(0, 2).all_reduce == int(2 * 4 * (n - e) * 3 / 4) + int(2 * 4 * (e // 2) * 1 / 2)
-    # The seeds' all-to-all formula per layer and pass: dispatch + combine of T*K copies of D
+    # The textbook all-to-all volume per layer and pass: dispatch + combine of T*K copies of D
     # values, (ep-1)/ep of them leave the rank; forward + backward, 4 MoE layers, 2 micro-batches.
     per_layer = 2 * T * moe.top_k * model_cfg.dim * 4 * (2 - 1) / 2
     assert vol(0, 2).all_to_all == int(per_layer * 2 * 4 * accum)
@@ -178,10 +178,54 @@ def test_parse_bytes():
 
 
 def test_batch_errors_name_the_fields():
-    with pytest.raises(ValueError, match="train.global_batch_size"):
+    with pytest.raises(ValueError, match=r"train.global_batch_size \(16\) must be divisible by the data-parallel "
+                                         r"size \(3\)"):
         make_plan(_job(), nproc=3)  # 16 sequences do not split over 3 ranks
     with pytest.raises(ValueError, match="--nodes"):
         make_plan(_job(), nproc=4, nodes=3)
+
+
+@pytest.mark.parametrize("global_bs, micro, accum, dp, planned, named", [
+    (16, 2, None, 4, (2, 2), None),                            # the config's own split
+    (16, 8, None, 8, (2, 1), "train.micro_batch_size (8)"),    # 8 * 8 > 16: two per rank, one micro-batch
+    (48, 8, None, 4, (6, 2), "train.micro_batch_size (8)"),    # 12 per rank: 8 does not divide it, 6 does
+    (32, 4, 4, 4, (4, 2), "train.grad_accum (4)"),             # the explicit grad_accum does not hold on 4 ranks
+])
+def test_planned_micro_batch_by_hand(global_bs, micro, accum, dp, planned, named):
+    from moetrain.config.train import TrainConfig
+    from moetrain.plan.planner import planned_micro_batch
+
+    got_micro, got_accum, note = planned_micro_batch(
+        TrainConfig(global_batch_size=global_bs, micro_batch_size=micro, grad_accum=accum), dp)
+    assert (got_micro, got_accum) == planned and got_micro * got_accum * dp == global_bs
+    if named is None:
+        assert note is None
+    else:
+        assert note.startswith(f"planned with micro-batch {got_micro} and {got_accum} accumulation step(s): "
+                               f"{named}"), note
+        assert f"the {global_bs // dp} sequences per rank (train.global_batch_size ({global_bs}) / {dp} ranks)" in note
+
+
+def test_default_config_plans_on_eight_ranks_with_the_micro_batch_it_assumed(capsys):
+    """16 sequences of 8 do not split over 8 ranks: the plan assumes 2 per rank and says so."""
+    import argparse
+
+    plan = make_plan(JobConfig(), nproc=8)
+    assert (plan.micro_batch_size, plan.grad_accum, plan.tokens_per_micro_batch) == (2, 1, 2 * 256)
+    assert plan.batch_note.startswith("planned with micro-batch 2 and 1 accumulation step(s)")
+    assert any(r.valid for r in plan.rows)
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="cmd"))
+    assert run_plan(parser.parse_args(["plan", "--nproc", "8"])) == 0
+    text = capsys.readouterr().out
+    assert "512 tokens per micro-batch (2 sequence(s))" in text and "note: planned with micro-batch 2" in text
+    # The activation estimate follows the assumed micro-batch, not the configured 8.
+    from moetrain.config.train import TrainConfig
+
+    small = make_plan(JobConfig(train=TrainConfig(global_batch_size=16, micro_batch_size=2)), nproc=8)
+    assert small.batch_note is None
+    for a, b in zip(plan.rows, small.rows):
+        assert (a.choice, a.activation_bytes, a.comm) == (b.choice, b.activation_bytes, b.comm)
 
 
 @pytest.mark.parametrize("config,nproc,nodes", [("tiny.yaml", 2, 1), ("tiny-dense.yaml", 2, 1),

@@ -12,8 +12,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from moetrain.config.presets import get_preset
 from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
-from moetrain.models.presets import get_preset
 from moetrain.models.transformer import Transformer
 from moetrain.plan.activations import estimate_activations
 from moetrain.train.optim import build_optimizer

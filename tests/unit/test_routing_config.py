@@ -57,7 +57,8 @@ def test_bad_routing_field_names_field_value_and_rule(field, value, others, rule
     {"router_jitter": 0.01, "router_noise_std": 0.1, "collapse_threshold": 1.0},
 ])
 def test_valid_routing_configs_construct(kwargs):
-    MoEConfig(**kwargs)
+    cfg = MoEConfig(**kwargs)
+    assert {k: getattr(cfg, k) for k in kwargs} == kwargs
 
 
 def test_routing_fields_load_from_overrides():

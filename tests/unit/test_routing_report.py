@@ -20,11 +20,12 @@ def test_health_metrics_reach_jsonl_tensorboard_and_the_report(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # Two MoE blocks; a collapse alarm at every interval (threshold just above balance) and
-    # experts reported unused after 1 idle step, so every mark is drawn.
+    # Two MoE blocks; a collapse alarm at every interval (threshold just above balance, no warm-up,
+    # no persistence) and experts reported unused after 1 idle step, so every mark is drawn.
     model = Transformer(ModelConfig(vocab_size=32, dim=16, num_layers=2, num_heads=2, max_seq_len=8),
                         moe=MoEConfig(num_experts=8, top_k=1, expert_hidden_dim=16, router="sigmoid",
                                       router_bias_update_rate=1e-3, balance_interval=1, collapse_threshold=0.15,
+                                      collapse_warmup_steps=0, collapse_consecutive_checks=1,
                                       unused_expert_steps=1), seed=0)
     opt = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
     balancer = install_balancing(opt, model)

@@ -4,7 +4,7 @@ presets (never built here) match their published sizes."""
 import pytest
 
 from moetrain.config import ModelConfig, MoEConfig
-from moetrain.models.presets import PRESETS, get_preset
+from moetrain.config.presets import PRESETS, get_preset
 from moetrain.models.transformer import Transformer, count_params, flops_per_token
 
 TOKENIZER_VOCAB = 4096

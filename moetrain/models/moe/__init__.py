@@ -1,7 +1,7 @@
-from moetrain.models.moe.dispatcher import DispatchResult, LocalDispatcher, expert_capacity
+from moetrain.models.moe.dispatcher import Dispatcher, DispatchResult, LocalDispatcher, expert_capacity
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.layer import MoEAux, MoELayer
 from moetrain.models.moe.router import RouterOutput, TopKRouter
 
-__all__ = ["DispatchResult", "GroupedExperts", "LocalDispatcher", "MoEAux", "MoELayer", "RouterOutput",
-           "TopKRouter", "expert_capacity"]
+__all__ = ["DispatchResult", "Dispatcher", "GroupedExperts", "LocalDispatcher", "MoEAux", "MoELayer",
+           "RouterOutput", "TopKRouter", "expert_capacity"]

@@ -1,10 +1,12 @@
 """Token dispatch: moves routed token copies to their experts and brings the results back.
 
-Every dispatcher has the same two calls, so the MoE layer never knows where its experts live:
-``dispatch(x_TD, idx_TK, weights_TK)`` returns the token copies grouped by local expert, and
-``combine(y_MD, state)`` returns the weighted sum of each token's K expert outputs.
-``LocalDispatcher`` (all experts on this process) is here; the all-to-all one for expert
-parallelism is in ``moetrain.distributed.expert_parallel``.
+Every dispatcher has the same two calls (the ``Dispatcher`` protocol), so the MoE layer never
+knows where its experts live: ``dispatch(x_TD, idx_TK, weights_TK, capacity_factor=...)`` returns
+the token copies grouped by local expert, and ``combine(y_MD, state)`` returns the weighted sum of
+each token's K expert outputs. Each dispatcher turns the capacity factor into a capacity over the
+batch it decides drops for, and reports what it sent. ``LocalDispatcher`` (all experts on this
+process) is here; the all-to-all one for expert parallelism is in
+``moetrain.distributed.all_to_all``.
 
 Shape legend: T tokens, D model dim, E experts, K experts per token, N = T*K routed copies,
 M copies kept after capacity drops (M = N when dropless).
@@ -15,13 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Protocol
 
 import torch
 
 from moetrain.models.moe.token_bags import TokenBags, bags_from_copies, gather_rows, weighted_scatter
 
 
-def expert_capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float) -> int:
+def expert_capacity(num_tokens: int, *, num_experts: int, top_k: int, capacity_factor: float | Fraction) -> int:
     """Token copies one expert takes per forward: ``ceil(factor * T * K / E)``.
 
     Computed on the decimal value of the factor: in floats 1.1 * 50 * 2 / 2 is 55.00000000000001
@@ -69,8 +72,29 @@ class DispatchResult:
     """Copies routed to each of the E global experts by this process's tokens, before drops."""
     num_dropped: torch.Tensor
     """Copies dropped by capacity (0-dim int64 tensor; no host sync)."""
+    token_idx_M: torch.Tensor
+    """Local token of each copy this process kept (and sent), in send order."""
     state: object
     """Opaque state that ``combine`` needs."""
+    num_token_rank_sends: torch.Tensor | None = None
+    """Under expert parallelism: (token, other ep rank) pairs among this rank's routed copies,
+    before capacity drops (0-dim int64). A dispatcher that sent each token once per destination
+    rank (not once per copy) would move this many rows each way; None when all experts are local."""
+
+
+class Dispatcher(Protocol):
+    """What the MoE layer calls; ``LocalDispatcher`` and the expert-parallel ``AllToAllDispatcher``."""
+
+    def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
+                 capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
+        """Group the routed copies by local expert. ``capacity_factor`` None is dropless; otherwise
+        each expert keeps ``expert_capacity(batch, ...)`` copies of the batch the dispatcher
+        decides drops for, chosen by ``drop_policy`` ("position" or "score")."""
+        ...
+
+    def combine(self, y_MD: torch.Tensor, state: object) -> torch.Tensor:
+        """``out[t]`` = the weighted sum of token t's kept expert outputs (zero if all dropped)."""
+        ...
 
 
 @dataclass
@@ -86,11 +110,13 @@ class LocalDispatcher:
 
     def __init__(self, num_experts: int) -> None:
         self.num_experts = num_experts
-        self.num_local_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 capacity: int | None = None, drop_policy: str = "position") -> DispatchResult:
+                 capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
+        """Capacity (with a factor): ``expert_capacity(T, ...)`` over this process's T tokens."""
         num_tokens, top_k = idx_TK.shape
+        capacity = None if capacity_factor is None else expert_capacity(
+            num_tokens, num_experts=self.num_experts, top_k=top_k, capacity_factor=capacity_factor)
         idx_N = idx_TK.reshape(-1)
         num_routed_E = count_per_expert(idx_N, self.num_experts)
         order_N = sort_by_expert(idx_TK, weights_TK, drop_policy=drop_policy)
@@ -110,6 +136,7 @@ class LocalDispatcher:
         num_dropped = (num_routed_E - num_kept_E).sum()
         return DispatchResult(x_MD=x_MD, num_tokens_per_expert=num_kept_E,
                               num_routed_per_expert=num_routed_E, num_dropped=num_dropped,
+                              token_idx_M=token_idx_M,
                               state=_LocalState(token_idx_M, weights_M, num_tokens, bags))
 
     def combine(self, y_MD: torch.Tensor, state: _LocalState) -> torch.Tensor:

@@ -5,26 +5,13 @@ Shape legend: M token copies grouped by expert, D model dim, F expert hidden dim
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moetrain.models.moe import cpu_experts
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without distributed support
-    DTensor = ()
+from moetrain.utils.tensors import local_tensor
 
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
-
-
-def _local(w: torch.Tensor) -> torch.Tensor:
-    # Under expert parallelism the weights are DTensors sharded over the ep mesh axis; the
-    # math below runs on this rank's experts only.
-    return w.to_local() if isinstance(w, DTensor) else w
 
 
 def _aligned(*tensors: torch.Tensor) -> bool:
@@ -83,9 +70,8 @@ class GroupedExperts(nn.Module):
     """E independent FFNs evaluated together.
 
     ``activation="gelu"``: ``gelu(x @ w1) @ w2``; ``"swiglu"``: ``(silu(x @ w1) * (x @ w3)) @ w2``.
-    ``impl="grouped"`` runs each projection as one ``torch._grouped_mm`` (on a multi-core CPU as
-    whole experts per thread, ``moetrain.models.moe.cpu_experts``); ``impl="loop"`` runs one matmul
-    per expert and is the oracle the grouped path is tested against.
+    ``impl="grouped"`` runs each projection as one ``torch._grouped_mm``; ``impl="loop"`` runs one
+    matmul per expert and is the oracle the grouped path is tested against.
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "gelu",
@@ -107,8 +93,10 @@ class GroupedExperts(nn.Module):
                     w.normal_(0.0, self.init_std, generator=generator)
 
     def _weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        # Compute in the activation dtype (bf16 under mixed precision), master weights stay.
-        return [_local(w).to(dtype) if w is not None else None for w in (self.w1, self.w2, self.w3)]
+        # Compute in the activation dtype (bf16 under mixed precision), master weights stay. Under
+        # expert parallelism the weights are DTensors sharded over ep: the math runs on this
+        # rank's experts only.
+        return [local_tensor(w).to(dtype) if w is not None else None for w in (self.w1, self.w2, self.w3)]
 
     def forward(self, x_MD: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         w1, w2, w3 = self._weights(x_MD.dtype)
@@ -123,14 +111,10 @@ class GroupedExperts(nn.Module):
         return F.gelu(h_MF)
 
     def _forward_grouped(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
-        if cpu_experts.usable(x_MD):
-            # Reading the E counts is no device sync here: on the CPU they are host memory already.
-            mm = functools.partial(cpu_experts.grouped_mm, sizes=num_tokens_per_expert.tolist())
-        else:
-            mm = functools.partial(grouped_matmul, offsets_E=torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32))
-        h_MF = mm(x_MD, w1)
-        gate_MF = mm(x_MD, w3) if w3 is not None else None
-        return mm(self._act(h_MF, gate_MF), w2)
+        offsets_E = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
+        h_MF = grouped_matmul(x_MD, w1, offsets_E)
+        gate_MF = grouped_matmul(x_MD, w3, offsets_E) if w3 is not None else None
+        return grouped_matmul(self._act(h_MF, gate_MF), w2, offsets_E)
 
     def _forward_loop(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
         # Host sync: the per-expert split sizes must be Python ints. Fine for the oracle.

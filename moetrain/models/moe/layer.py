@@ -31,7 +31,7 @@ from moetrain.models.moe.balance import (
     routing_entropy,
     sequence_load_balancing_loss,
 )
-from moetrain.models.moe.dispatcher import LocalDispatcher, expert_capacity
+from moetrain.models.moe.dispatcher import Dispatcher, LocalDispatcher, expert_capacity
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.router import ExpertChoiceRouter, TopKRouter
 
@@ -56,8 +56,8 @@ class MoEAux:
     """T * K for this forward. Expert choice: T (so dropped_fraction is the share of skipped tokens)."""
     num_token_rank_sends: torch.Tensor | None = None
     """Under expert parallelism (token choice): (token, other ep rank) pairs among this rank's
-    routed copies, before capacity drops. A dispatcher that sent each token once per destination
-    rank (not once per copy) would move this many rows each way; None without expert parallelism."""
+    routed copies, before capacity drops, as the dispatcher reports them
+    (``DispatchResult.num_token_rank_sends``); None without expert parallelism."""
 
     @property
     def dropped_fraction(self) -> torch.Tensor:
@@ -88,7 +88,7 @@ class MoELayer(nn.Module):
                                       activation=c.activation, impl=c.expert_impl)
         self.shared_experts = (FeedForward(dim, c.resolved_shared_hidden_dim, activation=c.activation)
                                if c.num_shared_experts > 0 else None)
-        self.dispatcher = LocalDispatcher(c.num_experts)
+        self.dispatcher: Dispatcher = LocalDispatcher(c.num_experts)
         # Process group over which routing counts are summed before the load-balancing loss
         # (set by the data/expert-parallel wrappers). With it, the mean of the per-rank losses
         # equals the loss of one process holding the whole global batch.
@@ -155,12 +155,6 @@ class MoELayer(nn.Module):
         top_k = c.num_experts if c.is_expert_choice else c.top_k
         return expert_capacity(num_tokens, num_experts=c.num_experts, top_k=top_k, capacity_factor=factor)
 
-    def _sync_dispatcher_capacity_factor(self) -> None:
-        # The all-to-all dispatcher decides drops over the global batch with its own
-        # capacity_factor; keep it equal to this layer's when that is not the configured one.
-        if hasattr(self.dispatcher, "capacity_factor"):
-            self.dispatcher.capacity_factor = self.capacity_factor
-
     # ----- forward -----------------------------------------------------------------------------------
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
@@ -168,11 +162,11 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, self.dim)
         num_tokens = x_TD.shape[0]
         routing = self.router(x_TD)
-        if c.is_expert_choice or c.dynamic_capacity:
-            self._sync_dispatcher_capacity_factor()
         drop_policy = "score" if c.is_expert_choice else c.drop_policy
+        # The dispatcher turns the factor into a capacity over the batch it decides drops for:
+        # this layer's tokens, or the global batch under data/expert parallelism.
         d = self.dispatcher.dispatch(x_TD, routing.idx_TK, routing.weights_TK,
-                                     capacity=self.capacity(num_tokens), drop_policy=drop_policy)
+                                     capacity_factor=self.capacity_factor, drop_policy=drop_policy)
         y_MD = self.experts(d.x_MD, d.num_tokens_per_expert)
         out_TD = self.dispatcher.combine(y_MD, d.state)
         if self.shared_experts is not None:
@@ -202,22 +196,15 @@ class MoELayer(nn.Module):
                                               routing.idx_TK.view(B, seq_len, -1))
         else:
             lb = load_balancing_loss(routing.probs_TE, num_routed_E, top_k=c.top_k, num_tokens=num_balance_tokens)
-        sends = None
-        num_ranks = getattr(self.dispatcher, "ep_size", 1)
-        if num_ranks > 1:
-            sends = _token_rank_sends(routing.idx_TK, num_ranks=num_ranks,
-                                      num_local_experts=self.dispatcher.num_local_experts,
-                                      own_rank=self.dispatcher.ep_rank)
         return MoEAux(loss=self.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
                       num_routed_per_expert=num_routed_E, num_dropped=d.num_dropped,
-                      num_routed=num_tokens * c.top_k, num_token_rank_sends=sends)
+                      num_routed=num_tokens * c.top_k, num_token_rank_sends=d.num_token_rank_sends)
 
     def _expert_choice_aux(self, d, z, num_tokens: int) -> MoEAux:
         c = self.config
-        # Tokens no expert took: those without a kept copy. Both dispatchers' states list the
-        # local token of every kept copy.
+        # Tokens no expert took: those without a kept copy.
         covered_T = torch.zeros(num_tokens, dtype=torch.bool, device=z.device)
-        covered_T.index_fill_(0, d.state.token_idx_M.to(z.device), True)
+        covered_T.index_fill_(0, d.token_idx_M.to(z.device), True)
         num_skipped = num_tokens - covered_T.sum()
         # Every token is a candidate of every expert, so over the global batch of W ranks each
         # expert takes exactly min(capacity, T * W) tokens: known without counting.
@@ -242,11 +229,3 @@ class MoELayer(nn.Module):
         self.step_local_stats[STAT_ENTROPY] += routing_entropy(routing.probs_TE).to(torch.float64)
         self.step_local_stats[STAT_TOKENS] += num_tokens
 
-
-def _token_rank_sends(idx_TK: torch.Tensor, *, num_ranks: int, num_local_experts: int, own_rank: int) -> torch.Tensor:
-    """(token, other rank) pairs: how many rows a once-per-destination-rank dispatch would send."""
-    dest_TK = torch.div(idx_TK, num_local_experts, rounding_mode="floor")
-    hit_TP = torch.zeros(idx_TK.shape[0], num_ranks, dtype=torch.bool, device=idx_TK.device)
-    hit_TP.scatter_(1, dest_TK, True)
-    hit_TP[:, own_rank] = False
-    return hit_TP.sum()

@@ -1,8 +1,10 @@
 """Named model presets: a ``ModelConfig`` and a ``MoEConfig`` each.
 
 Select one with ``model.preset`` in a config file or ``--model.preset=<name>``; fields set
-explicitly override the preset's. The large presets are for planning and GPU runs; their
-parameter counts are checked analytically in the tests, never by building them.
+explicitly override the preset's (``moetrain.config.convert.config_from_dict`` applies them). The
+large presets are for planning and GPU runs; their parameter counts are checked analytically in
+the tests, never by building them. The job files that use them (``--config tiny``) are
+``moetrain/configs/*.yaml``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,135 @@
+"""The process runtime: device, process group, collective timeouts, the few world-wide
+collectives of setup, and shutdown.
+
+    runtime = init_runtime(device="auto", backend="auto", deterministic=False)
+    dims = ParallelDims.from_config(cfg.parallel, world_size=runtime.world_size, ...)
+    dims.build_mesh(runtime.device.type)
+    ...                                          # long setup: data preparation, checkpoint loading
+    set_collective_timeout(cfg.train.collective_timeout_s, dims)
+    ...                                          # training
+    shutdown()
+
+Under torchrun the ranks come from the environment (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``); a
+plain process is a world of one with an in-memory store, so meshes and collectives work unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config.train import resolve_device
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.utils.cpu_allocator import tune_cpu_allocator
+
+log = logging.getLogger("moetrain")
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this process runs: its ranks and its device."""
+
+    world_size: int
+    rank: int
+    """Global rank."""
+    local_rank: int
+    """Rank on this node (the CUDA device index)."""
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_runtime(*, device: str, backend: str, deterministic: bool) -> Runtime:
+    """Pick the device, set process-wide switches and join the process group (unless one exists).
+
+    ``device`` is ``train.device``, ``backend`` is ``parallel.backend`` ("auto": NCCL on CUDA,
+    gloo otherwise). The group keeps torch's default (long) timeout while rank 0 prepares the
+    data and the others wait for it; :func:`set_collective_timeout` shortens it afterwards.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        tune_cpu_allocator()
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    if backend == "auto":
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        _init_process_group(backend, world_size=world_size, rank=rank, device=dev)
+    return Runtime(world_size=world_size, rank=rank, local_rank=local_rank, device=dev)
+
+
+def _init_process_group(backend: str, *, world_size: int, rank: int, device: torch.device) -> None:
+    if world_size == 1:
+        # One process: an in-memory store, no port; the mesh and collectives still work.
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        return
+    device_id = device if backend == "nccl" else None
+    store = _restart_safe_store(world_size)
+    if store is None:
+        dist.init_process_group(backend=backend, device_id=device_id)
+    else:
+        dist.init_process_group(backend=backend, device_id=device_id, store=store, rank=rank,
+                                world_size=world_size)
+
+
+def _restart_safe_store(world_size: int) -> dist.Store | None:
+    """None (torch's default rendezvous), except in a worker that torchrun restarted while
+    sharing its rendezvous store with the workers: that store still holds the previous attempt's
+    keys, and the new ranks would read the dead ranks' addresses and hang connecting to them
+    (pytorch#135712; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 on torchrun avoids it too). A key
+    prefix per restart attempt keeps the attempts apart."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt == 0:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False)
+    return dist.PrefixStore(f"moetrain/attempt_{attempt}", store)
+
+
+def set_collective_timeout(timeout_s: float, dims: ParallelDims) -> None:
+    """``timeout_s`` (``train.collective_timeout_s``) on every process group training uses: the
+    world and the mesh's ep, edp and dp groups (the mesh creates its groups with torch's default
+    of 30 minutes, whatever the world group's timeout is)."""
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:  # not in every torch release
+        log.warning("this torch cannot change a process group's timeout: train.collective_timeout_s "
+                    "is ignored")
+        return
+    timeout = timedelta(seconds=timeout_s)
+    groups = {id(g): g for g in (dist.group.WORLD, dims.ep_group, dims.edp_group, dims.dp_group)}
+    for group in groups.values():
+        set_timeout(timeout, group)
+
+
+def barrier() -> None:
+    """Wait for every rank of the world (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def broadcast_from_main(value: object) -> object:
+    """Rank 0's ``value`` on every rank (a pickled object broadcast: setup decisions only)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def shutdown() -> None:
+    """Leave the process group (a no-op when there is none)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

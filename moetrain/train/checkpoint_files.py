@@ -1,0 +1,235 @@
+"""The folder side of checkpoints: names, the manifest, the ``latest`` pointer, retention and
+verification. Nothing here reads tensors; ``moetrain.train.checkpoint`` does (see its docstring
+for the layout of ``checkpoint.dir``).
+
+A checkpoint is complete once its ``manifest.json`` exists: the manifest is written last, inside
+the temporary folder, which is then renamed into place. The manifest lists the size and sha256 of
+every other file, so a truncated or flipped file is found before anything is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moetrain.utils.files import atomic_write_text, fsync_dir
+
+log = logging.getLogger("moetrain")
+
+FORMAT = "moetrain-dcp/2"
+# Format 1 stored the RNG state, the trainer state and the optimizer settings as pickles and
+# indexed the data with DCP's pickled .metadata: nothing of it can be read without unpickling.
+_PICKLED_FORMATS = ("moetrain-dcp/1",)
+LATEST = "latest"
+MANIFEST = "manifest.json"
+_STEP_RE = re.compile(r"^step_(\d{9})$")
+# Debris of saves that did not finish: the folder being written, or a same-step checkpoint
+# moved aside for its replacement.
+_TMP_RE = re.compile(r"^\.step_\d{9}\.(tmp|old-\d+)$")
+_HASH_CHUNK = 1 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded (missing, partial, corrupt, unsafe or of another model).
+    A ``ValueError`` so that the command line reports it as one clear line."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:09d}"
+
+
+def rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# --- finding checkpoints ---------------------------------------------------------------------------
+
+
+def list_checkpoints(folder: str | os.PathLike) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the complete-looking checkpoints in ``folder`` (those with a manifest),
+    oldest first. Temporary folders of interrupted saves are never listed."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = []
+    for p in folder.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and (p / MANIFEST).is_file():
+            found.append((int(m.group(1)), p))
+    return sorted(found)
+
+
+def latest_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """The checkpoint ``folder/latest`` names; if that pointer is missing or stale (its target is
+    gone or incomplete), the newest complete checkpoint, with a warning; None when there is none."""
+    folder = Path(folder)
+    pointer = folder / LATEST
+    if pointer.is_file():
+        name = pointer.read_text().strip()
+        target = folder / name
+        if _STEP_RE.match(name) and (target / MANIFEST).is_file():
+            return target
+        log.warning("%s names %r, which is not a complete checkpoint; using the newest complete one",
+                    pointer, name)
+    found = list_checkpoints(folder)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(spec: str | os.PathLike) -> Path:
+    """A checkpoint path from a user's ``spec``: one checkpoint folder (it holds a manifest), or a
+    folder of checkpoints (its latest). Raises ``CheckpointError`` naming what is missing."""
+    path = Path(spec)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {str(path)!r} does not exist")
+    if (path / MANIFEST).is_file() or (path / ".metadata").is_file():
+        return path
+    if path.name.startswith(".") and path.name.endswith(".tmp"):
+        raise CheckpointError(f"checkpoint {str(path)!r} is the temporary folder of a save that never "
+                              "finished; load the previous checkpoint instead")
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{str(path)!r} holds no complete checkpoint (no step_*/{MANIFEST}); "
+                              "an interrupted save leaves only a .step_*.tmp folder")
+    return latest
+
+
+def clean_stale_tmp(folder: str | os.PathLike) -> list[Path]:
+    """Remove the temporary folders of interrupted saves (call on one rank, before any save)."""
+    folder = Path(folder)
+    removed = []
+    if folder.is_dir():
+        for p in folder.iterdir():
+            if _TMP_RE.match(p.name):
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
+
+
+# --- committing a save -----------------------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(_HASH_CHUNK), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_record(path: Path) -> dict[str, Any]:
+    return {"bytes": path.stat().st_size, "sha256": sha256_file(path)}
+
+
+def commit_checkpoint(tmp: Path, final: Path, *, step: int, world_size: int, layout: dict,
+                      files: dict[str, dict], keep_last: int) -> None:
+    """Rank 0's end of a save: write the manifest of ``files`` into ``tmp``, rename ``tmp`` to
+    ``final``, point ``latest`` at it and prune to the newest ``keep_last`` (0 = all)."""
+    folder = final.parent
+    manifest = {"format": FORMAT, "step": step, "world_size": world_size, "layout": layout,
+                "torch": torch.__version__, "time": time.time(), "files": files}
+    atomic_write_text(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True), durable=True)
+    # A checkpoint of the same step (saved again after a resume) is moved aside first and deleted
+    # only once the new one is in place.
+    old = None
+    if final.exists():
+        old = folder / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(folder)
+    atomic_write_text(folder / LATEST, final.name + "\n", durable=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    _prune(folder, keep_last=keep_last, keep=final)
+
+
+def _prune(folder: Path, *, keep_last: int, keep: Path) -> None:
+    if keep_last <= 0:
+        return
+    checkpoints = list_checkpoints(folder)
+    for _, path in checkpoints[:-keep_last]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --- verifying -------------------------------------------------------------------------------------
+
+
+def read_manifest(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has no {MANIFEST}: it is incomplete (a save that did not finish "
+            f"writes the manifest last) or not a moetrain checkpoint")
+    try:
+        data = json.loads(manifest.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is unreadable ({e})") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is not a {FORMAT} manifest")
+    if data.get("format") in _PICKLED_FORMATS:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} has format {data['format']}, which stores its RNG state, trainer "
+            "state and optimizer settings as Python pickles: loading it could run code from the file, "
+            f"so it cannot be loaded safely. Resume from a {FORMAT} checkpoint, or start over "
+            "(--checkpoint.resume=never)")
+    if data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
+        raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is not a {FORMAT} manifest "
+                              f"(format {data.get('format')!r})")
+    return data
+
+
+def _check_files(path: Path, files: dict[str, dict]) -> list[str]:
+    problems = []
+    for name, want in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            problems.append(f"file {name} is missing")
+            continue
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            problems.append(f"file {name} has {size} bytes, the manifest says {want['bytes']} (truncated?)")
+        elif sha256_file(f) != want["sha256"]:
+            problems.append(f"file {name} does not match its sha256 in the manifest (corrupted)")
+    return problems
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict:
+    """Check every file of checkpoint ``path`` against its manifest (size and sha256); returns the
+    manifest. Collective when a process group exists: rank r checks every world-th file, and the
+    problems of all ranks are reported together. Raises ``CheckpointError`` naming each problem."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    rank, world = rank_world()
+    names = sorted(manifest["files"])
+    mine = {n: manifest["files"][n] for n in names[rank::world]}
+    problems = _check_files(path, mine)
+    if world > 1:
+        everyone: list[list[str]] = [None] * world  # type: ignore[list-item]
+        dist.all_gather_object(everyone, problems)
+        problems = [p for rank_problems in everyone for p in rank_problems]
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or partial: "
+                              + "; ".join(sorted(problems)))
+    return manifest
+
+
+def verify_local(path: Path) -> dict:
+    """``verify_checkpoint`` in this process alone, even where a process group exists."""
+    manifest = read_manifest(path)
+    problems = _check_files(path, manifest["files"])
+    if problems:
+        raise CheckpointError(f"checkpoint {str(path)!r} is corrupt or partial: " + "; ".join(problems))
+    return manifest

@@ -1,0 +1,16 @@
+"""Tensor helpers shared by the model and the distributed code (the bottom layer: imports torch only)."""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # a torch build without distributed support has no DTensor to unwrap
+    DTensor = ()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a DTensor (differentiable, as
+    ``DTensor.to_local``), or ``t`` itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
