@@ -74,16 +74,20 @@ def _load(args, overrides: list[str]):
     cfg = load_config(args.config, overrides, deepspeed=deepspeed, world_size=world or 1)
     check_corpus(cfg.data.corpus)
     ep = cfg.parallel.ep
+    from moetrain.distributed.parallel_dims import ParallelDims
+
+    num_experts = cfg.moe.num_experts if cfg.model.is_moe else None
     if world is None:
         if deepspeed is not None and ep > 1:
             raise ValueError(f"moe.ep_size ({ep}) of {deepspeed} needs a world of at least {ep} processes: "
                              "pass --nproc N, the number of processes of the job")
+        # The rules that hold at any world size, checked at the smallest world the layout allows.
+        ParallelDims(world_size=ep * cfg.parallel.tp * cfg.parallel.pp, ep=ep, tp=cfg.parallel.tp,
+                     pp=cfg.parallel.pp, num_experts=num_experts)
         return cfg
-    from moetrain.distributed.parallel_dims import ParallelDims
-
     try:
-        ParallelDims.from_config(cfg.parallel, world_size=world,
-                                 num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)
+        dims = ParallelDims.from_config(cfg.parallel, world_size=world, num_experts=num_experts)
+        cfg.train.grad_accum_steps(dims.dp)
     except ValueError as e:
         told = "WORLD_SIZE" in os.environ or getattr(args, "nproc", None)
         raise ValueError(str(e) if told else f"{e} (this runs 1 process: pass --nproc N to launch N)") from e

@@ -234,7 +234,7 @@ class AllToAllDispatcher:
                              "dp_group")
         num_tokens, top_k = idx_TK.shape
         L, j = self.num_local_experts, self.ep_rank
-        # Capacity of the global batch; every rank holds T tokens (ParallelDims.check_batch),
+        # Capacity of the global batch; every rank holds T tokens (TrainConfig.grad_accum_steps),
         # which the host sync verifies.
         capacity = expert_capacity(num_tokens * self.dp_size, num_experts=self.num_experts, top_k=top_k,
                                    capacity_factor=capacity_factor)

@@ -99,22 +99,6 @@ class ParallelDims:
     def dp_enabled(self) -> bool:
         return self.dp > 1
 
-    def check_batch(self, *, global_batch_size: int, micro_batch_size: int | None = None) -> int:
-        """Check that the global batch splits evenly; returns the batch of one data-parallel rank.
-
-        ``train.global_batch_size`` must be divisible by ``dp``, and the per-rank batch by
-        ``train.micro_batch_size`` (the gradient-accumulation steps).
-        """
-        if global_batch_size % self.dp != 0:
-            raise ValueError(f"train.global_batch_size ({global_batch_size}) must be divisible by the "
-                             f"data-parallel degree parallel.dp ({self.dp})")
-        local_batch_size = global_batch_size // self.dp
-        if micro_batch_size is not None and local_batch_size % micro_batch_size != 0:
-            raise ValueError(f"train.micro_batch_size ({micro_batch_size}) must divide the per-rank batch "
-                             f"train.global_batch_size / parallel.dp ({global_batch_size} / {self.dp} "
-                             f"= {local_batch_size})")
-        return local_batch_size
-
     def check_experts(self, num_experts: int, *, layer: str | None = None) -> None:
         """``parallel.ep`` must divide the routed experts of every MoE layer (of ``layer``, named in
         the error): for a model whose expert count was not given to the constructor."""

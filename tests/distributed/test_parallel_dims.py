@@ -51,16 +51,6 @@ def test_rank_order_puts_ep_groups_on_consecutive_ranks():
     assert dims.edp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
-def test_check_batch():
-    dims = ParallelDims(world_size=4, ep=2)
-    assert dims.check_batch(global_batch_size=8, micro_batch_size=1) == 2
-    with pytest.raises(ValueError, match=r"train.global_batch_size \(6\) must be divisible by the data-parallel "
-                                         r"degree parallel.dp \(4\)"):
-        dims.check_batch(global_batch_size=6)
-    with pytest.raises(ValueError, match=r"train.micro_batch_size \(3\) must divide the per-rank batch"):
-        dims.check_batch(global_batch_size=8, micro_batch_size=3)
-
-
 def _bad_layout_worker(rank, world_size):
     """Each bad layout must raise ValueError locally, before any collective could hang."""
     messages = {}

@@ -94,7 +94,23 @@ def test_config_show_checks_the_layout_when_it_knows_the_world():
     message = _one_error_line(_cli(["config", "show", "--config", "tiny", "--nproc", "4", "--parallel.ep=4",
                                     "--moe.num_experts=6"]))
     assert "parallel.ep (4) must divide moe.num_experts (6)" in message
-    assert _cli(["config", "show", "--config", "tiny", "--nproc", "4"]).returncode == 0
+    assert _cli(["config", "show", "--config", "tiny", "--nproc", "4", "--train.micro_batch_size=4"]).returncode == 0
+
+
+def test_layout_rules_that_hold_at_any_world_are_checked_without_nproc():
+    message = _one_error_line(_cli(["config", "show", "--config", "tiny", "--parallel.ep=3"]))
+    assert message == "parallel.ep (3) must divide moe.num_experts (8)", message
+
+
+def test_batch_that_does_not_split_over_the_ranks_fails_once_before_launch():
+    # tiny: 16 sequences per step, micro-batch 8; 3 ranks cannot split them.
+    r = _cli(["train", "--config", "tiny", "--nproc", "3", "--parallel.ep=1"])
+    assert r.returncode != 0
+    assert _one_error_line(r) == ("train.global_batch_size (16) must be divisible by train.micro_batch_size * "
+                                  "data-parallel size (8 * 3 = 24)")
+    assert "ChildFailedError" not in r.stderr and r.stderr.count("global_batch_size") == 1, r.stderr
+    message = _one_error_line(_cli(["config", "show", "--config", "tiny", "--nproc", "8", "--parallel.ep=4"]))
+    assert message.startswith("train.global_batch_size (16) must be divisible"), message
 
 
 def test_deepspeed_ep_size_larger_than_the_world_asks_for_nproc():
