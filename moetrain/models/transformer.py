@@ -311,9 +311,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the full-size CPU tensor into ``param``; a DTensor gets only its own shard
     (every rank drew the same full tensor, so no communication: ``src_data_rank=None``)."""
-    if hasattr(param, "device_mesh") and hasattr(param, "placements"):
-        from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor import DTensor, distribute_tensor
 
+    if isinstance(param, DTensor):
         full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
                                  src_data_rank=None)
     param.copy_(full)
