@@ -9,7 +9,9 @@ The units, torchtitan's: every transformer block, then the root (embedding, fina
 Dense parameters shard over the ``dp`` mesh axis (all ranks). Under expert parallelism the expert
 weights are already DTensors ``Shard(0)`` over ``ep``; their ``GroupedExperts`` module is its own
 unit, sharded again over ``edp`` (the ranks that hold copies of the same experts), so EP and
-ZeRO-3 stack: each rank keeps 1/edp of 1/ep of the experts.
+ZeRO-3 stack: each rank keeps 1/edp of 1/ep of the experts. Under bf16/fp16 each router is a
+unit of its own that gathers its gate weight in fp32: routing is fp32 on the same weights as at
+stages 0/1.
 
 Expert gradient scale. Each rank's loss is a mean over its own tokens, so every gradient must be
 (1/W) * sum over ranks. An expert shard collects the contributions of its whole ep group through
@@ -45,6 +47,7 @@ from torch.distributed.tensor import Shard
 
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.experts import GroupedExperts
+from moetrain.models.moe.router import TopKRouter
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -106,10 +109,19 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
                 module.set_gradient_divide_factor(float(dims.dp))
                 if dims.edp > 1:
                     module.set_force_sum_reduction_for_comms(True)
-    # 2. Transformer blocks.
+    # 2. Routers under bf16/fp16: their own units with fp32 parameters. The router computes in
+    #    fp32, and in the block's unit it would get FSDP's bf16-rounded gate weight, unlike at
+    #    stages 0/1 where it reads the fp32 master: the same tokens would route differently by
+    #    ZeRO stage. The gate is E x D, so the extra gather is small.
+    if mixed_precision != "fp32":
+        router_common = {**common, "mp_policy": mixed_precision_policy("fp32")}
+        for module in model.modules():
+            if isinstance(module, TopKRouter):
+                fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard, **router_common)
+    # 3. Transformer blocks.
     for block in blocks:
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, **common)
-    # 3. Root: embedding, final norm, head (and a tied head). FSDP keeps the root gathered after
+    # 4. Root: embedding, final norm, head (and a tied head). FSDP keeps the root gathered after
     #    forward at any stage, since backward needs it at once.
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard, **common)
     return model

@@ -9,7 +9,7 @@ buffer of S bytes (S = the full, unsharded size):
     all-to-all      the rows this rank sends to the other G - 1 ranks
 
 Per ZeRO stage (Phi = parameters a rank's group reduces; dense ones over dp, experts' E/ep
-shard over edp; gradients reduced in fp32; parameters gathered in the compute dtype):
+shard over edp; gradients reduced in fp32; parameters gathered in the compute dtype, routers in fp32):
 
     stage 0   all-reduce of the gradients, once per step (no_sync on the other micro-steps)
     stage 1   stage 0 + all-gather of the updated fp32 parameters after the step
@@ -116,7 +116,8 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
         group = edp if is_expert else shard
         crosses = edp_crosses if is_expert else shard_crosses
         numel = padded(s, group)
-        gathered = _ring(numel * compute_bytes, group)
+        # Routers are FSDP units of their own that gather in fp32 (routing is fp32 at every stage).
+        gathered = _ring(numel * (4 if ".router." in s.name else compute_bytes), group)
         if s.name.startswith("layers."):
             blocks_gather += gathered
             inter += gathered * gathers * grad_accum * crosses

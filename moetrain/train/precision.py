@@ -16,6 +16,9 @@ from moetrain.utils.tensors import local_tensor
 
 
 def autocast_context(device: torch.device, dtype: str):
+    """Autocast for ``train.dtype`` at every ZeRO stage. Ops autocast does not cover (the MoE
+    all-to-all, ``torch._grouped_mm``) get its dtype from the MoE layer
+    (``moetrain.models.moe.experts.to_autocast_dtype``), so they run in it at stages 0/1 too."""
     if dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16 if dtype == "bf16" else torch.float16)

@@ -59,6 +59,21 @@ def _grouped_mm_backward(ctx, grad_MO):
 _grouped_mm.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
+def to_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the dtype the active autocast of its device computes in, as autocast casts the
+    input of an ``nn.Linear``; unchanged without autocast (and fp64, which autocast leaves alone).
+
+    Needed for the ops autocast does not know: ``torch._grouped_mm``, the all-to-all and the row
+    gathers keep the dtype they are given, so without this cast an fp32 residual stream (what
+    autocast over fp32 parameters leaves) would be sent and multiplied in fp32. Over bf16
+    parameters (FSDP's gathered ones) the stream is bf16 already and this is a no-op.
+    """
+    device_type = x.device.type
+    if not torch.is_autocast_enabled(device_type) or not x.is_floating_point() or x.dtype == torch.float64:
+        return x
+    return x.to(torch.get_autocast_dtype(device_type))
+
+
 def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """Rows ``offsets[e-1]:offsets[e]`` of x times ``w[e]``, all experts in one kernel."""
     if torch.compiler.is_compiling():
@@ -93,12 +108,17 @@ class GroupedExperts(nn.Module):
                     w.normal_(0.0, self.init_std, generator=generator)
 
     def _weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
-        # Compute in the activation dtype (bf16 under mixed precision), master weights stay. Under
-        # expert parallelism the weights are DTensors sharded over ep: the math runs on this
-        # rank's experts only.
+        # Compute in the activation dtype (bf16 under mixed precision) while the master weights
+        # stay fp32: the cast's backward brings the gradients back to them in fp32. Under expert
+        # parallelism the weights are DTensors sharded over ep: the math runs on this rank's
+        # experts only.
         return [local_tensor(w).to(dtype) if w is not None else None for w in (self.w1, self.w2, self.w3)]
 
     def forward(self, x_MD: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        # Under autocast, inputs and weights in the autocast dtype, as autocast treats nn.Linear:
+        # torch._grouped_mm is not an autocast op, and the loop path's matmuls are, so without
+        # this the grouped path and its oracle would differ.
+        x_MD = to_autocast_dtype(x_MD)
         w1, w2, w3 = self._weights(x_MD.dtype)
         use_grouped = self.impl == "grouped" and _HAS_GROUPED_MM and _aligned(x_MD, w1, w2)
         if use_grouped:

@@ -32,7 +32,7 @@ from moetrain.models.moe.balance import (
     sequence_load_balancing_loss,
 )
 from moetrain.models.moe.dispatcher import Dispatcher, LocalDispatcher, expert_capacity
-from moetrain.models.moe.experts import GroupedExperts
+from moetrain.models.moe.experts import GroupedExperts, to_autocast_dtype
 from moetrain.models.moe.router import ExpertChoiceRouter, TopKRouter
 
 # Slots of MoELayer.step_local_stats.
@@ -161,7 +161,12 @@ class MoELayer(nn.Module):
         c = self.config
         x_TD = x.reshape(-1, self.dim)
         num_tokens = x_TD.shape[0]
+        # The router takes x as it comes (it computes in fp32 anyway); everything after it, the
+        # dispatch payload, the experts, the shared experts and the combine, runs in the compute
+        # dtype: the autocast dtype when autocast is on (the stream may still be fp32), else the
+        # stream's own (bf16 when the parameters are).
         routing = self.router(x_TD)
+        x_TD = to_autocast_dtype(x_TD)
         drop_policy = "score" if c.is_expert_choice else c.drop_policy
         # The dispatcher turns the factor into a capacity over the batch it decides drops for:
         # this layer's tokens, or the global batch under data/expert parallelism.

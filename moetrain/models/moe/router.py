@@ -75,13 +75,15 @@ class TopKRouter(nn.Module):
     def _logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         # Routing runs in fp32 whatever the compute dtype: in bf16 nearby scores collapse to
         # equal values, so top-k flips between runs, layouts and ranks, and the softmax of the
-        # z-loss overflows sooner.
-        x_TD = x_TD.float()
-        if self.training and self.jitter > 0:
-            x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        logits_TE = F.linear(x_TD, self.gate.weight.float())
-        if self.training and self.noise_std > 0:
-            logits_TE = logits_TE + torch.randn_like(logits_TE) * self.noise_std
+        # z-loss overflows sooner. Autocast is switched off here, or it would run the fp32
+        # F.linear in bf16 anyway.
+        with torch.autocast(x_TD.device.type, enabled=False):
+            x_TD = x_TD.float()
+            if self.training and self.jitter > 0:
+                x_TD = x_TD * torch.empty_like(x_TD).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+            logits_TE = F.linear(x_TD, self.gate.weight.float())
+            if self.training and self.noise_std > 0:
+                logits_TE = logits_TE + torch.randn_like(logits_TE) * self.noise_std
         return logits_TE
 
     def forward(self, x_TD: torch.Tensor) -> RouterOutput:
