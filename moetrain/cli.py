@@ -103,27 +103,38 @@ def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False
         run_dir = f"--log.run_dir=runs/demo-{time.strftime('%Y%m%d-%H%M%S')}"
         overrides, argv = [*overrides, run_dir], [*argv, run_dir]
     if args.nproc and args.nproc > 1 and not _under_launcher():
-        cfg = _load(args, overrides)  # validate before starting processes: errors show once, early
+        _load(args, overrides)  # validate before starting processes: errors show once, early
         return _launch(args.nproc, _strip_nproc(argv))
+    from moetrain.distributed import runtime
+
+    code, world_size = _train_and_report(args, _load(args, overrides))
+    if world_size > 1:
+        # Every file of the run is closed and the process group is gone: skip the interpreter's
+        # finalisation, where a late gloo worker thread would abort a rank that succeeded.
+        runtime.exit_process(code)
+    return code
+
+
+def _train_and_report(args, cfg) -> tuple[int, int]:
+    """Train this rank's part of ``cfg``; rank 0 then writes the report and prints the summary.
+    Returns the exit code (143 after a SIGTERM, whose checkpoint is saved) and the world size."""
     from moetrain.train.report import write_report
     from moetrain.train.trainer import Trainer
 
-    cfg = _load(args, overrides)
     trainer = Trainer(cfg)
     try:
         final = trainer.fit()
         if not trainer.interrupted:
             sample = trainer.generate(args.prompt, max_new_tokens=args.sample_tokens) if args.sample_tokens else None
-        # A last collective that every rank waits in. The run's final collectives (the checkpoint's
-        # outcome broadcast) leave gloo worker threads releasing Python-owned tensors just after the
-        # ranks return from them; they need the GIL for that, and a rank that went straight on to
-        # interpreter shutdown aborted ("terminate called without an active exception"). Waiting
-        # here hands them the GIL while the interpreter is still alive.
+        # A last collective that every rank waits in: the run's final collectives (the
+        # checkpoint's outcome broadcast) leave gloo worker threads releasing Python-owned tensors
+        # just after the ranks return from them, and this hands them the GIL while every rank is
+        # still running.
         trainer.barrier()
-        if trainer.interrupted:  # SIGTERM: checkpoint saved; 128 + 15 tells the launcher we did not finish
-            return 143
     finally:
         trainer.close()
+    if trainer.interrupted:  # 128 + 15 tells the launcher the run did not finish
+        return 143, trainer.world_size
     if trainer.is_main:
         pngs = write_report(trainer.run_dir)
         print()
@@ -136,7 +147,7 @@ def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False
             print("--------------")
         print(f"run directory: {trainer.run_dir}  (config.yaml, metrics.jsonl, tensorboard/, report/: "
               f"{', '.join(p.name for p in pngs)})")
-    return 0
+    return 0, trainer.world_size
 
 
 def cmd_config(args, overrides: list[str]) -> int:

@@ -19,6 +19,10 @@ Two ways to send, chosen by ``moe.dispatch_dedup``:
   receiving rank fans the row out to its experts and sums their weighted outputs before the
   row goes home.
 
+``moe.dispatch_dtype`` picks the wire format (``moetrain.distributed.compressed_exchange``): "none"
+sends the compute dtype; "bf16" and "fp8_e4m3" compress the forward dispatch rows (and send the
+combine and every backward in bf16) and the routing metadata (smallest integer type).
+
 Shape legend: T tokens on this rank, D model dim, E experts, L = E/ep local experts, K experts
 per token, N = T*K routed copies, M copies this rank sends (kept), R copies it receives,
 U unique rows it sends, V unique rows it receives, P ranks in the ep group, W data-parallel ranks.
@@ -26,7 +30,6 @@ U unique rows it sends, V unique rows it receives, P ranks in the ep group, W da
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from fractions import Fraction
 
@@ -34,7 +37,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from moetrain.distributed.comm_stats import CommStats
+from moetrain.distributed.comm_stats import CommStats, row_bytes
+from moetrain.distributed.compressed_exchange import (
+    DISPATCH_DTYPES,
+    exchange_rows,
+    ints_from_bytes,
+    ints_to_bytes,
+    wire_row_bytes,
+)
+from moetrain.distributed.dispatch_index import group_by_local_expert, kept_positions, to_host
 from moetrain.distributed.utils import all_gather_single
 from moetrain.models.moe.dispatcher import (
     DispatchResult,
@@ -52,8 +63,6 @@ from moetrain.models.moe.token_bags import (
     sum_rows,
     weighted_scatter,
 )
-
-_COUNT_BYTES = torch.empty((), dtype=torch.int64).element_size()
 
 
 @dataclass
@@ -120,13 +129,18 @@ class AllToAllDispatcher:
 
     ``ep_group=None`` means ep=1 (data parallelism with a capacity factor, where only the global
     drops matter). ``dp_group`` (all data-parallel ranks, in global rank order) is needed with a
-    capacity factor only. ``dedup`` sends a token once per destination rank (moe.dispatch_dedup).
+    capacity factor only. ``dedup`` sends a token once per destination rank (moe.dispatch_dedup);
+    ``dispatch_dtype`` is the wire format (moe.dispatch_dtype).
     """
 
     def __init__(self, num_experts: int, *, ep_group: dist.ProcessGroup | None,
-                 dp_group: dist.ProcessGroup | None = None, dedup: bool = False) -> None:
+                 dp_group: dist.ProcessGroup | None = None, dedup: bool = False,
+                 dispatch_dtype: str = "none") -> None:
+        assert dispatch_dtype in DISPATCH_DTYPES, dispatch_dtype  # MoEConfig validates it for the user
         self.num_experts = num_experts
         self.dedup = dedup and ep_group is not None
+        self.dispatch_dtype = dispatch_dtype
+        self.compact_ints = dispatch_dtype != "none" and ep_group is not None
         self.ep_group = ep_group
         self.ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
         self.ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
@@ -160,12 +174,12 @@ class AllToAllDispatcher:
         """
         # 1.-2. Count, exchange counts (or decide the global drops), one host sync.
         route = self._route(idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)
-        self._count_minimum(route, row_bytes=x_TD.shape[1] * x_TD.element_size())
+        self._count_minimum(route, dim=x_TD.shape[1], element_bytes=x_TD.element_size())
         # 3. Permute by destination rank and expert: keep the first kept_e copies of each expert's
         #    block (the sort put them in drop-priority order).
         order_M = route.order_N
         if capacity_factor is not None:
-            order_M = order_M.index_select(0, _kept_positions(route.num_routed_E, route.num_send_E,
+            order_M = order_M.index_select(0, kept_positions(route.num_routed_E, route.num_send_E,
                                                               sum(route.send_splits)))
         token_idx_M = torch.div(order_M, route.top_k, rounding_mode="floor")
         weights_M = weights_TK.reshape(-1).index_select(0, order_M)
@@ -183,7 +197,8 @@ class AllToAllDispatcher:
             return self._combine_once_per_rank(y_MD, state)
         # 7. Reverse all-to-all: back to [source rank][local expert] order, then home.
         y_recv_RD = y_MD if state.ungroup_R is None else permute_rows(y_MD, state.ungroup_R, state.group_R)
-        y_back_MD = self._all_to_all(y_recv_RD, output_splits=state.send_splits, input_splits=state.recv_splits)
+        y_back_MD = self._all_to_all(y_recv_RD, output_splits=state.send_splits, input_splits=state.recv_splits,
+                                     payload="combine")
         # 8. Unpermute and weighted combine: out[t] = sum over t's kept copies of w * y.
         return weighted_scatter(y_back_MD, state.weights_M, state.token_idx_M, state.num_tokens, state.bags)
 
@@ -202,7 +217,7 @@ class AllToAllDispatcher:
         num_routed_W = None
         if capacity_factor is None:
             num_send_E = num_routed_E
-            num_recv_PL = self._exchange_counts(num_send_E.view(P, L))
+            num_recv_PL = self._exchange_counts(num_send_E.view(P, L), bound=num_tokens * top_k)
             # Dropless, counted from the routing itself (independent of the split sizes that the
             # exchange uses), so the traffic ratio checks the splits.
             num_remote = (torch.div(idx_N, L, rounding_mode="floor") != j).sum()
@@ -215,7 +230,7 @@ class AllToAllDispatcher:
             present_PT, uniq_send_P, uniq_recv_P = self._unique_rows(idx_N, order_N, num_routed_E, num_send_E,
                                                                      num_tokens, top_k)
         # The one host sync of the layer: all_to_all_single takes its split sizes as Python ints.
-        send_splits, recv_splits, [num_send_remote], send_rows, recv_rows, routed_W = _to_host(
+        send_splits, recv_splits, [num_send_remote], send_rows, recv_rows, routed_W = to_host(
             num_send_E.view(P, L).sum(dim=1), num_recv_PL.sum(dim=1), num_remote, uniq_send_P, uniq_recv_P,
             num_routed_W)
         if routed_W is not None and any(n != num_tokens * top_k for n in routed_W):
@@ -250,7 +265,7 @@ class AllToAllDispatcher:
         """Copies each data-parallel rank routes and keeps per expert, ``[W, E]`` each, with the
         copies kept exactly as one process holding the global batch (the ranks' batches
         concatenated in rank order) keeps them."""
-        num_routed_WE = self._all_gather(num_routed_E).view(self.dp_size, self.num_experts)
+        num_routed_WE = self._all_gather(num_routed_E, bound=idx_TK.numel()).view(self.dp_size, self.num_experts)
         if drop_policy == "position":
             # Earlier ranks' copies come first in the global batch and win capacity.
             earlier_WE = torch.cumsum(num_routed_WE, dim=0) - num_routed_WE
@@ -259,7 +274,7 @@ class AllToAllDispatcher:
         # "score": the top-capacity copies of each expert by router weight over the global batch,
         # ties to the earlier global position. Gather every rank's (expert, weight) pairs, which
         # are D times smaller than the tokens, and replay the single-process selection.
-        idx_WTK = self._all_gather(idx_TK)
+        idx_WTK = self._all_gather(idx_TK, bound=self.num_experts - 1)
         weights_WTK = self._all_gather(weights_TK.detach())
         order_G = sort_by_expert(idx_WTK, weights_WTK, drop_policy="score")
         idx_G = idx_WTK.reshape(-1)
@@ -285,7 +300,7 @@ class AllToAllDispatcher:
         hits_PT.index_put_((key_N,), keep_N.long(), accumulate=True)
         present_PT = (hits_PT > 0).view(P, num_tokens)
         uniq_send_P = present_PT.sum(dim=1)
-        return present_PT, uniq_send_P, self._exchange_counts(uniq_send_P)
+        return present_PT, uniq_send_P, self._exchange_counts(uniq_send_P, bound=num_tokens)
 
     def _token_rank_sends(self, idx_TK: torch.Tensor) -> torch.Tensor:
         """(token, other ep rank) pairs among the routed copies, before drops: the rows a
@@ -302,14 +317,15 @@ class AllToAllDispatcher:
         bags = bags_from_copies(order_M, route.num_tokens, route.top_k)
         x_send_MD = gather_rows(x_TD, token_idx_M, bags)
         # 4. Variable-size all-to-all; autograd sends the gradients back the same way.
-        x_recv_RD = self._all_to_all(x_send_MD, output_splits=route.recv_splits, input_splits=route.send_splits)
+        x_recv_RD = self._all_to_all(x_send_MD, output_splits=route.recv_splits, input_splits=route.send_splits,
+                                     payload="dispatch")
         # 5. Group the received rows by local expert: they arrive as [source rank][local expert]
         #    and the experts want [local expert][source rank].
         num_recv = sum(route.recv_splits)
         group_R = ungroup_R = None
         x_MD = x_recv_RD
         if self.ep_size > 1:
-            group_R = _group_by_local_expert(route.num_recv_PL, num_recv)
+            group_R = group_by_local_expert(route.num_recv_PL, num_recv)
             ungroup_R = torch.empty_like(group_R).scatter_(0, group_R, torch.arange(num_recv, device=group_R.device))
             x_MD = permute_rows(x_recv_RD, group_R, ungroup_R)
         return x_MD, _PerCopyState(token_idx_M, weights_M, route.num_tokens, group_R, ungroup_R,
@@ -331,17 +347,18 @@ class AllToAllDispatcher:
         # 4. Rows (autograd), gate weights (autograd: their gradient comes back) and row indices.
         token_bags = bags_by_index(send_token_U, num_tokens)
         x_recv_VD = self._all_to_all(gather_rows(x_TD, send_token_U, token_bags), output_splits=recv_rows,
-                                     input_splits=send_rows)
+                                     input_splits=send_rows, payload="dispatch")
+        # Gate weights stay fp32 both ways, like the router's scores.
         w_recv_R = self._all_to_all(weights_M, output_splits=recv_splits, input_splits=send_splits)
-        rel_row_R = self._all_to_all(rel_row_M, output_splits=recv_splits, input_splits=send_splits,
-                                     differentiable=False)
+        rel_row_R = self._exchange_ints(rel_row_M, output_splits=recv_splits, input_splits=send_splits,
+                                        bound=num_tokens - 1)
         # 5. Copies arrive as [source rank][local expert]; point each at its row, group by expert.
         num_recv = sum(recv_splits)
         recv_rows_P = torch.tensor(recv_rows, device=dev)
         src_R = torch.repeat_interleave(torch.arange(P, device=dev), torch.tensor(recv_splits, device=dev),
                                         output_size=num_recv)
         row_R = rel_row_R + (torch.cumsum(recv_rows_P, dim=0) - recv_rows_P)[src_R]
-        group_R = _group_by_local_expert(route.num_recv_PL, num_recv)
+        group_R = group_by_local_expert(route.num_recv_PL, num_recv)
         row_M, w_M = row_R.index_select(0, group_R), w_recv_R.index_select(0, group_R)
         row_bags = bags_by_index(row_M, sum(recv_rows))
         x_MD = gather_rows(x_recv_VD, row_M, row_bags)
@@ -352,91 +369,78 @@ class AllToAllDispatcher:
     def _combine_once_per_rank(self, y_MD: torch.Tensor, state: _OncePerRankState) -> torch.Tensor:
         # 7. Weighted sum of a token's copies on this rank into its one row, then that row home.
         y_rows_VD = weighted_scatter(y_MD, state.weights_M, state.row_M, state.num_rows, state.row_bags)
-        back_UD = self._all_to_all(y_rows_VD, output_splits=state.send_rows, input_splits=state.recv_rows)
+        back_UD = self._all_to_all(y_rows_VD, output_splits=state.send_rows, input_splits=state.recv_rows,
+                                   payload="combine")
         # 8. Sum the rows coming back from every rank into their tokens.
         return sum_rows(back_UD, state.send_token_U, state.token_bags)
 
     # ----- communication: every exchange goes through these, and is counted by them -----------------
 
-    def _count_minimum(self, route: _Route, *, row_bytes: int) -> None:
-        """``CommStats.min_bytes``: what must move, each way there and back."""
+    def _count_minimum(self, route: _Route, *, dim: int, element_bytes: int) -> None:
+        """``CommStats.min_bytes``: what must move uncompressed, each way there and back."""
         P, L, j = self.ep_size, self.num_local_experts, self.ep_rank
         if self.dedup:
             # Once per destination rank: the unique rows, and one more count per peer.
             rows = sum(route.send_rows) - route.send_rows[j] + sum(route.recv_rows) - route.recv_rows[j]
-            self.stats.min_bytes += 2 * rows * row_bytes + 2 * (P - 1) * (L + 1) * _COUNT_BYTES
-            return
-        num_recv_remote = sum(route.recv_splits) - route.recv_splits[j]
-        self.stats.min_bytes += 2 * (route.num_send_remote + num_recv_remote) * row_bytes \
-            + 2 * (P - 1) * L * _COUNT_BYTES
+            num_counts = (P - 1) * (L + 1)
+        else:
+            rows = route.num_send_remote + sum(route.recv_splits) - route.recv_splits[j]
+            num_counts = (P - 1) * L
+        self.stats.count_minimum(remote_rows=rows, dim=dim, element_bytes=element_bytes, num_counts=num_counts)
 
     def _all_to_all(self, x_MX: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
-                    differentiable: bool = True) -> torch.Tensor:
-        """Variable-size all-to-all over ep of the rows of ``x_MX``; with ``differentiable`` its
-        backward sends the gradients back the same way."""
+                    payload: str | None = None) -> torch.Tensor:
+        """Variable-size all-to-all over ep of the rows of ``x_MX``; autograd sends the gradients
+        back the same way. ``payload`` "dispatch" or "combine" marks token rows, which travel in
+        the wire format of ``dispatch_dtype`` (the combine in bf16 when it is not "none")."""
         if self.ep_group is None:
             return x_MX
+        wire = "none" if payload is None else self.dispatch_dtype
+        wire = "bf16" if wire == "fp8_e4m3" and payload == "combine" else wire
+        dim = x_MX.shape[1] if payload is not None else None
         self.stats.count_exchange(input_splits=input_splits, output_splits=output_splits, own=self.ep_rank,
-                          row_bytes=_row_bytes(x_MX))
-        if differentiable:
-            return all_to_all_single_autograd(x_MX.contiguous(), output_splits, input_splits, self.ep_group)
-        out_RX = x_MX.new_empty(sum(output_splits), *x_MX.shape[1:])
-        dist.all_to_all_single(out_RX, x_MX.contiguous(), output_split_sizes=output_splits,
-                               input_split_sizes=input_splits, group=self.ep_group)
-        return out_RX
+                                  row_bytes=row_bytes(x_MX) if wire == "none" else wire_row_bytes(dim, wire),
+                                  dispatch_row_elements=dim if payload == "dispatch" else None)
+        if wire != "none":
+            return exchange_rows(x_MX, wire=wire, output_splits=output_splits, input_splits=input_splits,
+                                 group=self.ep_group)
+        return all_to_all_single_autograd(x_MX.contiguous(), output_splits, input_splits, self.ep_group)
 
-    def _exchange_counts(self, send_PX: torch.Tensor) -> torch.Tensor:
-        """Row p of ``send_PX`` to ep rank p; returns what each rank sent here (no autograd)."""
+    def _exchange_ints(self, x_MX: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
+                       bound: int) -> torch.Tensor:
+        """All-to-all over ep of integer rows in ``[0, bound]`` (no autograd)."""
+        if self.ep_group is None:
+            return x_MX
+        wire_MX, out_RX = self._int_buffers(x_MX, bound, output_splits, input_splits, self.ep_rank)
+        dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=self.ep_group)
+        return ints_from_bytes(out_RX, bound, x_MX.shape[1:]) if self.compact_ints else out_RX
+
+    def _exchange_counts(self, send_PX: torch.Tensor, *, bound: int) -> torch.Tensor:
+        """Row p of ``send_PX`` (counts in ``[0, bound]``) to ep rank p; returns what each rank
+        sent here (no autograd)."""
         if self.ep_group is None:
             return send_PX
         ones = [1] * self.ep_size
-        self.stats.count_exchange(input_splits=ones, output_splits=ones, own=self.ep_rank, row_bytes=_row_bytes(send_PX))
-        recv_PX = torch.empty_like(send_PX)
-        dist.all_to_all_single(recv_PX, send_PX.contiguous(), group=self.ep_group)
-        return recv_PX
+        wire_PX, recv_PX = self._int_buffers(send_PX, bound, ones, ones, self.ep_rank)
+        dist.all_to_all_single(recv_PX, wire_PX, group=self.ep_group)
+        return ints_from_bytes(recv_PX, bound, send_PX.shape[1:]) if self.compact_ints else recv_PX
 
-    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every data-parallel rank's ``x``, concatenated along dim 0 in rank order (no autograd)."""
+    def _all_gather(self, x: torch.Tensor, *, bound: int | None = None) -> torch.Tensor:
+        """Every data-parallel rank's ``x``, concatenated along dim 0 in rank order (no autograd);
+        ``bound``: integers in ``[0, bound]``."""
+        compact = bound is not None and self.compact_ints
         splits = [x.shape[0]] * self.dp_size
-        self.stats.count_exchange(input_splits=splits, output_splits=splits, own=self.dp_rank, row_bytes=_row_bytes(x))
-        out = x.new_empty(self.dp_size * x.shape[0], *x.shape[1:])  # gloo wants the output flat along dim 0
-        all_gather_single(out, x.contiguous(), group=self.dp_group)
-        return out
+        wire, out = self._int_buffers(x, bound if compact else None, splits, splits, self.dp_rank)
+        all_gather_single(out, wire, group=self.dp_group)  # gloo wants the output flat along dim 0
+        return ints_from_bytes(out, bound, x.shape[1:]) if compact else out
 
-
-def _row_bytes(x: torch.Tensor) -> int:
-    return math.prod(x.shape[1:]) * x.element_size()
-
-
-def _to_host(*tensors: torch.Tensor | None) -> list[list[int] | None]:
-    """Several small integer tensors read in one host sync (None stays None)."""
-    present = [t.reshape(-1) for t in tensors if t is not None]
-    flat = torch.cat(present).tolist()
-    out, start = [], 0
-    for t in tensors:
-        if t is None:
-            out.append(None)
-            continue
-        out.append(flat[start:start + t.numel()])
-        start += t.numel()
-    return out
-
-
-def _group_by_local_expert(num_recv_PL: torch.Tensor, num_recv: int) -> torch.Tensor:
-    """Order that turns rows received as [source rank][local expert] into [local expert][source
-    rank] (stable: a rank's rows keep their order inside an expert's block)."""
-    P, L = num_recv_PL.shape
-    local_expert_R = torch.repeat_interleave(
-        torch.arange(L, device=num_recv_PL.device).repeat(P), num_recv_PL.reshape(-1), output_size=num_recv)
-    return torch.sort(local_expert_R, stable=True).indices
-
-
-def _kept_positions(num_routed_E: torch.Tensor, num_kept_E: torch.Tensor, num_kept: int) -> torch.Tensor:
-    """Positions, in expert-sorted order, of the first ``num_kept_E[e]`` copies of each expert's
-    block. ``num_kept`` (their total, known on the host) sizes the result without a host sync."""
-    E = num_routed_E.numel()
-    block_start_E = torch.cumsum(num_routed_E, dim=0) - num_routed_E
-    kept_start_E = torch.cumsum(num_kept_E, dim=0) - num_kept_E
-    expert_M = torch.repeat_interleave(torch.arange(E, device=num_routed_E.device), num_kept_E,
-                                       output_size=num_kept)
-    return block_start_E[expert_M] + torch.arange(num_kept, device=num_routed_E.device) - kept_start_E[expert_M]
+    def _int_buffers(self, x_MX: torch.Tensor, bound: int | None, output_splits: list[int], input_splits: list[int],
+                     own: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send and receive buffers of a no-autograd exchange, counted. With ``compact_ints`` (a
+        dispatch_dtype under expert parallelism) integers in ``[0, bound]`` travel as the bytes
+        of the smallest integer type that holds them; otherwise as they are."""
+        wire_MX = ints_to_bytes(x_MX, bound) if bound is not None and self.compact_ints else x_MX.contiguous()
+        self.stats.count_exchange(input_splits=input_splits, output_splits=output_splits, own=own,
+                                  row_bytes=row_bytes(wire_MX))
+        return wire_MX, wire_MX.new_empty(sum(output_splits), *wire_MX.shape[1:])

@@ -26,7 +26,8 @@ def build_dispatcher(dims: ParallelDims, moe: MoEConfig) -> Dispatcher:
     Needs the mesh."""
     if dims.ep > 1 or (dims.dp > 1 and moe.capacity_factor is not None):
         return AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group if dims.ep > 1 else None,
-                                  dp_group=dims.dp_group if dims.dp > 1 else None, dedup=moe.dispatch_dedup)
+                                  dp_group=dims.dp_group if dims.dp > 1 else None, dedup=moe.dispatch_dedup,
+                                  dispatch_dtype=moe.dispatch_dtype)
     return LocalDispatcher(moe.num_experts)
 
 

@@ -24,6 +24,9 @@ All-to-all (the textbook per-layer volume, dispatch + combine of every routed co
 (times min(1, capacity factor)) of D values, of which (ep-1)/ep go to other ranks under balanced
 routing, in dispatch and again in combine: 2 * T*K*D*bytes * (ep-1)/ep per layer and forward.
 Backward repeats both exchanges, and a checkpointed MoE layer's recompute repeats the forward.
+With ``moe.dispatch_dtype`` "bf16" every one of them moves 2 bytes per value; with "fp8_e4m3" the
+forward dispatch moves D + 4 * ceil(D / 128) bytes per row (e4m3 values and fp32 block scales),
+the combine and both backward exchanges 2 * D (bf16).
 The routing-count exchanges (E integers per layer) are too small to list.
 """
 
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.distributed.compressed_exchange import wire_row_bytes
 from moetrain.distributed.fsdp import expert_shard_dim
 from moetrain.plan.model_states import Layout, ParamSpec, _chunk
 
@@ -60,6 +64,21 @@ def _ring(size_bytes: float, group: int) -> float:
     return size_bytes * (group - 1) / group if group > 1 else 0.0
 
 
+def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per_micro_batch: int, grad_accum: int,
+                      compute_bytes: int, num_recomputed: int) -> int:
+    """Expert all-to-all bytes of one optimizer step (forward, backward and recompute)."""
+    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
+    num_moe = len(model.moe_layer_ids)
+    if moe.dispatch_dtype == "none":
+        per_layer_fwd = 2 * tokens_per_micro_batch * moe.top_k * kept * model.dim * compute_bytes * (ep - 1) / ep
+        passes = 2 * num_moe + num_recomputed  # forward + backward, + recompute
+        return int(per_layer_fwd * passes * grad_accum)
+    remote_copies = tokens_per_micro_batch * moe.top_k * kept * (ep - 1) / ep  # per layer and pass
+    bf16_row = wire_row_bytes(model.dim, "bf16")
+    forward_row = wire_row_bytes(model.dim, moe.dispatch_dtype) + bf16_row  # dispatch + combine
+    return int(remote_copies * (forward_row * (num_moe + num_recomputed) + 2 * bf16_row * num_moe) * grad_accum)
+
+
 def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
                   ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None) -> CommVolume:
@@ -78,11 +97,9 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
 
     # 1. Expert all-to-all (dispatch + combine), forward, backward and recompute.
     if ep > 1 and model.is_moe:
-        kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
-        per_layer_fwd = 2 * tokens_per_micro_batch * moe.top_k * kept * model.dim * compute_bytes * (ep - 1) / ep
-        num_moe = len(model.moe_layer_ids)
-        passes = 2 * num_moe + ac_moe_layers_recomputed  # forward + backward, + recompute
-        vol.all_to_all = int(per_layer_fwd * passes * grad_accum)
+        vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=tokens_per_micro_batch,
+                                           grad_accum=grad_accum, compute_bytes=compute_bytes,
+                                           num_recomputed=ac_moe_layers_recomputed)
         vol.inter_node += vol.all_to_all if ep_crosses else 0
 
     # 2. Gradient and parameter collectives.

@@ -358,9 +358,7 @@ class Trainer:
         m.update(self.memory_metrics)
         self.memory_metrics = {}
         if self.dims.ep_enabled:
-            stats = collect_comm_stats(self.model)
-            m["a2a_bytes"] = stats.bytes_sent + stats.bytes_received
-            m["a2a_bytes_ratio"] = stats.ratio
+            m.update(collect_comm_stats(self.model).as_metrics())
         self.window = MetricsWindow()
         return m
 

@@ -118,6 +118,29 @@ def test_comm_formulas_by_hand():
     assert s3.all_gather == pytest.approx(4 * (2 * (n - root) + root) * 3 / 4 * accum, rel=0.01)
 
 
+def test_comm_all_to_all_accounts_for_dispatch_dtype():
+    """moe.dispatch_dtype by hand: per remote copy and MoE layer, the forward moves the dispatch row
+    and the combine row, the backward two bf16 rows, a recompute the forward again."""
+    model_cfg, moe = _tiny()
+    specs = param_specs(model_cfg, moe)
+    D, T, accum, num_moe = model_cfg.dim, 2048, 2, len(model_cfg.moe_layer_ids)
+    remote = T * moe.top_k / 2  # copies a rank sends to the other at ep = 2, per layer and pass
+
+    def a2a(dispatch_dtype, **kw):
+        return comm_per_step(specs, Layout(world=4, ep=2, zero_stage=0), model_cfg,
+                             replace(moe, dispatch_dtype=dispatch_dtype), tokens_per_micro_batch=T,
+                             grad_accum=accum, compute_bytes=4, **kw).all_to_all
+
+    fp32 = a2a("none")
+    assert fp32 == int(remote * 2 * (4 * D) * 2 * num_moe * accum)
+    assert a2a("bf16") == fp32 // 2
+    fp8_forward = (D + 4) + 2 * D  # e4m3 row + its fp32 scale (D = 128: one block), bf16 combine
+    assert a2a("fp8_e4m3") == int(remote * (fp8_forward + 2 * 2 * D) * num_moe * accum)
+    assert a2a("fp8_e4m3", ac_moe_layers_recomputed=num_moe) == int(
+        remote * (2 * fp8_forward + 2 * 2 * D) * num_moe * accum)
+    assert a2a("fp8_e4m3") / fp32 == pytest.approx((7 * D + 4) / (16 * D))
+
+
 def _job(*, moe_every: int = 1) -> JobConfig:
     from moetrain.config.data import DataConfig
     from moetrain.config.train import TrainConfig
