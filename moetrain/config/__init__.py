@@ -8,6 +8,7 @@ from moetrain.config.checkpoint import CheckpointConfig
 from moetrain.config.convert import SECTIONS, build_section, config_from_dict, config_to_dict
 from moetrain.config.data import DataConfig
 from moetrain.config.deepspeed import apply_deepspeed_config, load_deepspeed_config
+from moetrain.config.dp import DataParallelConfig
 from moetrain.config.job import JobConfig
 from moetrain.config.loader import (
     format_config,
@@ -31,6 +32,7 @@ __all__ = [
     "SECTIONS",
     "CheckpointConfig",
     "DataConfig",
+    "DataParallelConfig",
     "JobConfig",
     "LogConfig",
     "MoEConfig",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from moetrain.config.base import require
 from moetrain.config.checkpoint import CheckpointConfig
 from moetrain.config.data import DataConfig
+from moetrain.config.dp import DataParallelConfig
 from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -29,6 +30,9 @@ class JobConfig:
 
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     """ZeRO/FSDP offload and bucket settings."""
+
+    dp: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """Data-parallel gradient reduction (compression)."""
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
@@ -64,6 +68,9 @@ class JobConfig:
                 self.zero.offload_param, f"needs parallel.zero_stage = 3 (is {par.zero_stage})")
         require(self.zero.offload_optimizer == "none" or par.zero_stage >= 1, "zero.offload_optimizer",
                 self.zero.offload_optimizer, f"needs parallel.zero_stage >= 1 (is {par.zero_stage})")
+        require(self.dp.grad_compression == "none" or par.zero_stage <= 1, "dp.grad_compression",
+                self.dp.grad_compression, f"needs parallel.zero_stage <= 1 (is {par.zero_stage}): at stages 2/3 "
+                "FSDP2 reduce-scatters its own gradient buckets, which cannot be compressed")
         ckpt = self.train.activation_checkpointing
         require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
                 'cannot be "moe" for a dense model (model.moe_every = 0)')

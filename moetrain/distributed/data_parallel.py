@@ -20,12 +20,18 @@ every gradient must equal (1/W) * sum over ranks of that rank's local gradient.
 
 DDP handles the non-expert parameters (bucketed, overlapped with backward); the expert shards
 (DTensors) are hidden from it and reduced by hooks here, with the same ``no_sync`` switch.
+
+Gradient compression (``dp.grad_compression``, stages 0/1 only) swaps both reductions for a
+compressed one (``moetrain.distributed.grad_compression``): a DDP communication hook for the
+replicated parameters, the same reduction over edp for the expert shards. "onebit" keeps error
+feedback residuals, which ``compression_state_dict`` hands to the checkpoint.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import weakref
 
 import torch
@@ -36,7 +42,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.config.job import JobConfig
 from moetrain.distributed.expert_parallel import is_expert_shard
+from moetrain.distributed.grad_compression import OneBitReducer, bf16_all_reduce_sum, fp32_bytes
 from moetrain.distributed.parallel_dims import ParallelDims
+
+log = logging.getLogger("moetrain")
 
 _DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 
@@ -50,7 +59,8 @@ class MoEDataParallel(DistributedDataParallel):
     the sum.
     """
 
-    def __init__(self, module: nn.Module, dims: ParallelDims, *, bucket_cap_mb: float = 25.0) -> None:
+    def __init__(self, module: nn.Module, dims: ParallelDims, *, bucket_cap_mb: float = 25.0,
+                 grad_compression: str = "none") -> None:
         expert_names = [n for n, p in module.named_parameters() if is_expert_shard(p)]
         # DDP cannot all-reduce DTensor shards and must not average them over all ranks anyway.
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, expert_names)
@@ -83,10 +93,108 @@ class MoEDataParallel(DistributedDataParallel):
 
         for p in self._expert_params:
             p.register_post_accumulate_grad_hook(expert_grad_ready)
+        self._setup_compression(module, dims, grad_compression, expert_names)
+
+    # --- gradient compression ---------------------------------------------------------------------
+
+    def _setup_compression(self, module: nn.Module, dims: ParallelDims, mode: str, expert_names: list[str]) -> None:
+        self.grad_compression = mode
+        self._layout = torch.tensor([dims.world_size, dims.ep, dims.dp, dims.edp, dist.get_rank()])
+        self._expert_names = expert_names
+        expert_set = set(expert_names)
+        dense = {n: p.numel() for n, p in module.named_parameters() if n not in expert_set and p.requires_grad}
+        experts = {n: p.to_local().numel() for n, p in zip(expert_names, self._expert_params)}
+        # Bytes per synced step, counted as ring all-reduces (2 x payload) for fp32 and bf16.
+        self._fp32_bytes_per_step = sum(map(fp32_bytes, dense.values()))
+        if self._edp_group is not None:
+            self._fp32_bytes_per_step += sum(map(fp32_bytes, experts.values()))
+        self._bytes_sent, self._bytes_fp32, self._num_synced = 0, 0, 0
+        self._dense_reducer = self._expert_reducer = None
+        self._collected: dict[int, torch.Tensor] = {}
+        if mode == "none":
+            return
+        self._dense_names = {id(p): n for n, p in module.named_parameters()}
+        if mode == "onebit":
+            self._dense_reducer = OneBitReducer(dims.dp_group, dense)
+            if self._edp_group is not None:
+                self._expert_reducer = OneBitReducer(self._edp_group, experts)
+        this = weakref.ref(self)
+
+        def hook(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+            return this()._compressed_bucket(bucket)
+
+        # DDP checks the annotations as objects; this module's are strings (postponed evaluation).
+        hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
+        self.register_comm_hook(None, hook)
+
+    def _compressed_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP comm hook: the bucket's mean over dp, compressed (synchronous; DDP waits anyway)."""
+        buffer = bucket.buffer()
+        buffer.div_(self.process_group.size())  # mean = sum of the pre-divided gradients
+        grads = list(buffer.split([g.numel() for g in bucket.gradients()]))
+        if self.grad_compression == "bf16":
+            self._bytes_sent += bf16_all_reduce_sum([buffer], self.process_group)
+        else:
+            keys = [self._dense_names[id(p)] for p in bucket.parameters()]
+            self._bytes_sent += self._dense_reducer.all_reduce_sum(grads, keys)
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+
+    def grad_comm_stats(self) -> dict[str, float]:
+        """Gradient bytes this rank moved per synced step since the last call, and their ratio to
+        fp32 all-reduces of the same tensors; resets the counters. Host-only numbers."""
+        steps = max(self._num_synced, 1)
+        sent = self._bytes_sent if self.grad_compression != "none" else self._bytes_fp32
+        out = {"grad_bytes": sent / steps,
+               "grad_bytes_ratio_vs_fp32": sent / self._bytes_fp32 if self._bytes_fp32 else 1.0}
+        self._bytes_sent, self._bytes_fp32, self._num_synced = 0, 0, 0
+        return out
+
+    def compression_state_dict(self) -> dict[str, torch.Tensor]:
+        """The 1-bit residuals of this rank (tensors only) and the layout they belong to; empty
+        unless ``grad_compression`` is "onebit"."""
+        if self._dense_reducer is None:
+            return {}
+        state = {"layout": self._layout.clone(), **self._dense_reducer.state_dict()}
+        if self._expert_reducer is not None:
+            state.update({f"expert.{k}": v for k, v in self._expert_reducer.state_dict().items()})
+        return {k: v.clone() for k, v in state.items()}
+
+    def load_compression_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
+        """Restore the residuals saved at the same layout exactly; otherwise (another world size or
+        ep, or none saved) start them from zero with a warning: they are per-rank chunk state,
+        which has no meaning at another layout."""
+        if self._dense_reducer is None:
+            return
+        live = self.compression_state_dict()
+        reducers = [self._dense_reducer] + ([self._expert_reducer] if self._expert_reducer is not None else [])
+        problem = None
+        if not state:
+            problem = "the checkpoint holds none"
+        elif not torch.equal(state.get("layout", torch.empty(0)), self._layout):
+            saved = state.get("layout", torch.empty(0)).tolist()
+            problem = f"saved at layout [world, ep, dp, edp, rank] = {saved}, now {self._layout.tolist()}"
+        elif set(state) != set(live) or any(state[k].shape != v.shape for k, v in live.items()):
+            problem = "the saved residuals do not match this model's parameters"
+        if problem is not None:
+            log.warning("dp.grad_compression onebit: error-feedback residuals reset to zero (%s)", problem)
+            for r in reducers:
+                r.reset()
+            return
+        for prefix, r in (("", self._dense_reducer), ("expert.", self._expert_reducer)):
+            if r is None:
+                continue
+            for k in r.worker:
+                r.worker[k] = state[f"{prefix}worker.{k}"].clone()
+                r.server[k] = state[f"{prefix}server.{k}"].clone()
 
     def forward(self, *args, **kwargs):
         # Decided at forward time, like DDP itself: a backward belongs to the forward before it.
         self._sync_experts = torch.is_grad_enabled() and self.require_backward_grad_sync
+        if self._sync_experts:
+            self._bytes_fp32 += self._fp32_bytes_per_step
+            self._num_synced += 1
         return super().forward(*args, **kwargs)
 
     def _expert_grad_ready(self, p: torch.Tensor) -> None:
@@ -99,13 +207,24 @@ class MoEDataParallel(DistributedDataParallel):
             grad = p.grad.to_local()  # under no_grad, the DTensor's own local storage
             # Divide before the sum: keeps low-precision gradients in range.
             grad.mul_(self._expert_grad_scale)
-            if self._edp_group is not None:
+            if self._edp_group is not None and self.grad_compression != "none":
+                self._collected[id(p)] = grad  # reduced together at the end of the backward
+            elif self._edp_group is not None:
                 self._pending.append(dist.all_reduce(grad, group=self._edp_group, async_op=True))
         self._num_reduced += 1
 
     def _finish_expert_sync(self) -> None:
         for work in self._pending:
             work.wait()
+        if self._collected:
+            # In parameter order, the same on every rank whatever order the hooks fired in.
+            order = [(n, p) for n, p in zip(self._expert_names, self._expert_params) if id(p) in self._collected]
+            grads = [self._collected[id(p)] for _, p in order]
+            if self.grad_compression == "bf16":
+                self._bytes_sent += bf16_all_reduce_sum(grads, self._edp_group)
+            else:
+                self._bytes_sent += self._expert_reducer.all_reduce_sum(grads, [n for n, _ in order])
+            self._collected = {}
         # Internal invariant: the hooks fire in the same order on every rank only if every expert
         # weight took part in the forward (GroupedExperts uses its weights even with no tokens).
         assert self._num_reduced == len(self._expert_params), \
@@ -116,7 +235,7 @@ class MoEDataParallel(DistributedDataParallel):
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: float = 25.0, zero_stage: int = 0,
                         blocks: list[nn.Module] | None = None, mixed_precision: str = "fp32",
                         offload_params: bool = False, offload_optimizer: bool = False, pin_memory: bool = True,
-                        hsdp_replicate: int = 1) -> nn.Module:
+                        hsdp_replicate: int = 1, grad_compression: str = "none") -> nn.Module:
     """Wrap ``model`` for data parallelism at ZeRO stage ``zero_stage``.
 
     Stages 0 and 1: ``MoEDataParallel`` (DDP) when ``dims.dp > 1``, else ``model`` unchanged;
@@ -124,6 +243,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
     units over ``blocks`` and the root (see ``moetrain.distributed.fsdp``), returning ``model``
     itself, now an ``FSDPModule``. ``mixed_precision`` ("fp32", "bf16", "fp16") is FSDP's
     parameter/compute dtype at stages 2/3; at stages 0/1 the trainer's autocast does that job.
+    ``grad_compression`` ("none", "bf16", "onebit") compresses the gradient reductions at stages 0/1.
     """
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage ({zero_stage!r}) must be one of 0, 1, 2, 3")
@@ -132,6 +252,11 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
                          f"(is {zero_stage}): stages 0/1 replicate the parameters anyway")
     if offload_params and zero_stage != 3:
         raise ValueError(f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {zero_stage})")
+    if grad_compression not in ("none", "bf16", "onebit"):
+        raise ValueError(f"dp.grad_compression ({grad_compression!r}) must be one of 'none', 'bf16', 'onebit'")
+    if grad_compression != "none" and zero_stage >= 2:
+        raise ValueError(f"dp.grad_compression ({grad_compression!r}) needs parallel.zero_stage <= 1 (is {zero_stage}): "
+                         "at stages 2/3 FSDP2 reduce-scatters its own gradient buckets")
     if offload_optimizer and zero_stage == 0:
         raise ValueError("zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)")
     if zero_stage >= 2:
@@ -144,7 +269,24 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
                           pin_memory=pin_memory, hsdp_replicate=hsdp_replicate)
     if dims.dp == 1:
         return model
-    return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb)
+    return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb, grad_compression=grad_compression)
+
+
+def grad_comm_metrics(model: nn.Module) -> dict[str, float]:
+    """``grad_bytes`` (per synced step, this rank) and ``grad_bytes_ratio_vs_fp32`` of a
+    ``MoEDataParallel`` since the last call; empty for any other model."""
+    return model.grad_comm_stats() if isinstance(model, MoEDataParallel) else {}
+
+
+def grad_compression_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's 1-bit residuals for the checkpoint; empty when there are none."""
+    return model.compression_state_dict() if isinstance(model, MoEDataParallel) else {}
+
+
+def load_grad_compression_state(model: nn.Module, state: dict[str, torch.Tensor] | None) -> None:
+    """Restore what ``grad_compression_state`` saved (reset, with a warning, at another layout)."""
+    if isinstance(model, MoEDataParallel):
+        model.load_compression_state_dict(state)
 
 
 def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims, *, zero_stage: int, offload_optimizer: bool = False,

@@ -71,7 +71,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
                 blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks,
                 bucket_cap_mb: float = 25.0, activation_checkpointing_every: int = 2, zero_stage: int = 0,
                 mixed_precision: str = "fp32", offload_params: bool = False, offload_optimizer: bool = False,
-                pin_memory: bool = True, hsdp_replicate: int = 1) -> nn.Module:
+                pin_memory: bool = True, hsdp_replicate: int = 1, grad_compression: str = "none") -> nn.Module:
     """Apply the parallel layout ``dims`` (a ``ParallelDims`` with its mesh built) to ``model``.
 
     ``activation_checkpointing``: True checkpoints ``blocks(model)``; a mode string ("none",
@@ -103,4 +103,5 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
     return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb, zero_stage=zero_stage,
                                blocks=default_blocks(model), mixed_precision=mixed_precision,
                                offload_params=offload_params, offload_optimizer=offload_optimizer,
-                               pin_memory=pin_memory, hsdp_replicate=hsdp_replicate)
+                               pin_memory=pin_memory, hsdp_replicate=hsdp_replicate,
+                               grad_compression=grad_compression)

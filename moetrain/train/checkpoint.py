@@ -23,6 +23,9 @@ What a checkpoint holds (DCP keys; tensors only, so that loading unpickles nothi
                                position, skip counters, the resolved job config (so a checkpoint
                                alone can be exported)
     rng.rank<r>.<name>         RNG states of rank r as tensors (``moetrain.train.rng_state``)
+    grad_compression.rank<r>.<name>
+                               the 1-bit gradient compression's error-feedback residuals of rank r
+                               and the layout they belong to (``MoEDataParallel.compression_state_dict``)
 
 The state dicts come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` on the
 *unwrapped* model, which handles plain tensors, ep-sharded DTensors and FSDP2 shards alike:
@@ -123,7 +126,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 
 def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-                   rng: dict[str, torch.Tensor], rank: int) -> dict:
+                   rng: dict[str, torch.Tensor], rank: int, grad_compression: dict[str, torch.Tensor]) -> dict:
     """The DCP state dict of a save: tensors only (see ``moetrain.train.checkpoint_index``)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
@@ -134,6 +137,8 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_s
     state = {"model": model_sd, "optim": {"state": optim_sd["state"], "param_groups": text_tensor(groups)},
              "trainer": text_tensor(json.dumps(trainer_state, sort_keys=True)),
              "rng": {f"rank{rank}": rng}}
+    if grad_compression:
+        state["grad_compression"] = {f"rank{rank}": grad_compression}
     others = sorted(k for k, v in flatten_state_dict(state)[0].items() if not isinstance(v, torch.Tensor))
     if others:
         raise ValueError(f"checkpoint entries {others[:8]} are not tensors: DCP would pickle them, and "
@@ -163,10 +168,11 @@ def _commit_on_main(tmp: Path, final: Path, gathered: list, metadata: Metadata, 
 def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
                     optimizer: torch.optim.Optimizer, trainer_state: dict,
                     rng_state: dict[str, torch.Tensor] | None = None, keep_last: int = 0,
-                    layout: dict | None = None) -> Path:
+                    layout: dict | None = None, grad_compression_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``step`` of ``model`` (unwrapped: no DDP wrapper) and ``optimizer`` into
     ``folder`` atomically, point ``latest`` at it and keep the newest ``keep_last`` (0 = all).
-    ``rng_state`` comes from ``capture_rng_state`` (default: the current state).
+    ``rng_state`` comes from ``capture_rng_state`` (default: the current state);
+    ``grad_compression_state`` from ``grad_compression_state`` (this rank's residuals, if any).
 
     Collective. All ranks write into ``.step_N.tmp``; once DCP has written its index, every rank
     hashes the files it wrote, rank 0 writes the manifest and renames the folder into place, then
@@ -196,7 +202,7 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
 
     # 2. DCP writes every rank's shards (replicated entries once) and, on rank 0, the index.
     rng = rng_state if rng_state is not None else capture_rng_state()
-    state = _state_to_save(model, optimizer, trainer_state, rng, rank)
+    state = _state_to_save(model, optimizer, trainer_state, rng, rank, grad_compression_state or {})
     metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True,
                                                                    sync_files=True))
 
@@ -229,6 +235,9 @@ class LoadedCheckpoint:
     """This rank's RNG states (for ``restore_rng_state``), or None when the checkpoint was saved by
     fewer ranks."""
     manifest: dict
+    grad_compression_state: dict[str, torch.Tensor] | None = None
+    """This rank's saved gradient-compression residuals (for ``load_grad_compression_state``), or
+    None when the checkpoint holds none for this rank."""
 
 
 def _fresh_like(obj: Any) -> Any:
@@ -320,6 +329,11 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
              "trainer": _saved_like(metadata, "trainer", torch.uint8)}
     if rng:
         state["rng"] = {f"rank{rank}": rng}
+    prefix = f"grad_compression.rank{rank}."
+    residuals = {k[len(prefix):]: _saved_like(metadata, k) for k in metadata.state_dict_metadata
+                 if k.startswith(prefix)}
+    if residuals:
+        state["grad_compression"] = {f"rank{rank}": residuals}
     _check_against_metadata(path, flatten_state_dict(state)[0], metadata)
     # Every rank reads its own shards, resharded from whatever layout saved them.
     try:
@@ -378,8 +392,9 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
                    optim_state_dict={"state": state["optim"]["state"], "param_groups": groups})
     if zero is not None:
         zero.load_consolidated(optimizer)
+    residuals = state["grad_compression"][f"rank{rank}"] if "grad_compression" in state else None
     return LoadedCheckpoint(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state,
-                            rng_state=rng_state, manifest=manifest)
+                            rng_state=rng_state, manifest=manifest, grad_compression_state=residuals)
 
 
 def load_model_weights(path: str | os.PathLike, *,

@@ -30,7 +30,7 @@ import torch
 from moetrain.config import JobConfig
 from moetrain.config.loader import config_to_dict, save_config
 from moetrain.data import prepare_data
-from moetrain.distributed import runtime
+from moetrain.distributed import data_parallel, runtime
 from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
 from moetrain.distributed.expert_parallel import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
@@ -129,7 +129,8 @@ class Trainer:
         t = cfg.train
         self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=t.activation_checkpointing,
                                           activation_checkpointing_every=t.activation_checkpointing_every,
-                                          compile=t.compile, **zero_settings(cfg))
+                                          compile=t.compile, grad_compression=cfg.dp.grad_compression,
+                                          **zero_settings(cfg))
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -182,6 +183,7 @@ class Trainer:
         """Load checkpoint ``path`` (saved at any layout) and continue exactly where it stopped."""
         with self.phase(f"loading checkpoint {path}"):
             loaded = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
+        data_parallel.load_grad_compression_state(self.parallel_model, loaded.grad_compression_state)
         state = loaded.trainer_state
         self._load_data_position(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -255,7 +257,8 @@ class Trainer:
         with self.phase(f"saving the checkpoint of step {snap['step']}"):
             path = save_checkpoint(self.ckpt_dir, snap["step"], model=self.model, optimizer=self.optimizer,
                                    trainer_state=trainer_state, rng_state=rng,
-                                   keep_last=self.cfg.checkpoint.keep_last, layout=layout)
+                                   keep_last=self.cfg.checkpoint.keep_last, layout=layout,
+                                   grad_compression_state=data_parallel.grad_compression_state(self.parallel_model))
         self._last_saved_step = snap["step"]
         return path
 
@@ -355,6 +358,7 @@ class Trainer:
         if self.balancer is not None:
             # Expert load, drops, entropy, unused experts, collapse alarms (a collective).
             m.update(self.balancer.metrics())
+        m.update(data_parallel.grad_comm_metrics(self.parallel_model))  # grad_bytes, grad_bytes_ratio_vs_fp32
         m.update(self.memory_metrics)
         self.memory_metrics = {}
         if self.dims.ep_enabled:

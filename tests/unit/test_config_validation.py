@@ -195,3 +195,25 @@ def test_model_helpers():
     with pytest.raises(ValueError, match=r"model.vocab_size \(256\)"):
         ModelConfig(vocab_size=256).with_vocab_size(300)
     assert OptimConfig(lr=1e-3).resolved_min_lr == pytest.approx(1e-4)
+
+
+def test_grad_compression_values():
+    from moetrain.config import DataParallelConfig
+
+    for mode in ("none", "bf16", "onebit"):
+        assert DataParallelConfig(grad_compression=mode).grad_compression == mode
+        assert build_section(DataParallelConfig, "dp", {"grad_compression": mode}) == DataParallelConfig(mode)
+    with pytest.raises(ValueError, match=r"dp.grad_compression \('fp8'\) must be one of 'none', 'bf16', 'onebit'"):
+        DataParallelConfig(grad_compression="fp8")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_grad_compression_needs_zero_stage_at_most_1(stage):
+    from moetrain.config import DataParallelConfig
+
+    with pytest.raises(ValueError, match=rf"dp.grad_compression \('onebit'\) needs parallel.zero_stage <= 1 "
+                                         rf"\(is {stage}\): at stages 2/3 FSDP2 reduce-scatters"):
+        JobConfig(parallel=ParallelConfig(zero_stage=stage), dp=DataParallelConfig(grad_compression="onebit"))
+    for ok_stage in (0, 1):
+        JobConfig(parallel=ParallelConfig(zero_stage=ok_stage), dp=DataParallelConfig(grad_compression="bf16"))
+    JobConfig(parallel=ParallelConfig(zero_stage=stage), dp=DataParallelConfig(grad_compression="none"))
