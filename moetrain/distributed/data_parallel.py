@@ -115,9 +115,10 @@ class MoEDataParallel(DistributedDataParallel):
             return
         self._dense_names = {id(p): n for n, p in module.named_parameters()}
         if mode == "onebit":
-            self._dense_reducer = OneBitReducer(dims.dp_group, dense)
+            device = next(module.parameters()).device
+            self._dense_reducer = OneBitReducer(dims.dp_group, dense, device=device)
             if self._edp_group is not None:
-                self._expert_reducer = OneBitReducer(self._edp_group, experts)
+                self._expert_reducer = OneBitReducer(self._edp_group, experts, device=device)
         this = weakref.ref(self)
 
         def hook(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -172,7 +173,7 @@ class MoEDataParallel(DistributedDataParallel):
         problem = None
         if not state:
             problem = "the checkpoint holds none"
-        elif not torch.equal(state.get("layout", torch.empty(0)), self._layout):
+        elif not torch.equal(state.get("layout", torch.empty(0)).cpu(), self._layout):
             saved = state.get("layout", torch.empty(0)).tolist()
             problem = f"saved at layout [world, ep, dp, edp, rank] = {saved}, now {self._layout.tolist()}"
         elif set(state) != set(live) or any(state[k].shape != v.shape for k, v in live.items()):
@@ -186,8 +187,8 @@ class MoEDataParallel(DistributedDataParallel):
             if r is None:
                 continue
             for k in r.worker:
-                r.worker[k] = state[f"{prefix}worker.{k}"].clone()
-                r.server[k] = state[f"{prefix}server.{k}"].clone()
+                r.worker[k].copy_(state[f"{prefix}worker.{k}"])
+                r.server[k].copy_(state[f"{prefix}server.{k}"])
 
     def forward(self, *args, **kwargs):
         # Decided at forward time, like DDP itself: a backward belongs to the forward before it.

@@ -30,7 +30,9 @@ import math
 import torch
 import torch.distributed as dist
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+from moetrain.distributed.utils import all_gather_single
+
+_BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 _SCALE_BYTES = 4
 
 
@@ -57,19 +59,23 @@ def bf16_bytes(numel: int) -> int:
 def pack_signs(x_N: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N / 8]``: bit i of byte k is 1 where ``x[8 k + i] >= 0``. N must be a multiple of 8."""
     bits_N8 = (x_N >= 0).view(-1, 8).to(torch.uint8)
-    return (bits_N8 * _BIT_WEIGHTS).sum(dim=1, dtype=torch.uint8)
+    return (bits_N8 * _bit_weights(x_N.device)).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """fp32 ``[..., 8 * bytes]`` of +1 / -1: the inverse of ``pack_signs`` (sign(0) = +1)."""
-    bits = (packed.unsqueeze(-1) & _BIT_WEIGHTS).ne(0)
+    bits = (packed.unsqueeze(-1) & _bit_weights(packed.device)).ne(0)
     return (bits.to(torch.float32) * 2 - 1).flatten(-2)
 
 
-def _real_mask(numel: int, world: int) -> torch.Tensor:
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    return torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=device)
+
+
+def _real_mask(numel: int, world: int, device: torch.device) -> torch.Tensor:
     """bool ``[W, L]``: which positions of the padded chunks hold elements of the tensor."""
     length = chunk_len(numel, world)
-    return (torch.arange(world * length) < numel).view(world, length)
+    return (torch.arange(world * length, device=device) < numel).view(world, length)
 
 
 def compress_rows(x_WL: torch.Tensor, mask_WL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -99,12 +105,13 @@ class OneBitReducer:
     residual (the tensor's size) and the server residual (this rank's chunk, L elements).
     ``state_dict`` hands them to checkpoints (``MoEDataParallel`` restores or resets them)."""
 
-    def __init__(self, group: dist.ProcessGroup | None, shapes: dict[str, int]) -> None:
+    def __init__(self, group: dist.ProcessGroup | None, shapes: dict[str, int], *,
+                 device: torch.device | str = "cpu") -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.worker = {k: torch.zeros(n) for k, n in shapes.items()}
-        self.server = {k: torch.zeros(chunk_len(n, self.world)) for k, n in shapes.items()}
+        self.worker = {k: torch.zeros(n, device=device) for k, n in shapes.items()}
+        self.server = {k: torch.zeros(chunk_len(n, self.world), device=device) for k, n in shapes.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**{f"worker.{k}": v for k, v in self.worker.items()},
@@ -122,10 +129,10 @@ class OneBitReducer:
         masks, rows = [], []
         for t, key in zip(tensors, keys):
             n, length = t.numel(), chunk_len(t.numel(), world)
-            x_WL = torch.zeros(world * length)
+            x_WL = torch.zeros(world * length, device=t.device)
             x_WL[:n] = t.detach().reshape(-1).float() + self.worker[key]
             x_WL = x_WL.view(world, length)
-            mask_WL = _real_mask(n, world)
+            mask_WL = _real_mask(n, world, t.device)
             packed, scale_W, approx_WL = compress_rows(x_WL, mask_WL)
             self.worker[key] = _finite_or(x_WL - approx_WL, self.worker[key], n)
             masks.append(mask_WL)
@@ -147,8 +154,8 @@ class OneBitReducer:
             offset += width
         mine = torch.cat(own_rows, dim=1).reshape(-1)
         # 4. All-gather the compressed sums; every rank decompresses every chunk.
-        gathered = torch.empty(world * mine.numel(), dtype=torch.uint8)
-        dist.all_gather_single(gathered, mine, group=self.group)
+        gathered = mine.new_empty(world * mine.numel())
+        all_gather_single(gathered, mine, group=self.group)
         gathered = gathered.view(world, -1)
         offset = 0
         for t, mask_WL in zip(tensors, masks):
