@@ -112,6 +112,8 @@ class OneBitReducer:
         self.rank = dist.get_rank(group)
         self.worker = {k: torch.zeros(n, device=device) for k, n in shapes.items()}
         self.server = {k: torch.zeros(chunk_len(n, self.world), device=device) for k, n in shapes.items()}
+        # Which positions of each tensor's padded chunks are real: fixed by the shapes, built once.
+        self.masks = {k: _real_mask(n, self.world, device) for k, n in shapes.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**{f"worker.{k}": v for k, v in self.worker.items()},
@@ -132,7 +134,7 @@ class OneBitReducer:
             x_WL = torch.zeros(world * length, device=t.device)
             x_WL[:n] = t.detach().reshape(-1).float() + self.worker[key]
             x_WL = x_WL.view(world, length)
-            mask_WL = _real_mask(n, world, t.device)
+            mask_WL = self.masks[key]
             packed, scale_W, approx_WL = compress_rows(x_WL, mask_WL)
             self.worker[key] = _finite_or(x_WL - approx_WL, self.worker[key], n)
             masks.append(mask_WL)
