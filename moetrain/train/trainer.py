@@ -51,6 +51,7 @@ from moetrain.train.checkpoint import (
 )
 from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
 from moetrain.train.flops import peak_flops
+from moetrain.train.generation import sample_text
 from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums
 from moetrain.train.optim import build_optimizer, build_scheduler
 from moetrain.train.precision import DynamicLossScaler, autocast_context
@@ -420,25 +421,15 @@ class Trainer:
             path = self.save_checkpoint(good)
         raise self.skips.error(self.step, last_good_step=good["step"], path=path)
 
-    @torch.no_grad()
     def generate(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
                  seed: int = 0) -> str:
-        """Sample a continuation. Every rank runs the same computation (the experts of an
-        expert-parallel model need all ranks), with the same seeded generator."""
-        tok = self.data.tokenizer
-        if tok is None:
+        """Sample a continuation (collective: every rank runs the same computation)."""
+        if self.data.tokenizer is None:
             raise ValueError("data.path holds pre-tokenised .bin files: no tokenizer to decode samples")
         self.parallel_model.eval()
-        gen = torch.Generator().manual_seed(seed)
-        ids = tok.encode(prompt) or [self.data.eos_id or 0]
-        ctx = self.cfg.data.seq_len
-        for _ in range(max_new_tokens):
-            x = torch.tensor([ids[-ctx:]], device=self.device)
-            logits = self.model(x).logits[0, -1].float().cpu() / max(temperature, 1e-5)
-            v, i = torch.topk(logits, min(top_k, logits.numel()))
-            nxt = i[torch.multinomial(torch.softmax(v, -1), 1, generator=gen)].item()
-            ids.append(nxt)
-        return tok.decode(ids)
+        return sample_text(self.model, self.data.tokenizer, prompt, context=self.cfg.data.seq_len,
+                           device=self.device, fallback_id=self.data.eos_id or 0, max_new_tokens=max_new_tokens,
+                           temperature=temperature, top_k=top_k, seed=seed)
 
     def barrier(self) -> None:
         runtime.barrier()
