@@ -105,6 +105,20 @@ class MoEConfig:
     """Std of Gaussian noise added to the router logits in training (noisy top-k). 0 = off.
     Random per rank, so runs are not layout-invariant with it."""
 
+    force_balance: str = "none"
+    """Benchmark switch: "round_robin" or "random" replaces the router's expert choice in training
+    mode by a forced, balanced one, so throughput can be compared with the forced-balance figures
+    other frameworks publish (Megatron's --moe-router-force-load-balancing, torchtitan's
+    _debug_force_load_balance). "round_robin": routed copy n = t * top_k + j of a forward goes to
+    expert n mod num_experts (each expert gets T * K / E copies, exact when E divides T * K);
+    "random": each token draws top_k distinct experts uniformly from the global torch RNG (seeded
+    and checkpointed by the trainer; the ranks share its seed, so same-sized batches draw the same
+    assignment on every rank, each balanced in expectation). The router still runs: the gate
+    weights are its scores at the forced experts (renormalised as usual), so the gate keeps its
+    gradients, and the balance losses see its real probabilities. Evaluation and generation
+    (eval mode) route by the router's own choice. Never a default; every metrics record says when
+    it is on (``force_balance``). "none" = off. Token-choice routers only."""
+
     num_expert_groups: int = 1
     """Two-level (group-limited) routing: the E experts form this many groups of consecutive ids;
     a token first picks its top_groups groups (group score: the sum of the group's two best
@@ -219,6 +233,9 @@ class MoEConfig:
         require(self.router_jitter < 1, "moe.router_jitter", self.router_jitter,
                 "must be < 1 (inputs are scaled by U(1 - eps, 1 + eps))")
         _require_finite_non_negative("moe.router_noise_std", self.router_noise_std)
+        require_choice("moe.force_balance", self.force_balance, ("none", "round_robin", "random"))
+        require(not (expert_choice and self.force_balance != "none"), "moe.force_balance", self.force_balance,
+                'must be "none" with moe.router "expert_choice" (experts pick tokens; it is balanced by construction)')
         require_int("moe.num_expert_groups", self.num_expert_groups, min_value=1)
         require(self.num_experts % self.num_expert_groups == 0, "moe.num_expert_groups", self.num_expert_groups,
                 f"must divide moe.num_experts ({self.num_experts})")

@@ -3,8 +3,8 @@
 The trainer's path::
 
     data = prepare_data(cfg.data)                     # fetch + tokenise once, then cache hits
-    train = data.train_loader(global_batch_size=G, dp_rank=r, dp_size=n, seed=seed)
-    val = data.val_loader(global_batch_size=G, dp_rank=r, dp_size=n)
+    train = data.train_loader(global_batch_size=G, micro_steps=A, dp_rank=r, dp_size=n, seed=seed)
+    val = data.val_loader(global_batch_size=B * n, dp_rank=r, dp_size=n)
     input_ids_BS, labels_BS = train.next_batch()
 """
 

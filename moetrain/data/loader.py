@@ -1,16 +1,19 @@
 """A deterministic, rank-sharded, resumable loader over a flat token stream.
 
-Shapes: ``B`` sequences per rank per step, ``G = B * dp_size`` the global batch, ``S`` = seq_len.
+Shapes: ``G`` sequences per optimizer step over all ranks (the global batch), taken as ``A``
+micro-batches (gradient accumulation) of ``B = G / (A * dp_size)`` sequences per rank; ``S`` = seq_len.
 
 The stream of N tokens is cut into W = (N - 1) // S fixed windows; window w covers tokens
 [w*S, w*S + S] (S + 1 tokens: inputs and the labels shifted by one, so neighbouring windows share one
 token). Each epoch visits the windows in a permutation seeded by (seed, epoch), G at a time; the last
-W mod G windows of an epoch are dropped so every step has a full global batch. At step t, rank r takes
-positions [t*G + r*B, t*G + (r+1)*B) of the permutation. Hence:
+W mod G windows of an epoch are dropped so every step has a full global batch. At micro-batch j of
+step t, rank r takes positions [t*G + j*G/A + r*B, ... + B) of the permutation. Hence:
 
-- the ranks' batches are disjoint, and concatenated in rank order they are exactly the global batch
-  that one process (dp_size=1, same seed and G) gets at that step -- what the parity tests rely on;
-- the position (epoch, step) is global, so a state saved under one dp_size resumes under another.
+- the ranks' batches are disjoint, and concatenated in rank order they are exactly the micro-batch
+  that one process (dp_size=1, same seed, G and A) gets -- what the parity tests rely on;
+- every step covers the same G windows whatever A and dp_size are, and the position (epoch, step)
+  counts steps: a state saved at one data-parallel size resumes at another (elastic restarts),
+  the accumulation absorbing the difference, with the same global batches from there on.
 """
 
 from __future__ import annotations
@@ -27,22 +30,24 @@ class TokenLoader:
     Args:
         tokens: the token stream [N] (a numpy array or memmap of unsigned ints).
         seq_len: S, tokens per sequence.
-        global_batch_size: G, sequences per step summed over the data-parallel ranks.
-        dp_rank, dp_size: this rank and the data-parallel degree; dp_size must divide G.
+        global_batch_size: G, sequences per optimizer step summed over the data-parallel ranks.
+        micro_steps: A, micro-batches per step (gradient accumulation); A * dp_size must divide G.
+        dp_rank, dp_size: this rank and the data-parallel degree.
         seed: seeds the epoch permutations (ignored when ``shuffle`` is False).
         shuffle: False visits windows in stream order (validation: the same batches every time).
         name: "train" / "val", for messages.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch_size: int, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, name: str = "train") -> None:
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch_size: int, micro_steps: int = 1,
+                 dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True,
+                 name: str = "train") -> None:
         for field, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size),
-                             ("dp_size", dp_size)):
+                             ("micro_steps", micro_steps), ("dp_size", dp_size)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"{field} ({value!r}) must be an int >= 1")
-        if global_batch_size % dp_size:
+        if global_batch_size % (micro_steps * dp_size):
             raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by "
-                             f"dp_size ({dp_size})")
+                             f"micro_steps * dp_size ({micro_steps} * {dp_size})")
         if not (isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
             raise ValueError(f"dp_rank ({dp_rank!r}) must be in [0, dp_size={dp_size})")
         if not (isinstance(seed, int) and seed >= 0):
@@ -52,7 +57,10 @@ class TokenLoader:
         self.global_batch_size = global_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
-        self.local_batch_size = global_batch_size // dp_size
+        self.micro_steps = micro_steps
+        self.micro_batch_size = global_batch_size // micro_steps
+        """Sequences of one micro-batch over all ranks."""
+        self.local_batch_size = self.micro_batch_size // dp_size
         self.seed = seed
         self.shuffle = shuffle
         self.name = name
@@ -65,6 +73,7 @@ class TokenLoader:
                 f"batch or seq_len" + (", or a larger data.val_fraction" if name == "val" else ""))
         self._epoch = 0
         self._step = 0
+        self._micro = 0
         self._order_epoch = -1
         self._order: np.ndarray | None = None
 
@@ -92,8 +101,8 @@ class TokenLoader:
             self._order, self._order_epoch = rng.permutation(self.num_windows), epoch
         return self._order
 
-    def _batch(self, epoch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = step * self.global_batch_size + self.dp_rank * self.local_batch_size
+    def _batch(self, epoch: int, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        start = step * self.global_batch_size + micro * self.micro_batch_size + self.dp_rank * self.local_batch_size
         windows_B = self._epoch_order(epoch)[start:start + self.local_batch_size]
         offsets_BS1 = windows_B[:, None] * self.seq_len + np.arange(self.seq_len + 1)
         # Fancy indexing reads just these B*(S+1) tokens from the memmap.
@@ -101,9 +110,13 @@ class TokenLoader:
         return chunk_BS1[:, :-1].contiguous(), chunk_BS1[:, 1:].contiguous()
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's next (input_ids [B, S], labels [B, S]); rolls over into the next epoch."""
-        batch = self._batch(self._epoch, self._step)
-        self._step += 1
+        """This rank's next micro-batch (input_ids [B, S], labels [B, S]); rolls over into the next
+        step after ``micro_steps`` of them, and into the next epoch after its last step."""
+        batch = self._batch(self._epoch, self._step, self._micro)
+        self._micro += 1
+        if self._micro < self.micro_steps:
+            return batch
+        self._micro, self._step = 0, self._step + 1
         if self._step == self.steps_per_epoch:
             self._epoch, self._step = self._epoch + 1, 0
         return batch
@@ -115,24 +128,27 @@ class TokenLoader:
 
     def epoch_batches(self, max_batches: int | None = None, *, epoch: int = 0
                       ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One epoch from its start (at most ``max_batches`` steps), without moving the position.
+        """One epoch from its start (at most ``max_batches`` micro-batches), without moving the
+        position.
 
         For evaluation: with ``shuffle=False`` every call yields the same batches.
         """
-        num_steps = self.steps_per_epoch if max_batches is None else min(max_batches, self.steps_per_epoch)
-        for step in range(num_steps):
-            yield self._batch(epoch, step)
+        total = self.steps_per_epoch * self.micro_steps
+        for i in range(total if max_batches is None else min(max_batches, total)):
+            yield self._batch(epoch, i // self.micro_steps, i % self.micro_steps)
 
     def state_dict(self) -> dict:
         """The global position plus what must match on resume (plain ints/bools)."""
-        return {"epoch": self._epoch, "step": self._step, "seed": self.seed, "shuffle": self.shuffle,
+        return {"epoch": self._epoch, "step": self._step, "micro": self._micro, "micro_steps": self.micro_steps,
+                "seed": self.seed, "shuffle": self.shuffle,
                 "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
                 "num_windows": self.num_windows}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at ``state``'s position: the next batches equal those the saved loader would give.
 
-        dp_size/dp_rank may differ from the saved run's; the data, seed and batch geometry may not.
+        dp_size/dp_rank and micro_steps may differ from the saved run's (between steps); the data,
+        seed, sequence length and global batch may not.
         """
         for key in ("seed", "shuffle", "seq_len", "global_batch_size", "num_windows"):
             if state.get(key) != getattr(self, key):
@@ -144,4 +160,9 @@ class TokenLoader:
                 and 0 <= step < self.steps_per_epoch):
             raise ValueError(f"loader state epoch ({epoch!r}) / step ({step!r}) must be ints with "
                              f"epoch >= 0 and 0 <= step < {self.steps_per_epoch}")
-        self._epoch, self._step = epoch, step
+        micro = state.get("micro", 0)
+        if micro != 0 and state.get("micro_steps") != self.micro_steps:
+            raise ValueError(f"cannot resume the {self.name} loader: saved in the middle of a step (micro-batch "
+                             f"{micro} of {state.get('micro_steps')}); only a state between steps resumes at "
+                             f"another accumulation ({self.micro_steps} micro-batches per step now)")
+        self._epoch, self._step, self._micro = epoch, step, micro

@@ -45,11 +45,12 @@ class PreparedData:
     token_file: Path
     """The memory-mapped file behind both splits."""
 
-    def train_loader(self, *, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1,
+    def train_loader(self, *, global_batch_size: int, micro_steps: int = 1, dp_rank: int = 0, dp_size: int = 1,
                      seed: int = 0) -> TokenLoader:
-        """Shuffled, endless, resumable batches of this rank's share of each global batch."""
+        """Shuffled, endless, resumable micro-batches of this rank's share of each global batch."""
         return TokenLoader(self.train_tokens, seq_len=self.seq_len, global_batch_size=global_batch_size,
-                           dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=True, name="train")
+                           micro_steps=micro_steps, dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=True,
+                           name="train")
 
     def val_loader(self, *, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> TokenLoader:
         """Val windows in stream order; evaluate with ``loader.epoch_batches(max_batches)``."""

@@ -3,6 +3,10 @@ ZeRO stage x expert-parallel degree x offload x activation-checkpointing choice 
 
     moetrain plan --config mixtral-8x7b --nproc 64 --nodes 8 --device-memory 80GiB
     moetrain plan --config tiny --nproc 2 --json
+    moetrain plan --config deepseek-v3 --nproc 1024 --dry-run [--rank R]
+
+``--dry-run`` builds one rank for real on the meta device under a fake process group of world
+``--nproc`` and prints its counted model-state bytes next to the planner's (``dry_run``).
 
 Wiring in ``moetrain/cli.py``: ``add_plan_parser(sub)`` in ``build_parser`` and
 ``return run_plan(args, overrides)`` for ``args.cmd == "plan"`` (``--section.field=value``
@@ -26,6 +30,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                    help="memory per device, e.g. 80GiB or 40GB: rank the choices that fit")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON")
     p.add_argument("--all", action="store_true", help="list every choice, not the best 20")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build one rank of the config's own layout (parallel.ep, parallel.zero_stage) on the meta "
+                        "device under a fake process group of --nproc ranks; print its counted parameter, gradient "
+                        "and optimizer bytes next to the planner's")
+    p.add_argument("--rank", type=int, default=None,
+                   help="with --dry-run: the rank to build (default: the largest-memory rank)")
     return p
 
 
@@ -34,6 +44,10 @@ def run_plan(args, overrides=()) -> int:
     from moetrain.plan.planner import format_plan, make_plan, parse_bytes
 
     cfg = load_config(args.config, list(overrides))
+    if args.rank is not None and not args.dry_run:
+        raise ValueError(f"--rank ({args.rank}) needs --dry-run")
+    if args.dry_run:
+        return _run_dry_run(args, cfg)
     device_memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     plan = make_plan(cfg, nproc=args.nproc, nodes=args.nodes, device_memory=device_memory)
     if args.json:
@@ -42,3 +56,15 @@ def run_plan(args, overrides=()) -> int:
     else:
         print(format_plan(plan, top=None if args.all else 20))
     return 0
+
+
+def _run_dry_run(args, cfg) -> int:
+    from moetrain.plan.dry_run import dry_run_isolated, format_dry_run
+
+    result = dry_run_isolated(cfg, nproc=args.nproc, rank=args.rank)
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, indent=1)
+        print()
+    else:
+        print(format_dry_run(result, name=args.config))
+    return 0 if result.matches else 1

@@ -96,20 +96,32 @@ class StateBytes:
         return {"param_bytes": self.param, "grad_bytes": self.grad, "optim_bytes": self.optim}
 
 
-def param_specs(model: ModelConfig, moe: MoEConfig) -> list[ParamSpec]:
-    """The parameters ``Transformer(model, moe)`` creates, a tied embedding once, in model order."""
+def _meta_model(model: ModelConfig, moe: MoEConfig):
+    """``Transformer(model, moe)`` on the meta device: shapes and dtypes, no storage."""
     if model.vocab_size is None:
         raise ValueError("model.vocab_size (None) must be set to plan (it comes from the tokenizer: "
                          "data.vocab_size)")
     import torch
 
-    from moetrain.models.moe.experts import GroupedExperts
     from moetrain.models.transformer import Transformer
 
     with torch.device("meta"):
-        net = Transformer(model, moe=moe if model.is_moe else None)
+        return Transformer(model, moe=moe if model.is_moe else None)
+
+
+def param_specs(model: ModelConfig, moe: MoEConfig) -> list[ParamSpec]:
+    """The parameters ``Transformer(model, moe)`` creates, a tied embedding once, in model order."""
+    from moetrain.models.moe.experts import GroupedExperts
+
+    net = _meta_model(model, moe)
     expert_ids = {id(p) for m in net.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     return [ParamSpec(name, tuple(p.shape), id(p) in expert_ids) for name, p in net.named_parameters()]
+
+
+def buffer_bytes(model: ModelConfig, moe: MoEConfig) -> int:
+    """Bytes of the model's buffers (rotary tables, routing counters, the selection bias) on every
+    rank: neither DDP nor FSDP2 shards a buffer, and expert parallelism shards none."""
+    return sum(b.numel() * b.element_size() for b in _meta_model(model, moe).buffers())
 
 
 def _chunk(rows: int, world: int, rank: int) -> tuple[int, int]:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from moetrain.config.moe import MoEConfig
+
 
 def expert_load_summary(counts_LE: torch.Tensor) -> dict:
     """Per-layer load statistics from routed-copy counts [L layers, E experts].
@@ -103,6 +105,15 @@ class ProgressBar:
             self._bar.close()
 
 
+def run_tags(moe: MoEConfig | None) -> dict:
+    """Settings that make a run's throughput and losses incomparable with an ordinary run's, for
+    every metrics record (``MetricsLogger(tags=...)``): ``force_balance`` (its mode) when
+    ``moe.force_balance`` overrides the routing. Empty for an ordinary run or a dense model."""
+    if moe is not None and moe.force_balance != "none":
+        return {"force_balance": moe.force_balance}
+    return {}
+
+
 PER_EXPERT_KEYS = ("expert_share", "expert_bias", "expert_lr_scale")
 """Metrics that are [layer][expert] tables of numbers (TensorBoard histograms per layer). Other
 nested lists (``unused_experts``: expert ids per layer) are kept in metrics.jsonl only; their
@@ -114,12 +125,14 @@ class MetricsLogger:
 
     ``keep_until_step``: a resumed run's file keeps the records of steps up to this one and
     drops those the stopped run wrote after it, so it reads like the file of a run that never
-    stopped. None starts an empty file.
+    stopped. None starts an empty file. ``tags`` (``run_tags``) go into every record, after the
+    step, so a benchmark-mode run cannot be mistaken for an ordinary one.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True,
-                 keep_until_step: int | None = None) -> None:
+                 keep_until_step: int | None = None, tags: dict | None = None) -> None:
         self.enabled = enabled
+        self.tags = dict(tags or {})
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file = None
         self._tb = None
@@ -138,7 +151,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        record = {"step": step, **metrics}
+        record = {"step": step, **self.tags, **metrics}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in metrics.items():

@@ -52,7 +52,7 @@ from moetrain.train.checkpoint import (
 from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
 from moetrain.train.flops import peak_flops
 from moetrain.train.generation import sample_text
-from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums
+from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums, run_tags
 from moetrain.train.optim import build_optimizer, build_scheduler
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.utils.memory import MemoryTracker
@@ -111,11 +111,12 @@ class Trainer:
         if not self.is_main:
             self.data = prepare_data(self.cfg.data, download=False)
         t = self.cfg.train
-        micro_global = t.micro_batch_size * self.dp_size
-        self.train_loader = self.data.train_loader(global_batch_size=micro_global, dp_rank=self.dp_rank,
-                                                   dp_size=self.dp_size, seed=t.seed)
-        self.val_loader = self.data.val_loader(global_batch_size=micro_global, dp_rank=self.dp_rank,
-                                               dp_size=self.dp_size)
+        # The loader's position counts optimizer steps of the global batch, so a checkpoint
+        # resumes at another data-parallel size with the same batches (the accumulation adapts).
+        self.train_loader = self.data.train_loader(global_batch_size=t.global_batch_size, micro_steps=self.grad_accum,
+                                                   dp_rank=self.dp_rank, dp_size=self.dp_size, seed=t.seed)
+        self.val_loader = self.data.val_loader(global_batch_size=t.micro_batch_size * self.dp_size,
+                                               dp_rank=self.dp_rank, dp_size=self.dp_size)
 
     def build_model(self) -> None:
         cfg = self.cfg
@@ -161,6 +162,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         self._last_saved_step: int | None = None
         self._resumed_rng = None
+        self.layout_change: dict | None = None
         # Rank 0 decides what to resume from and tells the others (they must all load the same one).
         choice = runtime.broadcast_from_main(self._resume_choice() if self.is_main else None)
         if isinstance(choice, Exception):
@@ -186,7 +188,7 @@ class Trainer:
             loaded = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
         data_parallel.load_grad_compression_state(self.parallel_model, loaded.grad_compression_state)
         state = loaded.trainer_state
-        self._load_data_position(state["data"])
+        self.train_loader.load_state_dict(state["data"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.step = loaded.step
@@ -200,29 +202,25 @@ class Trainer:
                         path, self.rank, loaded.manifest.get("world_size"))
         self.resumed_from = path
         self._last_saved_step = self.step
+        saved_world = loaded.manifest.get("world_size")
+        if saved_world != self.world_size:
+            # An elastic restart (or a reshard by hand): same global batch, another accumulation.
+            self.layout_change = {"event": "world_size_changed", "world_size_before": saved_world,
+                                  "world_size": self.world_size, "grad_accum": self.grad_accum}
         log.info("resumed from %s at step %d (saved at world %s, layout %s)", path, self.step,
                  loaded.manifest.get("world_size"), loaded.manifest.get("layout"))
         if self.step >= self.cfg.train.steps:
             log.info("step %d >= train.steps (%d): nothing left to train (raise train.steps to continue, "
                      "or --checkpoint.resume=never to start over)", self.step, self.cfg.train.steps)
 
-    def _load_data_position(self, data_state: dict) -> None:
-        try:
-            self.train_loader.load_state_dict(data_state)
-        except ValueError as e:
-            saved, now = data_state.get("global_batch_size"), self.train_loader.global_batch_size
-            if not isinstance(saved, int) or saved == now:
-                raise
-            fix = (f"set train.micro_batch_size={saved // self.dp_size} to resume at this layout"
-                   if saved % self.dp_size == 0 else f"no train.micro_batch_size fits {self.dp_size} data-parallel ranks")
-            raise ValueError(f"{e}. The data position is counted in batches of train.micro_batch_size * data-parallel "
-                             f"size sequences ({saved} when saved, {now} now): {fix}") from e
-
     def build_logging(self) -> None:
         lc = self.cfg.log
         # metrics.jsonl of a resumed run reads like that of a run that never stopped.
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main and lc.jsonl, tensorboard=lc.tensorboard,
-                                     keep_until_step=self.step if self.resumed_from is not None else None)
+                                     keep_until_step=self.step if self.resumed_from is not None else None,
+                                     tags=run_tags(self.cfg.moe if self.model_config.is_moe else None))
+        if self.layout_change is not None:
+            self.metrics.log(self.step, self.layout_change)
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()

@@ -29,8 +29,8 @@ E = 4  # experts per MoE layer of the tiny job
 
 
 def _ov(run_dir, *, steps: int, ep: int = 1, micro: int = 4, extra: tuple[str, ...] = ()) -> list[str]:
-    # micro * dp is kept at 8 (= the global batch) across layouts: the data position is counted in
-    # those batches, so every layout continues at the same sequence.
+    # micro * dp is kept at 8 (= the global batch) across layouts: one micro-batch per step, so the
+    # layouts sum the same per-rank gradients and their results can be compared.
     return job_overrides(run_dir, steps=steps, ep=ep, extra=(f"--train.micro_batch_size={micro}", *extra))
 
 
@@ -231,8 +231,8 @@ def _layout_rotation_and_router_state(tmp_path):
     assert set(manifest["files"]) == written
 
     weights, trainer_state = load_model_weights(ckpts / "step_000000006")
-    # Data position in loader batches: 2 micro-batches of 4 per step of 8 sequences.
-    assert trainer_state["step"] == 6 and trainer_state["data"]["step"] == 12
+    # Data position in optimizer steps (each 2 micro-batches of 4 sequences here).
+    assert trainer_state["step"] == 6 and trainer_state["data"]["step"] == 6  # counted in optimizer steps
     assert trainer_state["config"]["model"]["vocab_size"] == 256
     assert torch.equal(weights["layers.1.feed_forward.router.state_probe"], torch.arange(E) + 10.0)
     for name, value in weights.items():
@@ -480,15 +480,23 @@ def test_zero1_resume_is_exact(tmp_path, shakespeare_cached):
     assert resumed["losses"] == ref["losses"]  # bit for bit, the first three read back from the log
 
 
-def test_other_batch_geometry_is_a_clear_error(tmp_path, shakespeare_cached):
+def test_other_accumulation_resumes_and_other_global_batch_is_a_clear_error(tmp_path, shakespeare_cached):
     in_child(_other_batch_geometry, tmp_path)
 
 
 def _other_batch_geometry(tmp_path):
     from moetrain.train.trainer import Trainer
 
-    _train_source(tmp_path / "src")
-    with pytest.raises(ValueError, match=r"set train\.micro_batch_size=4 to resume at this layout"):
-        Trainer(load_config(None, _ov(tmp_path / "dst", steps=4, micro=8,
-                                      extra=(f"--checkpoint.resume={_step_dir(tmp_path / 'src', 2)}",))))
-
+    _train_source(tmp_path / "src")  # world 1, micro 4: two micro-batches per step
+    resume = f"--checkpoint.resume={_step_dir(tmp_path / 'src', 2)}"
+    # One micro-batch of 8 per step: the same global batch, so the same data from step 3 on.
+    t = Trainer(load_config(None, _ov(tmp_path / "dst", steps=4, micro=8, extra=(resume,))))
+    assert (t.step, t.grad_accum) == (2, 1)
+    source = t.data.train_loader(global_batch_size=8, micro_steps=2, seed=t.cfg.train.seed)
+    source.load_state_dict(t.train_loader.state_dict())
+    expected = torch.cat([source.next_batch()[0], source.next_batch()[0]])
+    assert torch.equal(t.train_loader.next_batch()[0], expected)
+    t.close()
+    with pytest.raises(ValueError, match=r"saved global_batch_size \(8\) differs from this run's \(16\)"):
+        Trainer(load_config(None, _ov(tmp_path / "dst2", steps=4, micro=8,
+                                      extra=(resume, "--train.global_batch_size=16"))))

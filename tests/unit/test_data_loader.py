@@ -115,7 +115,9 @@ def test_unshuffled_epoch_batches_repeat_and_leave_the_position_alone():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"global_batch_size": 6, "dp_size": 4}, "divisible by dp_size"),
+    ({"global_batch_size": 6, "dp_size": 4}, r"divisible by micro_steps \* dp_size \(1 \* 4\)"),
+    ({"global_batch_size": 8, "micro_steps": 3}, r"divisible by micro_steps \* dp_size \(3 \* 1\)"),
+    ({"micro_steps": 0}, r"micro_steps \(0\) must be an int >= 1"),
     ({"dp_rank": 2, "dp_size": 2}, r"dp_rank \(2\)"),
     ({"num_tokens": 8 * 3 + 1, "global_batch_size": 4}, "3 windows .* fewer than one global batch"),
     ({"seed": -1}, r"seed \(-1\)"),
@@ -123,3 +125,40 @@ def test_unshuffled_epoch_batches_repeat_and_leave_the_position_alone():
 def test_bad_arguments_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_loader(**kwargs)
+
+
+@pytest.mark.parametrize("micro_steps, dp_size", [(2, 1), (2, 2), (4, 2)])
+def test_a_step_covers_the_same_global_batch_whatever_the_accumulation_and_dp_size(micro_steps, dp_size):
+    single = make_loader(global_batch_size=8, seed=5)  # one micro-batch of 8 per step
+    ranks = [make_loader(global_batch_size=8, micro_steps=micro_steps, dp_rank=r, dp_size=dp_size, seed=5)
+             for r in range(dp_size)]
+    assert ranks[0].local_batch_size == 8 // (micro_steps * dp_size)
+    for _ in range(len(single) + 2):  # across an epoch boundary
+        # Micro-batch by micro-batch, rank by rank: the single process's batch, in order.
+        step = torch.cat([torch.cat([loader.next_batch()[0] for loader in ranks]) for _ in range(micro_steps)])
+        assert torch.equal(step, single.next_batch()[0])
+    assert ranks[0].epoch == single.epoch and ranks[0].step == single.step
+
+
+def test_state_between_steps_resumes_at_another_accumulation_and_dp_size():
+    saved = make_loader(global_batch_size=8, micro_steps=2, dp_rank=0, dp_size=2, seed=9)
+    for _ in range(2 * 3):  # three steps of two micro-batches
+        saved.next_batch()
+    state = saved.state_dict()
+    assert (state["step"], state["micro"]) == (3, 0)
+    elastic = make_loader(global_batch_size=8, micro_steps=4, seed=9)  # world 1, accumulation 4
+    elastic.load_state_dict(state)
+    reference = make_loader(global_batch_size=8, seed=9)
+    reference.load_state_dict(state)
+    assert torch.equal(torch.cat([elastic.next_batch()[0] for _ in range(4)]), reference.next_batch()[0])
+
+
+def test_state_inside_a_step_resumes_only_at_the_same_accumulation():
+    saved = make_loader(global_batch_size=8, micro_steps=2, seed=9)
+    saved.next_batch()
+    state = saved.state_dict()
+    same = make_loader(global_batch_size=8, micro_steps=2, seed=9)
+    same.load_state_dict(state)
+    assert torch.equal(same.next_batch()[0], saved.next_batch()[0])
+    with pytest.raises(ValueError, match=r"middle of a step \(micro-batch 1 of 2\)"):
+        make_loader(global_batch_size=8, micro_steps=4, seed=9).load_state_dict(state)

@@ -2,8 +2,9 @@
 
 ``TopKRouter`` is token choice (each token takes its top-k experts) over softmax or sigmoid scores,
 optionally with an auxiliary-loss-free selection bias (DeepSeek-V3), two-level group-limited
-selection, and input jitter or logit noise in training. ``ExpertChoiceRouter`` lets each expert
-pick its tokens instead; the capacity cut itself is made by the dispatcher.
+selection, input jitter or logit noise in training, and a forced balanced assignment for
+benchmarks (``force_balance``). ``ExpertChoiceRouter`` lets each expert pick its tokens instead;
+the capacity cut itself is made by the dispatcher.
 
 Shape legend: T tokens, D model dim, E experts, K experts per token, G expert groups,
 X = E/G experts per group.
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+FORCE_BALANCE_MODES = ("none", "round_robin", "random")
 
 
 @dataclass
@@ -40,14 +43,23 @@ class TopKRouter(nn.Module):
     :meth:`update_bias` (called from an optimizer pre-step hook, never in forward).
     ``num_groups > 1`` restricts each token to its ``top_groups`` best groups of consecutive
     experts before the top-k. ``jitter``/``noise_std`` perturb the routing in training mode only.
+    ``force_balance`` ("round_robin", "random") replaces the selection in training mode only by
+    :func:`forced_assignment`; the gate weights are then the scores of the forced experts.
     """
 
     def __init__(self, dim: int, num_experts: int, *, top_k: int, renormalize: bool = True,
                  init_std: float = 0.02, score_func: str = "softmax", bias: bool = False,
-                 num_groups: int = 1, top_groups: int = 1, jitter: float = 0.0, noise_std: float = 0.0) -> None:
+                 num_groups: int = 1, top_groups: int = 1, jitter: float = 0.0, noise_std: float = 0.0,
+                 force_balance: str = "none") -> None:
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
             raise ValueError(f"score_func ({score_func!r}) must be 'softmax' or 'sigmoid'")
+        if force_balance not in FORCE_BALANCE_MODES:
+            raise ValueError(f"moe.force_balance ({force_balance!r}) must be one of "
+                             f"{', '.join(map(repr, FORCE_BALANCE_MODES))}")
+        if force_balance != "none" and top_k > num_experts:
+            raise ValueError(f"moe.top_k ({top_k}) must be <= moe.num_experts ({num_experts}) to force a balance")
+        self.force_balance = force_balance
         if num_experts % num_groups != 0 or not 1 <= top_groups <= num_groups:
             raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts}) and "
                              f"top_groups ({top_groups}) must be in [1, num_groups]")
@@ -93,7 +105,13 @@ class TopKRouter(nn.Module):
         else:
             scores_TE = torch.sigmoid(logits_TE)
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.expert_bias is None and self.num_groups == 1:
+        if self.training and self.force_balance != "none":
+            # Benchmark routing: the router's choice is ignored, its scores still weight the
+            # forced experts (so the gate gets gradients, as torchtitan's debug switch does).
+            idx_TK = forced_assignment(logits_TE.shape[0], self.num_experts, self.top_k, mode=self.force_balance,
+                                       device=logits_TE.device)
+            weights_TK = scores_TE.gather(1, idx_TK)
+        elif self.expert_bias is None and self.num_groups == 1:
             idx_TK = top_k_lowest_id_first(scores_TE.detach(), self.top_k)
             weights_TK = scores_TE.gather(1, idx_TK)
         else:
@@ -119,6 +137,27 @@ class TopKRouter(nn.Module):
         load_E = num_routed_E.to(self.expert_bias.device, torch.float64)
         step_E = rate * torch.sign(load_E.mean() - load_E)
         self.expert_bias.add_((step_E - step_E.mean()).float())
+
+
+def forced_assignment(num_tokens: int, num_experts: int, top_k: int, *, mode: str,
+                      device: torch.device | str = "cpu") -> torch.Tensor:
+    """``idx_TK`` of a forced, balanced routing (``moe.force_balance``), independent of the scores.
+
+    "round_robin": copy ``n = t * K + j`` goes to expert ``n mod E``. A token's K copies are K
+    consecutive, distinct experts (K <= E), and expert e gets ``floor(T*K/E)`` copies, plus one for
+    ``e < (T*K) mod E``: exactly equal loads when E divides T*K. Stateless, so a recomputed forward
+    (activation checkpointing) routes alike.
+    "random": each token's K distinct experts uniformly at random (the top K of E uniform keys),
+    from the global torch RNG on ``device``: reproducible from its seed, replayed alike by
+    activation checkpointing (which restores the RNG state), and each expert's expected load is
+    T*K/E.
+    """
+    if mode == "round_robin":
+        return (torch.arange(num_tokens * top_k, device=device) % num_experts).view(num_tokens, top_k)
+    if mode == "random":
+        keys_TE = torch.rand(num_tokens, num_experts, device=device)
+        return keys_TE.topk(top_k, dim=-1).indices
+    raise ValueError(f"moe.force_balance ({mode!r}) must be 'round_robin' or 'random' to force an assignment")
 
 
 def top_k_lowest_id_first(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
