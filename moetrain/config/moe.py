@@ -78,6 +78,21 @@ class MoEConfig:
     indices, with the "score" drop policy the all-gathered expert ids) also travel in the smallest
     integer type holding them (int8/int16/int32); the gate weights stay fp32, like the router."""
 
+    dispatch_chunks: int = 1
+    """Pipeline depth of the expert-parallel all-to-all. C > 1 cuts this rank's kept token copies
+    (after the capacity drops, decided over the whole batch) into C chunks of consecutive tokens
+    and sends chunk c+1 while the experts compute chunk c, and chunk c's outputs home while they
+    compute chunk c+1 (on a GPU the exchanges overlap the GEMMs; in backward the exchanges run
+    in turn). All chunks' split counts travel in the one count exchange, C times as many counts
+    (with a capacity factor, where the drops need none, C > 1 adds that exchange); the token
+    bytes do not change. Outputs and gradients equal the unchunked path's up to the expert
+    GEMMs, which see C times fewer rows (a GEMM may sum in another order for another row count:
+    an fp32 rounding difference, see tests/distributed/test_dispatch_chunks.py). Each chunk pays
+    the fixed latency of its exchanges and smaller GEMMs, so C pays off only when a chunk's
+    exchange takes longer than that (benchmarks/overlap.py). 1 = one exchange each way. At ep = 1
+    nothing travels: a no-op there. Independently of it, the shared experts always run while the
+    dispatch is in flight."""
+
     # ----- routing strategy (docs/routing.md compares them) -----------------------------------------
 
     router: str = "softmax"
@@ -217,6 +232,7 @@ class MoEConfig:
         require_choice("moe.expert_impl", self.expert_impl, ("grouped", "loop"))
         require_bool("moe.dispatch_dedup", self.dispatch_dedup)
         require_choice("moe.dispatch_dtype", self.dispatch_dtype, ("none", "bf16", "fp8_e4m3"))
+        require_int("moe.dispatch_chunks", self.dispatch_chunks, min_value=1)
         self._check_routing()
 
     def _check_routing(self) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,12 @@ class CommStats:
     fp8 scales; not the combine, not the metadata)."""
     dispatch_min_bytes_fp32: int = 0
     """The bytes those same dispatch rows take as fp32 (sent plus received)."""
+    inter_node_bytes: int = 0
+    """Of bytes_sent + bytes_received, those exchanged with ranks on other nodes (the slow link).
+    Counted for the exchanges told the node of each peer (``ParallelDims.ranks_per_node``); the
+    rest, ``intra_node_bytes``, stays inside the node."""
+    inter_node_dispatch_bytes: int = 0
+    """Of inter_node_bytes, the forward dispatch payload (token rows, with their fp8 scales)."""
 
     @property
     def ratio(self) -> float:
@@ -55,11 +62,18 @@ class CommStats:
         """Forward dispatch payload / the same rows in fp32: (D + 4 * ceil(D / 128)) / (4 * D) for fp8."""
         return _ratio(self.dispatch_bytes, self.dispatch_min_bytes_fp32)
 
+    @property
+    def intra_node_bytes(self) -> int:
+        """Bytes exchanged with ranks on this rank's node (all of them without a node layout)."""
+        return self.bytes_sent + self.bytes_received - self.inter_node_bytes
+
     def count_exchange(self, *, input_splits: list[int], output_splits: list[int], own: int,
-                       row_bytes: int, dispatch_row_elements: int | None = None) -> None:
+                       row_bytes: int, dispatch_row_elements: int | None = None,
+                       peer_nodes: Sequence[int] | None = None) -> None:
         """Add one exchange: ``input_splits[p]`` rows of ``row_bytes`` to rank p, ``output_splits[p]``
         from it. The one place traffic is counted; a rank's chunk to itself does not move.
-        ``dispatch_row_elements`` (D) marks the forward dispatch payload."""
+        ``dispatch_row_elements`` (D) marks the forward dispatch payload. ``peer_nodes[p]``, the
+        node of group rank p, makes the rows of peers on another node than ``own``'s inter-node."""
         rows_sent = sum(input_splits) - input_splits[own]
         rows_received = sum(output_splits) - output_splits[own]
         self.bytes_sent += rows_sent * row_bytes
@@ -67,6 +81,12 @@ class CommStats:
         if dispatch_row_elements is not None:
             self.dispatch_bytes += (rows_sent + rows_received) * row_bytes
             self.dispatch_min_bytes_fp32 += (rows_sent + rows_received) * dispatch_row_elements * 4
+        if peer_nodes is not None:
+            assert len(peer_nodes) == len(input_splits), (peer_nodes, input_splits)
+            far = sum(i + o for i, o, node in zip(input_splits, output_splits, peer_nodes) if node != peer_nodes[own])
+            self.inter_node_bytes += far * row_bytes
+            if dispatch_row_elements is not None:
+                self.inter_node_dispatch_bytes += far * row_bytes
 
     def count_minimum(self, *, remote_rows: int, dim: int, element_bytes: int, num_counts: int) -> None:
         """Add the minimum of one dispatch: ``remote_rows`` rows (sent plus received) of ``dim``
@@ -79,7 +99,9 @@ class CommStats:
         """The counters as ``metrics.jsonl`` keys."""
         return {"a2a_bytes": self.bytes_sent + self.bytes_received, "a2a_bytes_ratio": self.ratio,
                 "a2a_bytes_ratio_vs_fp32": self.ratio_vs_fp32, "a2a_dispatch_bytes": self.dispatch_bytes,
-                "a2a_dispatch_ratio_vs_fp32": self.dispatch_ratio_vs_fp32}
+                "a2a_dispatch_ratio_vs_fp32": self.dispatch_ratio_vs_fp32,
+                "a2a_inter_node_bytes": self.inter_node_bytes, "a2a_intra_node_bytes": self.intra_node_bytes,
+                "a2a_inter_node_dispatch_bytes": self.inter_node_dispatch_bytes}
 
     def __add__(self, other: CommStats) -> CommStats:
         return CommStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))

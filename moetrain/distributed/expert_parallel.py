@@ -7,6 +7,8 @@ DTensors over the ``ep`` mesh axis, and points the load-balancing loss at the da
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -14,6 +16,7 @@ from torch.distributed.tensor import DTensor, Shard
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.all_to_all import AllToAllDispatcher
 from moetrain.distributed.comm_stats import CommStats
+from moetrain.distributed.hierarchical import hierarchical_dispatcher
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import Dispatcher, LocalDispatcher
 from moetrain.models.moe.experts import GroupedExperts
@@ -23,11 +26,23 @@ from moetrain.models.moe.layer import MoELayer
 def build_dispatcher(dims: ParallelDims, moe: MoEConfig) -> Dispatcher:
     """The dispatcher a layout needs: all-to-all when experts are split (ep > 1), or when data
     parallelism meets a capacity factor (drops are decided over the global batch); otherwise local.
-    Needs the mesh."""
+    With ``parallel.ep_hierarchical`` and an ep group spanning nodes: the two-stage exchange of
+    ``moetrain.distributed.hierarchical`` (across nodes once per destination node, then inside
+    the node). Needs the mesh."""
+    if dims.hierarchical_ep:
+        if moe.dispatch_chunks > 1:
+            warnings.warn(f"moe.dispatch_chunks ({moe.dispatch_chunks}) is ignored by the hierarchical exchange "
+                          f"(parallel.ep_hierarchical): its stages are not chunked", stacklevel=2)
+        return hierarchical_dispatcher(dims, moe)
+    if dims.ep == 1 and moe.dispatch_chunks > 1:
+        warnings.warn(f"moe.dispatch_chunks ({moe.dispatch_chunks}) is ignored at parallel.ep = 1: no token "
+                      f"all-to-all to pipeline", stacklevel=2)
     if dims.ep > 1 or (dims.dp > 1 and moe.capacity_factor is not None):
         return AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group if dims.ep > 1 else None,
                                   dp_group=dims.dp_group if dims.dp > 1 else None, dedup=moe.dispatch_dedup,
-                                  dispatch_dtype=moe.dispatch_dtype)
+                                  dispatch_dtype=moe.dispatch_dtype, num_chunks=moe.dispatch_chunks,
+                                  ep_nodes=dims.ep_rank_nodes() if dims.ep > 1 else None,
+                                  dp_nodes=dims.dp_rank_nodes() if dims.dp > 1 else None)
     return LocalDispatcher(moe.num_experts)
 
 

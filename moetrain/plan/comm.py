@@ -28,10 +28,22 @@ With ``moe.dispatch_dtype`` "bf16" every one of them moves 2 bytes per value; wi
 forward dispatch moves D + 4 * ceil(D / 128) bytes per row (e4m3 values and fp32 block scales),
 the combine and both backward exchanges 2 * D (bf16).
 The routing-count exchanges (E integers per layer) are too small to list.
+
+Inter-node all-to-all bytes, when ep groups are whole nodes (Q = ep / procs per node of them):
+flat, the copies bound for another node, K * (Q - 1) / Q rows per token and layer; hierarchical
+(``parallel.ep_hierarchical``), one row per token and other node its experts live on. Under
+uniform routing (a token's K distinct experts uniform over E; node q holds E / Q of them) a
+token misses a given node with probability C(E - E/Q, K) / C(E, K), so it meets
+``expected_groups_hit(E, K, Q)`` nodes, (Q - 1) / Q of that count other than its own. The
+hierarchical exchange then forwards inside each node once per rank: ``expected_groups_hit(E, K,
+ep) * (ep - Q) / ep`` rows per token (the ranks other than the relay), so its all-to-all volume is
+those two together. Example, E=8, ep=4 on 2 nodes: K=2 crosses 1.0 (flat) vs 0.79 rows per token,
+K=4 2.0 vs 0.99. An ep group that straddles nodes unevenly counts all its bytes as inter-node.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from moetrain.config.model import ModelConfig
@@ -50,14 +62,22 @@ class CommVolume:
     reduce_scatter: int = 0
     all_gather: int = 0
     inter_node: int = 0
-    """Of the total, the bytes of collectives whose group spans nodes (the slow link)."""
+    """Of the total, the bytes that cross nodes (the slow link): collectives whose group spans
+    nodes, and of the all-to-all the rows bound for other nodes."""
+    all_to_all_inter_node_flat: int = 0
+    """Inter-node bytes of the all-to-all with the flat exchange (0 when ep groups stay in a node)."""
+    all_to_all_inter_node_hierarchical: int = 0
+    """The same with parallel.ep_hierarchical, for comparison whichever the config chose."""
 
     @property
     def total(self) -> int:
         return self.all_to_all + self.all_reduce + self.reduce_scatter + self.all_gather
 
     def as_dict(self) -> dict[str, int]:
-        return {c: getattr(self, c) for c in COLLECTIVES} | {"total": self.total, "inter_node": self.inter_node}
+        return {c: getattr(self, c) for c in COLLECTIVES} | {
+            "total": self.total, "inter_node": self.inter_node,
+            "all_to_all_inter_node_flat": self.all_to_all_inter_node_flat,
+            "all_to_all_inter_node_hierarchical": self.all_to_all_inter_node_hierarchical}
 
 
 def _ring(size_bytes: float, group: int) -> float:
@@ -79,14 +99,57 @@ def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per
     return int(remote_copies * (forward_row * (num_moe + num_recomputed) + 2 * bf16_row * num_moe) * grad_accum)
 
 
+def expected_groups_hit(num_experts: int, top_k: int, num_groups: int) -> float:
+    """Expected distinct groups (of E / num_groups consecutive experts: ranks, nodes) among a
+    token's top_k distinct experts, under uniform routing."""
+    miss = math.comb(num_experts - num_experts // num_groups, top_k) / math.comb(num_experts, top_k)
+    return num_groups * (1.0 - miss)
+
+
+def _bytes_per_remote_row(model: ModelConfig, moe: MoEConfig, *, compute_bytes: int, num_recomputed: int) -> int:
+    """All-to-all bytes of one token row that leaves the rank in every MoE layer, over a
+    micro-step: dispatch and combine forward, both again in backward, the forward again per
+    recomputed layer (the wire formats of ``_all_to_all_bytes``)."""
+    num_moe = len(model.moe_layer_ids)
+    if moe.dispatch_dtype == "none":
+        return 2 * model.dim * compute_bytes * (2 * num_moe + num_recomputed)
+    bf16_row = wire_row_bytes(model.dim, "bf16")
+    forward_row = wire_row_bytes(model.dim, moe.dispatch_dtype) + bf16_row
+    return forward_row * (num_moe + num_recomputed) + 2 * bf16_row * num_moe
+
+
+def _ep_node_bytes(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: int, per_node: int,
+                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int, num_recomputed: int,
+                   hierarchical: bool) -> None:
+    """Inter-node all-to-all bytes, flat and hierarchical; with ``hierarchical`` (and ep groups of
+    whole nodes) the all-to-all volume of the two-stage exchange too."""
+    if per_node % ep == 0:
+        return  # every ep group inside one node
+    if ep % per_node != 0:
+        vol.all_to_all_inter_node_flat = vol.all_to_all_inter_node_hierarchical = vol.all_to_all
+        return
+    num_nodes, E, K = ep // per_node, moe.num_experts, moe.top_k
+    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
+    per_row = _bytes_per_remote_row(model, moe, compute_bytes=compute_bytes, num_recomputed=num_recomputed)
+    per_token = tokens_per_micro_batch * kept * per_row * grad_accum
+    other_nodes = expected_groups_hit(E, K, num_nodes) * (num_nodes - 1) / num_nodes
+    vol.all_to_all_inter_node_flat = int(per_token * K * (num_nodes - 1) / num_nodes)
+    vol.all_to_all_inter_node_hierarchical = int(per_token * other_nodes)
+    if hierarchical:
+        forwarded = expected_groups_hit(E, K, ep) * (ep - num_nodes) / ep
+        vol.all_to_all = int(per_token * (other_nodes + forwarded))
+
+
 def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
-                  ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None) -> CommVolume:
+                  ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None,
+                  ep_hierarchical: bool = False) -> CommVolume:
     """Bytes this rank sends in one optimizer step (``grad_accum`` micro-batches of
     ``tokens_per_micro_batch`` tokens). ``ac_moe_layers_recomputed``: MoE layers whose forward
     (all-to-alls included) checkpointing repeats in backward. ``procs_per_node`` (default: all
     on one node) decides which groups span nodes: ep groups are consecutive ranks, dp spans
-    every rank, edp groups stride by ep, HSDP shard groups are consecutive."""
+    every rank, edp groups stride by ep, HSDP shard groups are consecutive. ``ep_hierarchical``
+    (parallel.ep_hierarchical): the two-stage all-to-all where ep groups are whole nodes."""
     W, ep, edp, stage = layout.world, layout.ep, layout.edp, layout.zero_stage
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
@@ -100,7 +163,12 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
         vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=tokens_per_micro_batch,
                                            grad_accum=grad_accum, compute_bytes=compute_bytes,
                                            num_recomputed=ac_moe_layers_recomputed)
-        vol.inter_node += vol.all_to_all if ep_crosses else 0
+        _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=tokens_per_micro_batch,
+                       grad_accum=grad_accum, compute_bytes=compute_bytes, num_recomputed=ac_moe_layers_recomputed,
+                       hierarchical=ep_hierarchical)
+        hierarchical = ep_hierarchical and ep_crosses and ep % per_node == 0
+        vol.inter_node += (vol.all_to_all_inter_node_hierarchical if hierarchical
+                           else vol.all_to_all_inter_node_flat)
 
     # 2. Gradient and parameter collectives.
     dense_numel = sum(s.numel for s in specs if not (s.expert and ep > 1))

@@ -199,7 +199,7 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
         choice = Choice(stage, ep, offload, ac, hsdp)
         if hsdp > 1 and stage < 2:
             continue  # HSDP only exists for the FSDP stages; not worth a line per stage
-        reason = _invalid(choice, model, moe, nproc)
+        reason = _invalid(choice, model, moe, nproc, per_node=per_node, hierarchical=cfg.parallel.ep_hierarchical)
         row = PlanRow(choice=choice, valid=reason is None, reason=reason)
         if reason is None:
             _fill(row, specs, model, cfg, nproc=nproc, micro=micro, grad_accum=grad_accum,
@@ -211,11 +211,12 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
                 grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note)
 
 
-def _invalid(c: Choice, model: ModelConfig, moe, world: int) -> str | None:
+def _invalid(c: Choice, model: ModelConfig, moe, world: int, *, per_node: int, hierarchical: bool) -> str | None:
     if not model.is_moe and c.ep > 1:
         return f"parallel.ep ({c.ep}) must be 1 for a dense model (model.moe_every = 0)"
     try:
-        ParallelDims(world_size=world, ep=c.ep, dp=world, num_experts=moe.num_experts if model.is_moe else None)
+        ParallelDims(world_size=world, ep=c.ep, dp=world, num_experts=moe.num_experts if model.is_moe else None,
+                     ranks_per_node=per_node, ep_hierarchical=hierarchical)
     except ValueError as e:
         return str(e)
     if c.zero_stage > 0 and world == 1:
@@ -266,11 +267,15 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
                          if model.is_moe_layer(i))
     row.comm = comm_per_step(specs, layout, model, cfg.moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
                              compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed,
-                             procs_per_node=per_node).as_dict()
+                             procs_per_node=per_node, ep_hierarchical=cfg.parallel.ep_hierarchical).as_dict()
     if c.ep > per_node or per_node % c.ep != 0:
         row.ep_spans_nodes = True
         row.notes.append(f"ep={c.ep} spans nodes ({per_node} processes per node): all-to-alls cross the "
                          "slower inter-node link")
+        if cfg.parallel.ep_hierarchical:
+            flat, hier = row.comm["all_to_all_inter_node_flat"], row.comm["all_to_all_inter_node_hierarchical"]
+            row.notes.append(f"parallel.ep_hierarchical: {hier / 2**20:.1f} MiB of all-to-all per step cross "
+                             f"nodes instead of {flat / 2**20:.1f} MiB (each token once per destination node)")
     if device_memory is not None:
         row.fits = row.device_bytes <= device_memory
 

@@ -186,13 +186,13 @@ def _count_dispatches(model: nn.Module) -> list[int]:
     calls = [0]
     for layer in model.modules():
         if isinstance(layer, MoELayer):
-            inner = layer.dispatcher.dispatch
+            inner = layer.dispatcher.run_experts
 
-            def dispatch(*args, _inner=inner, **kwargs):
+            def run_experts(*args, _inner=inner, **kwargs):
                 calls[0] += 1
                 return _inner(*args, **kwargs)
 
-            layer.dispatcher.dispatch = dispatch
+            layer.dispatcher.run_experts = run_experts
     return calls
 
 

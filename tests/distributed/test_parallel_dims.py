@@ -90,3 +90,77 @@ def test_bad_layouts_fail_fast_on_every_rank():
         assert messages["ep4_w2"] == EP4_W2, rank
         assert messages["model_e3"] == "parallel.ep (2) must divide moe.num_experts (3) of layer ''", rank
         assert messages["unequal_tokens"] is not None and "same token count on every rank" in messages["unequal_tokens"]
+
+
+# ----- nodes -----------------------------------------------------------------------------------------
+
+
+def test_node_layout_and_which_ep_ranks_share_a_node():
+    dims = ParallelDims(world_size=8, ep=4, num_experts=8, ranks_per_node=2)
+    assert (dims.num_nodes, dims.node_of(5), dims.ep_spans_nodes) == (4, 2, True)
+    assert dims.ep_rank_nodes(1) == [2, 2, 3, 3] and dims.ep_node_ranks(1) == [[0, 1], [2, 3]]
+    assert dims.dp_rank_nodes() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert not dims.hierarchical_ep  # spans nodes, but not asked for
+    assert ParallelDims(world_size=8, ep=4, num_experts=8, ranks_per_node=2, ep_hierarchical=True).hierarchical_ep
+    inside = ParallelDims(world_size=8, ep=2, num_experts=8, ranks_per_node=4, ep_hierarchical=True)
+    assert not inside.ep_spans_nodes and not inside.hierarchical_ep  # falls back to the flat exchange
+    assert inside.ep_node_ranks(3) == [[0, 1]]
+    # Straddling (ranks 3-5 over two nodes) spans nodes too, but not as whole nodes.
+    assert ParallelDims(world_size=12, ep=3, ranks_per_node=4).ep_rank_nodes(1) == [0, 1, 1]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"world_size": 6, "ranks_per_node": 4},
+     ("the world size (6) must be a multiple of the ranks per node (4, LOCAL_WORLD_SIZE): every node must run "
+      "the same number of processes")),
+    ({"world_size": 4, "ranks_per_node": 0}, "ranks per node (0) must be an integer >= 1"),
+    ({"world_size": 12, "ep": 6, "ranks_per_node": 4, "ep_hierarchical": True},
+     ("parallel.ep_hierarchical needs ep groups made of whole nodes: parallel.ep (6) must be a multiple of the "
+      "ranks per node (4) or divide it")),
+    ({"world_size": 12, "ep": 3, "ranks_per_node": 4, "ep_hierarchical": True},
+     "parallel.ep (3) must be a multiple of the ranks per node (4) or divide it"),
+])
+def test_bad_node_layouts_name_what_is_wrong(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ParallelDims(**kwargs)
+
+
+def test_ranks_per_node_come_from_the_launcher_of_this_world(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    dims = ParallelDims.from_config(ParallelConfig(ep=8, ep_hierarchical=True), world_size=8, num_experts=8)
+    assert (dims.ranks_per_node, dims.num_nodes, dims.hierarchical_ep) == (4, 2, True)
+    # Planning or checking another world size: the launcher's nodes do not describe it.
+    assert ParallelDims(world_size=64, ep=8).ranks_per_node == 64
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert ParallelDims(world_size=8, ep=8).num_nodes == 1
+
+
+def test_ep_hierarchical_needs_expert_parallelism():
+    assert ParallelConfig().ep_hierarchical is False
+    with pytest.raises(ValueError, match=re.escape("parallel.ep_hierarchical (True) needs parallel.ep > 1 (is 1)")):
+        ParallelConfig(ep_hierarchical=True)
+    with pytest.raises(ValueError, match=re.escape("parallel.ep_hierarchical ('yes') must be true or false")):
+        ParallelConfig(ep=2, ep_hierarchical="yes")
+
+
+def _launcher_nodes_worker(rank, world_size, sizes):
+    """Ranks told by their launcher that nodes hold ``sizes[rank]`` processes: every rank must
+    raise the same error from build_mesh's gathered check."""
+    import os
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(sizes[rank])
+    os.environ.pop("GROUP_RANK", None)
+    try:
+        ParallelDims(world_size=world_size, ep=1).build_mesh()
+        return None
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.slow
+def test_nodes_of_different_sizes_fail_on_every_rank():
+    # 4 ranks, nodes of [2, 2] and [1, 1] processes: each count divides the world on its own.
+    messages = run_ranks(_launcher_nodes_worker, 4, [2, 2, 1, 1], timeout_s=60)
+    assert len(set(messages)) == 1 and messages[0] == (
+        "every node must run the same number of processes; LOCAL_WORLD_SIZE by rank: [2, 2, 1, 1]")

@@ -91,7 +91,7 @@ def test_moe_layer_with_forced_routing_balances_exactly():
     cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=8, force_balance="round_robin")
     torch.manual_seed(0)
     layer = MoELayer(16, cfg)
-    layer.router.force_balance = cfg.force_balance  # what MoELayer passes to its router
+    assert layer.router.force_balance == "round_robin"  # the config reaches the router
     x = torch.randn(2, 6, 16, requires_grad=True)
     out, aux = layer(x)
     assert aux.num_routed_per_expert.tolist() == [6, 6, 6, 6]

@@ -1,10 +1,13 @@
 """Token dispatch: moves routed token copies to their experts and brings the results back.
 
-Every dispatcher has the same two calls (the ``Dispatcher`` protocol), so the MoE layer never
-knows where its experts live: ``dispatch(x_TD, idx_TK, weights_TK, capacity_factor=...)`` returns
-the token copies grouped by local expert, and ``combine(y_MD, state)`` returns the weighted sum of
-each token's K expert outputs. Each dispatcher turns the capacity factor into a capacity over the
-batch it decides drops for, and reports what it sent. ``LocalDispatcher`` (all experts on this
+Every dispatcher has the same calls (the ``Dispatcher`` protocol), so the MoE layer never knows
+where its experts live: ``dispatch(x_TD, idx_TK, weights_TK, capacity_factor=...)`` returns the
+token copies grouped by local expert, and ``combine(y_MD, state)`` returns the weighted sum of
+each token's K expert outputs. ``run_experts`` does both around the layer's experts and takes an
+``in_flight`` callable, work that does not need the routed rows (the shared experts): a
+dispatcher that communicates runs it while the rows travel, and may pipeline the experts against
+its exchanges; the local one simply calls it. Each dispatcher turns the capacity factor into a
+capacity over the batch it decides drops for, and reports what it sent. ``LocalDispatcher`` (all experts on this
 process) is here; the all-to-all one for expert parallelism is in
 ``moetrain.distributed.all_to_all``.
 
@@ -15,6 +18,7 @@ M copies kept after capacity drops (M = N when dropless).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Protocol
@@ -82,6 +86,28 @@ class DispatchResult:
     rank (not once per copy) would move this many rows each way; None when all experts are local."""
 
 
+ExpertsFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``experts(x_MD, num_tokens_per_expert) -> y_MD``: the routed experts (``GroupedExperts``)."""
+
+
+@dataclass
+class RoutedOutput:
+    """What ``Dispatcher.run_experts`` returns."""
+
+    out_TD: torch.Tensor
+    """``out[t]``: the weighted sum of token t's kept expert outputs (zero if all dropped)."""
+    overlapped: torch.Tensor | None
+    """What ``in_flight()`` returned (None without it)."""
+    num_routed_per_expert: torch.Tensor
+    """As ``DispatchResult.num_routed_per_expert``."""
+    num_dropped: torch.Tensor
+    """As ``DispatchResult.num_dropped``."""
+    token_idx_M: torch.Tensor
+    """Local token of each copy this process kept (in the dispatcher's send order)."""
+    num_token_rank_sends: torch.Tensor | None = None
+    """As ``DispatchResult.num_token_rank_sends``."""
+
+
 class Dispatcher(Protocol):
     """What the MoE layer calls; ``LocalDispatcher`` and the expert-parallel ``AllToAllDispatcher``."""
 
@@ -94,6 +120,13 @@ class Dispatcher(Protocol):
 
     def combine(self, y_MD: torch.Tensor, state: object) -> torch.Tensor:
         """``out[t]`` = the weighted sum of token t's kept expert outputs (zero if all dropped)."""
+        ...
+
+    def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn, *,
+                    capacity_factor: float | Fraction | None = None, drop_policy: str = "position",
+                    in_flight: Callable[[], torch.Tensor] | None = None) -> RoutedOutput:
+        """``combine(experts(dispatch(...)))``, with ``in_flight()`` called once, after the routed
+        rows have left and before they are read (its result comes back as ``overlapped``)."""
         ...
 
 
@@ -141,3 +174,14 @@ class LocalDispatcher:
 
     def combine(self, y_MD: torch.Tensor, state: _LocalState) -> torch.Tensor:
         return weighted_scatter(y_MD, state.weights_M, state.token_idx_M, state.num_tokens, state.bags)
+
+    def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn, *,
+                    capacity_factor: float | Fraction | None = None, drop_policy: str = "position",
+                    in_flight: Callable[[], torch.Tensor] | None = None) -> RoutedOutput:
+        """Nothing travels: ``in_flight()`` runs between the gather and the experts, the order the
+        expert-parallel dispatcher runs them in (so both build the same autograd graph)."""
+        d = self.dispatch(x_TD, idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)
+        overlapped = in_flight() if in_flight is not None else None
+        out_TD = self.combine(experts(d.x_MD, d.num_tokens_per_expert), d.state)
+        return RoutedOutput(out_TD=out_TD, overlapped=overlapped, num_routed_per_expert=d.num_routed_per_expert,
+                            num_dropped=d.num_dropped, token_idx_M=d.token_idx_M)

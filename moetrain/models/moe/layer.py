@@ -1,4 +1,5 @@
-"""The Mixture-of-Experts feed-forward layer: router -> dispatch -> experts -> combine.
+"""The Mixture-of-Experts feed-forward layer: router -> dispatch -> experts -> combine, plus the
+shared experts, which the dispatcher runs while the dispatched rows are in flight.
 
 Written for one device. Expert parallelism replaces ``self.dispatcher`` (and shards the expert
 weights) afterwards, from ``moetrain.distributed``; nothing here changes.
@@ -83,7 +84,8 @@ class MoELayer(nn.Module):
             self.router = TopKRouter(dim, c.num_experts, top_k=c.top_k, renormalize=c.renormalize,
                                      init_std=c.router_init_std, score_func=c.router,
                                      bias=c.router_bias_update_rate > 0, num_groups=c.num_expert_groups,
-                                     top_groups=c.top_groups, jitter=c.router_jitter, noise_std=c.router_noise_std)
+                                     top_groups=c.top_groups, jitter=c.router_jitter, noise_std=c.router_noise_std,
+                                     force_balance=c.force_balance)
         self.experts = GroupedExperts(dim, c.expert_hidden_dim, c.num_experts,
                                       activation=c.activation, impl=c.expert_impl)
         self.shared_experts = (FeedForward(dim, c.resolved_shared_hidden_dim, activation=c.activation)
@@ -170,12 +172,13 @@ class MoELayer(nn.Module):
         drop_policy = "score" if c.is_expert_choice else c.drop_policy
         # The dispatcher turns the factor into a capacity over the batch it decides drops for:
         # this layer's tokens, or the global batch under data/expert parallelism.
-        d = self.dispatcher.dispatch(x_TD, routing.idx_TK, routing.weights_TK,
-                                     capacity_factor=self.capacity_factor, drop_policy=drop_policy)
-        y_MD = self.experts(d.x_MD, d.num_tokens_per_expert)
-        out_TD = self.dispatcher.combine(y_MD, d.state)
-        if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(x_TD)
+        # The shared experts do not read the routed rows: the dispatcher runs them (in_flight)
+        # while those rows travel; their output is added here.
+        shared = self.shared_experts
+        d = self.dispatcher.run_experts(x_TD, routing.idx_TK, routing.weights_TK, self.experts,
+                                        capacity_factor=self.capacity_factor, drop_policy=drop_policy,
+                                        in_flight=None if shared is None else lambda: shared(x_TD))
+        out_TD = d.out_TD if d.overlapped is None else d.out_TD + d.overlapped
 
         z = router_z_loss(routing.logits_TE)
         if c.is_expert_choice:
