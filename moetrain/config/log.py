@@ -30,6 +30,13 @@ class LogConfig:
     """Measure each rank's peak bytes of parameters, gradients, optimizer states and activations on
     the log steps (a tensor-allocation tracker; it slows the step it watches) and log them as mem/*."""
 
+    comm_timing: bool = False
+    """Time every collective of the expert-parallel exchanges (dispatch, combine and their backward,
+    routing metadata) and of the gradient reduction at ZeRO stages 0/1, and log the seconds per step as
+    comm_time/<kind>. Timing waits for each collective where it is issued, so communication stops
+    overlapping compute: steps get slower, and the figures say what each exchange costs, the most
+    overlap could hide. FSDP2's own gathers and reduce-scatters (stages 2/3) are not timed."""
+
     level: str = "info"
     """Python logging level of rank 0: "debug", "info" or "warning" (other ranks log warnings only)."""
 
@@ -41,4 +48,5 @@ class LogConfig:
         require_bool("log.jsonl", self.jsonl)
         require_bool("log.progress_bar", self.progress_bar)
         require_bool("log.memory", self.memory)
+        require_bool("log.comm_timing", self.comm_timing)
         require_choice("log.level", self.level, ("debug", "info", "warning"))

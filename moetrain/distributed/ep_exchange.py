@@ -1,6 +1,8 @@
 """The exchanges of the expert-parallel dispatcher (``moetrain.distributed.all_to_all``): token
 rows, integer metadata and all-gathers over the ep and data-parallel groups. Every exchange goes
-through these methods and is counted by them in ``stats`` (``CommStats``).
+through these methods and is counted by them in ``stats`` (``CommStats``), and timed by ``timer``
+when it is enabled (``log.comm_timing``: "dispatch", "combine" and their backward, "routing" for
+the metadata).
 
 Shape legend: M rows sent, R rows received, X elements per row, P ranks in the ep group.
 """
@@ -14,6 +16,7 @@ import torch.distributed as dist
 
 from moetrain.distributed.async_exchange import launch_rows
 from moetrain.distributed.comm_stats import CommStats, row_bytes
+from moetrain.distributed.comm_timer import CommTimer, timed_exchange
 from moetrain.distributed.compressed_exchange import (
     DISPATCH_DTYPES,
     ints_from_bytes,
@@ -43,6 +46,7 @@ class EpExchanges:
             self.dp_size, self.dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
         self.ep_nodes, self.dp_nodes = ep_nodes, dp_nodes
         self.stats = CommStats()
+        self.timer = CommTimer()
 
     def read_comm_stats(self, *, reset: bool = True) -> CommStats:
         stats = self.stats
@@ -72,6 +76,12 @@ class EpExchanges:
                                   row_bytes=row_bytes(x_MX) if wire == "none" else wire_row_bytes(dim, wire),
                                   dispatch_row_elements=dim if payload == "dispatch" else None,
                                   peer_nodes=self.ep_nodes)
+        if self.timer.enabled:
+            # Timed means waited for at once: the span is the exchange, not the work overlapping it.
+            y_RX = timed_exchange(lambda t: launch_rows(t, wire=wire, output_splits=output_splits,
+                                                        input_splits=input_splits, group=self.ep_group).wait(),
+                                  x_MX, self.timer, kind=payload or "routing")
+            return lambda: y_RX
         return launch_rows(x_MX, wire=wire, output_splits=output_splits, input_splits=input_splits,
                            group=self.ep_group).wait
 
@@ -82,8 +92,9 @@ class EpExchanges:
             return x_MX
         wire_MX, out_RX = self._int_buffers(x_MX, bound, output_splits, input_splits, self.ep_rank,
                                            self.ep_nodes)
-        dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                               group=self.ep_group)
+        with self.timer.span("routing"):
+            dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                                   group=self.ep_group)
         return ints_from_bytes(out_RX, bound, x_MX.shape[1:]) if self.compact_ints else out_RX
 
     def _exchange_counts(self, send_PX: torch.Tensor, *, bound: int) -> torch.Tensor:
@@ -93,7 +104,8 @@ class EpExchanges:
             return send_PX
         ones = [1] * self.ep_size
         wire_PX, recv_PX = self._int_buffers(send_PX, bound, ones, ones, self.ep_rank, self.ep_nodes)
-        dist.all_to_all_single(recv_PX, wire_PX, group=self.ep_group)
+        with self.timer.span("routing"):
+            dist.all_to_all_single(recv_PX, wire_PX, group=self.ep_group)
         return ints_from_bytes(recv_PX, bound, send_PX.shape[1:]) if self.compact_ints else recv_PX
 
     def _all_gather(self, x: torch.Tensor, *, bound: int | None = None) -> torch.Tensor:
@@ -102,7 +114,8 @@ class EpExchanges:
         compact = bound is not None and self.compact_ints
         splits = [x.shape[0]] * self.dp_size
         wire, out = self._int_buffers(x, bound if compact else None, splits, splits, self.dp_rank, self.dp_nodes)
-        all_gather_single(out, wire, group=self.dp_group)  # gloo wants the output flat along dim 0
+        with self.timer.span("routing"):
+            all_gather_single(out, wire, group=self.dp_group)  # gloo wants the output flat along dim 0
         return ints_from_bytes(out, bound, x.shape[1:]) if compact else out
 
     def _int_buffers(self, x_MX: torch.Tensor, bound: int | None, output_splits: list[int], input_splits: list[int],

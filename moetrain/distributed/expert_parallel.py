@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor, Shard
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.all_to_all import AllToAllDispatcher
 from moetrain.distributed.comm_stats import CommStats
+from moetrain.distributed.comm_timer import CommTimer
+from moetrain.distributed.ep_exchange import EpExchanges
 from moetrain.distributed.hierarchical import hierarchical_dispatcher
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import Dispatcher, LocalDispatcher
@@ -85,6 +87,27 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         if dims.dp > 1:
             layer.balance_group = dims.dp_group
     return model
+
+
+def _exchanging_dispatchers(model: nn.Module) -> list[EpExchanges]:
+    return [m.dispatcher for m in model.modules() if isinstance(m, MoELayer) and isinstance(m.dispatcher, EpExchanges)]
+
+
+def enable_comm_timing(model: nn.Module, device: torch.device) -> None:
+    """Time every exchange of every MoE layer's dispatcher (``log.comm_timing``): each is then
+    waited for at once, so the all-to-alls no longer overlap compute (see ``comm_timer``)."""
+    for dispatcher in _exchanging_dispatchers(model):
+        dispatcher.timer = CommTimer(enabled=True, device=device)
+
+
+def collect_comm_times(model: nn.Module, *, reset: bool = True) -> dict[str, float]:
+    """Seconds (``comm_time/<kind>``) and spans (``comm_calls/<kind>``) of the exchanges of every MoE
+    layer on this rank since the last read, summed over layers; empty when not timed."""
+    total: dict[str, float] = {}
+    for dispatcher in _exchanging_dispatchers(model):
+        for key, value in dispatcher.timer.read(reset=reset).items():
+            total[key] = total.get(key, 0.0) + value
+    return total
 
 
 def collect_comm_stats(model: nn.Module, *, reset: bool = True) -> CommStats:

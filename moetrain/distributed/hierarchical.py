@@ -45,6 +45,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.all_to_all import AllToAllDispatcher
 from moetrain.distributed.comm_stats import row_bytes
+from moetrain.distributed.comm_timer import timed_exchange
 from moetrain.distributed.compressed_exchange import (
     exchange_rows,
     ints_from_bytes,
@@ -250,7 +251,8 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         wire_row = wire_row_bytes(x_UD.shape[1], self.dispatch_dtype)
         for stage in (inter, intra):
             self._count(stage, rows=(stage.send, stage.recv), row_bytes=wire_row, dim=x_UD.shape[1])
-        return _RelayedRows.apply(x_UD, self.dispatch_dtype, relay_S, inter, intra)
+        return timed_exchange(lambda x: _RelayedRows.apply(x, self.dispatch_dtype, relay_S, inter, intra), x_UD,
+                              self.timer, kind="dispatch")
 
     def _stage_rows(self, x_MD: torch.Tensor, stage: _Stage, *, payload: str,
                     reverse: bool = False) -> torch.Tensor:
@@ -262,13 +264,18 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         self._count(stage, rows=(send, recv), row_bytes=wire_row_bytes(dim, "bf16") if compressed else row_bytes(x_MD),
                     dim=dim if payload == "dispatch" else None)
         if compressed:
-            return exchange_rows(x_MD, wire="bf16", output_splits=recv, input_splits=send, group=stage.group)
-        return all_to_all_single_autograd(x_MD.contiguous(), recv, send, stage.group)
+            return timed_exchange(lambda x: exchange_rows(x, wire="bf16", output_splits=recv, input_splits=send,
+                                                          group=stage.group), x_MD, self.timer, kind=payload)
+        return timed_exchange(lambda x: all_to_all_single_autograd(x.contiguous(), recv, send, stage.group), x_MD,
+                              self.timer, kind=payload)
 
     def _stage_weights(self, w_MK: torch.Tensor, stage: _Stage) -> torch.Tensor:
         """Gate weights (fp32 both ways, like the router's scores; autograd) over one stage."""
         self._count(stage, rows=(stage.send, stage.recv), row_bytes=row_bytes(w_MK))
-        return all_to_all_single_autograd(w_MK.contiguous(), stage.recv, stage.send, stage.group)
+        def exchange(w_MK: torch.Tensor) -> torch.Tensor:
+            return all_to_all_single_autograd(w_MK.contiguous(), stage.recv, stage.send, stage.group)
+
+        return timed_exchange(exchange, w_MK, self.timer, kind="routing")
 
     def _stage_ints(self, x_MX: torch.Tensor, stage: _Stage, *, bound: int) -> torch.Tensor:
         """Integers in ``[0, bound]`` over one stage (no autograd): with a compressed
@@ -276,8 +283,9 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         wire_MX = ints_to_bytes(x_MX, bound) if self.compact_ints else x_MX.contiguous()
         self._count(stage, rows=(stage.send, stage.recv), row_bytes=row_bytes(wire_MX))
         out_RX = wire_MX.new_empty(sum(stage.recv), *wire_MX.shape[1:])
-        dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=stage.recv, input_split_sizes=stage.send,
-                               group=stage.group)
+        with self.timer.span("routing"):
+            dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=stage.recv, input_split_sizes=stage.send,
+                                   group=stage.group)
         return ints_from_bytes(out_RX, bound, x_MX.shape[1:]) if self.compact_ints else out_RX
 
     def _count(self, stage: _Stage, *, rows: tuple[list[int], list[int]], row_bytes: int,

@@ -32,7 +32,7 @@ from moetrain.config.loader import config_to_dict, save_config
 from moetrain.data import prepare_data
 from moetrain.distributed import data_parallel, runtime
 from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
-from moetrain.distributed.expert_parallel import collect_comm_stats
+from moetrain.distributed.expert_parallel import collect_comm_stats, collect_comm_times, enable_comm_timing
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
 from moetrain.distributed.utils import clip_global_grad_norm_, mean_over_dp
@@ -133,6 +133,8 @@ class Trainer:
                                           activation_checkpointing_every=t.activation_checkpointing_every,
                                           compile=t.compile, grad_compression=cfg.dp.grad_compression,
                                           **zero_settings(cfg))
+        if cfg.log.comm_timing:
+            enable_comm_timing(self.model, self.device)
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -361,7 +363,9 @@ class Trainer:
         m.update(self.memory_metrics)
         self.memory_metrics = {}
         if self.dims.ep_enabled:
-            m.update(collect_comm_stats(self.model).as_metrics())
+            m.update(collect_comm_stats(self.model).as_metrics())  # over the window
+            m["a2a_bytes_per_step"] = m["a2a_bytes"] / max(w.steps, 1)
+        m.update({k: v / max(w.steps, 1) for k, v in collect_comm_times(self.model).items()})  # per step
         self.window = MetricsWindow()
         return m
 

@@ -1,0 +1,50 @@
+"""``log.comm_timing``: every expert-parallel exchange timed, in both directions, with the same
+numbers as an untimed run (timing waits for each collective where it is issued; nothing else
+changes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moetrain.config.loader import load_config
+from tests.distributed.dist_launcher import run_ranks
+from tests.integration.conftest import job_overrides
+
+KINDS = ("dispatch", "dispatch_backward", "combine", "combine_backward", "routing")
+
+
+def _run(rank: int, world_size: int, overrides: list[str]) -> dict | None:
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    if rank != 0:
+        return None
+    with open(trainer.run_dir / "metrics.jsonl") as f:
+        return {"records": [json.loads(line) for line in f if line.strip()]}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("extra", [(), ("--moe.dispatch_dtype=fp8_e4m3", "--moe.dispatch_dedup=true")],
+                         ids=["plain", "fp8-dedup"])
+def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakespeare_cached, extra):
+    base = ("--train.micro_batch_size=4", "--log.every=2", "--train.deterministic=true", *extra)
+    plain = run_ranks(_run, 2, job_overrides(tmp_path / "plain", steps=4, ep=2, extra=base), timeout_s=150)[0]
+    timed = run_ranks(_run, 2, job_overrides(tmp_path / "timed", steps=4, ep=2,
+                                             extra=(*base, "--log.comm_timing=true")), timeout_s=150)[0]
+    assert [r["loss"] for r in timed["records"]] == [r["loss"] for r in plain["records"]]
+    assert [r["a2a_bytes"] for r in timed["records"]] == [r["a2a_bytes"] for r in plain["records"]]
+    for record in timed["records"]:
+        # 2 MoE layers, one dispatch and one combine each, per step (and their backward).
+        for kind in ("dispatch", "dispatch_backward", "combine", "combine_backward"):
+            assert record[f"comm_calls/{kind}"] == 2, (kind, record)
+            assert record[f"comm_time/{kind}"] > 0
+        assert record["comm_calls/routing"] >= 2 and record["comm_time/routing"] > 0
+        assert record["a2a_bytes_per_step"] == record["a2a_bytes"] / 2
+    assert not any(k.startswith("comm_") for r in plain["records"] for k in r)  # off by default
