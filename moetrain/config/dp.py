@@ -1,29 +1,55 @@
 """Config of the data-parallel gradient reduction: how the gradients travel between replicas.
 
 The data-parallel degree itself is ``parallel.dp``; this section says what goes on the wire when
-the replicas average their gradients (``moetrain.distributed.grad_compression``).
+the replicas average their gradients (``moetrain.distributed.grad_compression``), or, for
+"onebit", their Adam momenta (``moetrain.distributed.onebit_adam``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moetrain.config._checks import require_int
 from moetrain.config.base import require_choice
 
 GRAD_COMPRESSIONS = ("none", "bf16", "onebit")
+
+ONEBIT_WARMUP_FRACTION = 0.2
+"""Share of train.steps that 1-bit Adam runs uncompressed when dp.onebit_warmup_steps is None.
+DeepSpeed's guidance for its freeze_step is 15-25% of the run; BENCHMARKS.md has the measurement
+that picked 20% for the demo."""
 
 
 @dataclass
 class DataParallelConfig:
     grad_compression: str = "none"
-    """What the gradient all-reduce over the data-parallel replicas moves, for the replicated
-    parameters (over dp) and the expert shards (over edp):
-    "none": fp32 gradients (exact);
+    """What the data-parallel replicas exchange every step, for the replicated parameters (over dp)
+    and the expert shards (over edp):
+    "none": fp32 gradients, all-reduced (exact);
     "bf16": gradients rounded to bf16 for the all-reduce, cast back to fp32 (half the bytes);
-    "onebit": the sign of each element plus one fp32 scale (mean |g|) per tensor chunk, with
-    error feedback on every rank and on the rank that sums each chunk (the two-phase compressed
-    all-reduce of 1-bit Adam): about 1/32 of the fp32 bytes. Its residuals are checkpointed.
-    Needs parallel.zero_stage <= 1: at stages 2/3 FSDP2 reduce-scatters its own buckets."""
+    "onebit": 1-bit Adam (Tang et al. 2021, DeepSpeed's OnebitAdam). For dp.onebit_warmup_steps
+    steps it is AdamW with fp32 gradient all-reduces; then Adam's variance is frozen, each rank
+    folds its own local gradient into the momentum and the momenta are averaged with the two-phase
+    1-bit compressed all-reduce (sign plus one fp32 scale per tensor chunk, error feedback on
+    every rank and on the rank that sums each chunk): about 1/32 of the fp32 bytes. Its residuals
+    are checkpointed. Needs parallel.zero_stage = 0 (the whole momentum and variance live on
+    every replica, as in DeepSpeed, whose 1-bit Adam rejects ZeRO) and optim.name "adamw".
+    From the freeze on, optim.grad_clip clips each rank's local gradient by its own norm, and the
+    logged grad_norm is rank 0's local one: the global gradient is never assembled."""
+
+    onebit_warmup_steps: int | None = None
+    """Optimizer steps of "onebit" that run uncompressed (plain AdamW over fp32 all-reduces) before
+    the variance freezes; None: 20% of train.steps. DeepSpeed's guidance for this (its
+    freeze_step) is 15-25% of the run: the variance must have settled, since it is never updated
+    again. Must be >= 1 (a variance frozen at zero would divide by eps). Set it explicitly for a
+    run resumed with another train.steps, or the default moves the freeze with it."""
 
     def __post_init__(self) -> None:
         require_choice("dp.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
+        require_int("dp.onebit_warmup_steps", self.onebit_warmup_steps, min_value=1, none_ok=True)
+
+    def onebit_warmup(self, total_steps: int) -> int:
+        """dp.onebit_warmup_steps, or its default for a run of ``total_steps`` optimizer steps."""
+        if self.onebit_warmup_steps is not None:
+            return self.onebit_warmup_steps
+        return max(1, round(ONEBIT_WARMUP_FRACTION * total_steps))

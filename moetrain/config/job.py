@@ -71,6 +71,9 @@ class JobConfig:
         require(self.dp.grad_compression == "none" or par.zero_stage <= 1, "dp.grad_compression",
                 self.dp.grad_compression, f"needs parallel.zero_stage <= 1 (is {par.zero_stage}): at stages 2/3 "
                 "FSDP2 reduce-scatters its own gradient buckets, which cannot be compressed")
+        require(self.dp.grad_compression != "onebit" or par.zero_stage == 0, "dp.grad_compression",
+                self.dp.grad_compression, f"needs parallel.zero_stage = 0 (is {par.zero_stage}): 1-bit Adam keeps "
+                "the whole momentum and frozen variance on every replica")
         ckpt = self.train.activation_checkpointing
         require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
                 'cannot be "moe" for a dense model (model.moe_every = 0)')

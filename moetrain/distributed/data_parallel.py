@@ -21,10 +21,22 @@ every gradient must equal (1/W) * sum over ranks of that rank's local gradient.
 DDP handles the non-expert parameters (bucketed, overlapped with backward); the expert shards
 (DTensors) are hidden from it and reduced by hooks here, with the same ``no_sync`` switch.
 
-Gradient compression (``dp.grad_compression``, stages 0/1 only) swaps both reductions for a
-compressed one (``moetrain.distributed.grad_compression``): a DDP communication hook for the
-replicated parameters, the same reduction over edp for the expert shards. "onebit" keeps error
-feedback residuals, which ``compression_state_dict`` hands to the checkpoint.
+Gradient compression (``dp.grad_compression``). "bf16" (stages 0/1) swaps both reductions for a
+bf16 all-reduce: a DDP communication hook for the replicated parameters, the same reduction over
+edp for the expert shards. "onebit" (stage 0 only) is 1-bit Adam
+(``moetrain.distributed.onebit_adam``): during its warmup both reductions are the fp32 ones above;
+afterwards the optimizer sets *local-gradient mode* and the backward reduces nothing. Each rank
+then holds its own estimate of the global gradient, which the optimizer folds into its momentum
+before the momenta are averaged (``onebit_average_``, 1-bit compressed, over dp and edp):
+
+* a replicated parameter's local gradient, as it is: the global loss is the mean of the W
+  per-rank losses, so the mean over dp of the local gradients is the global gradient;
+* an expert shard's local gradient times edp / W (= 1 / ep): the mean over its edp copies of
+  those is (sum over edp) / W, the rule above. Reducing the momenta with a mean over edp
+  is what asks for the edp factor.
+
+The error-feedback residuals of that average live here, per rank; ``compression_state_dict``
+hands them to the checkpoint.
 """
 
 from __future__ import annotations
@@ -77,6 +89,8 @@ class MoEDataParallel(DistributedDataParallel):
         self._expert_params = [params[n] for n in expert_names]
         self._edp_group = dims.edp_group if dims.edp > 1 else None
         self._expert_grad_scale = 1.0 / dims.dp
+        self._expert_local_scale = dims.edp / dims.dp  # local-gradient mode (module docstring)
+        self._local_gradients = False
         self._sync_experts = False
         self._callback_queued = False
         self._pending: list[dist.Work] = []
@@ -109,47 +123,105 @@ class MoEDataParallel(DistributedDataParallel):
         if self._edp_group is not None:
             self._fp32_bytes_per_step += sum(map(fp32_bytes, experts.values()))
         self._bytes_sent, self._bytes_fp32, self._num_synced = 0, 0, 0
+        self._onebit_bytes, self._num_onebit = 0, 0
         self._dense_reducer = self._expert_reducer = None
         self._collected: dict[int, torch.Tensor] = {}
         if mode == "none":
             return
-        self._dense_names = {id(p): n for n, p in module.named_parameters()}
         if mode == "onebit":
             device = next(module.parameters()).device
+            self._dense_params = [(n, p) for n, p in module.named_parameters() if n in dense]
             self._dense_reducer = OneBitReducer(dims.dp_group, dense, device=device)
             if self._edp_group is not None:
                 self._expert_reducer = OneBitReducer(self._edp_group, experts, device=device)
         this = weakref.ref(self)
 
         def hook(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            return this()._compressed_bucket(bucket)
+            return this()._reduce_bucket(bucket)
 
         # DDP checks the annotations as objects; this module's are strings (postponed evaluation).
         hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
         self.register_comm_hook(None, hook)
 
-    def _compressed_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP comm hook: the bucket's mean over dp, compressed (synchronous; DDP waits anyway)."""
+    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP comm hook: the bucket's mean over dp in bf16; for "onebit", in fp32 (asynchronous,
+        as DDP's own) or, in local-gradient mode, not at all."""
         buffer = bucket.buffer()
+        if self._local_gradients:
+            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            fut.set_result(buffer)
+            return fut
         buffer.div_(self.process_group.size())  # mean = sum of the pre-divided gradients
-        grads = list(buffer.split([g.numel() for g in bucket.gradients()]))
-        if self.grad_compression == "bf16":
-            self._bytes_sent += bf16_all_reduce_sum([buffer], self.process_group)
-        else:
-            keys = [self._dense_names[id(p)] for p in bucket.parameters()]
-            self._bytes_sent += self._dense_reducer.all_reduce_sum(grads, keys)
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        if self.grad_compression == "onebit":
+            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+            return work.get_future().then(lambda f: f.value()[0])
+        self._bytes_sent += bf16_all_reduce_sum([buffer], self.process_group)
+        fut = torch.futures.Future()
         fut.set_result(buffer)
         return fut
 
+    # --- 1-bit Adam (moetrain.distributed.onebit_adam) -----------------------------------------------
+
+    @property
+    def local_gradients(self) -> bool:
+        """Whether the backward leaves each rank its local gradient (1-bit Adam's compression stage)."""
+        return self._local_gradients
+
+    def set_local_gradients(self, on: bool) -> None:
+        """Switch local-gradient mode (only "onebit" has one; its optimizer drives it). Takes
+        effect from the next forward; every rank must be in the same mode."""
+        assert not on or self.grad_compression == "onebit", f"local gradients under {self.grad_compression!r}"
+        self._local_gradients = on
+
+    def has_replicas(self, p: torch.Tensor) -> bool:
+        """Whether parameter ``p`` has copies on other ranks to average with: every replicated
+        parameter (dp > 1 here), an expert shard only when edp > 1."""
+        return not is_expert_shard(p) or self._edp_group is not None
+
+    @torch.no_grad()
+    def onebit_average_(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """Replace each of ``tensors`` (this rank's local tensor belonging to ``params[i]``, shaped
+        like its local shard) by its 1-bit compressed mean over the parameter's replicas.
+        Collective over dp, then edp; taken in the model's parameter order whatever order the
+        lists come in, so every rank runs the same exchanges with the same residuals."""
+        by_id = {id(p): t for p, t in zip(params, tensors)}
+        assert len(by_id) == len(params), "a parameter was passed twice"
+        moved = 0
+        # 1. Replicated parameters over dp.
+        dense = [(n, by_id[id(p)]) for n, p in self._dense_params if id(p) in by_id]
+        if dense:
+            moved += self._dense_reducer.all_reduce_sum([t for _, t in dense], [n for n, _ in dense])
+            for _, t in dense:
+                t.div_(self.process_group.size())
+        # 2. Expert shards over edp.
+        experts = [(n, by_id[id(p)]) for n, p in zip(self._expert_names, self._expert_params) if id(p) in by_id]
+        if experts and self._expert_reducer is not None:
+            moved += self._expert_reducer.all_reduce_sum([t for _, t in experts], [n for n, _ in experts])
+            edp = dist.get_world_size(self._edp_group)
+            for _, t in experts:
+                t.div_(edp)
+        assert len(dense) + (len(experts) if self._expert_reducer is not None else 0) == len(params), \
+            "onebit_average_ got a parameter without replicas"
+        self._bytes_sent += moved
+        self._onebit_bytes += moved
+        self._num_onebit += 1
+
     def grad_comm_stats(self) -> dict[str, float]:
-        """Gradient bytes this rank moved per synced step since the last call, and their ratio to
-        fp32 all-reduces of the same tensors; resets the counters. Host-only numbers."""
+        """Bytes this rank moved per synced step since the last call to bring the replicas
+        together (gradients; for "onebit", fp32 gradients in its warmup, then 1-bit momenta), and
+        their ratio to fp32 gradient all-reduces of the same tensors; for "onebit" steps of the
+        compression stage in the window, also their own bytes per step and ratio. Resets the
+        counters. Host-only numbers."""
         steps = max(self._num_synced, 1)
         sent = self._bytes_sent if self.grad_compression != "none" else self._bytes_fp32
         out = {"grad_bytes": sent / steps,
                "grad_bytes_ratio_vs_fp32": sent / self._bytes_fp32 if self._bytes_fp32 else 1.0}
+        if self._num_onebit:
+            per_step = self._onebit_bytes / self._num_onebit
+            out.update(grad_bytes_compressed_step=per_step,
+                       grad_bytes_ratio_vs_fp32_compressed_step=per_step / self._fp32_bytes_per_step)
         self._bytes_sent, self._bytes_fp32, self._num_synced = 0, 0, 0
+        self._onebit_bytes, self._num_onebit = 0, 0
         return out
 
     def compression_state_dict(self) -> dict[str, torch.Tensor]:
@@ -196,6 +268,8 @@ class MoEDataParallel(DistributedDataParallel):
         if self._sync_experts:
             self._bytes_fp32 += self._fp32_bytes_per_step
             self._num_synced += 1
+            if self.grad_compression == "onebit" and not self._local_gradients:
+                self._bytes_sent += self._fp32_bytes_per_step  # the warmup's fp32 all-reduces
         return super().forward(*args, **kwargs)
 
     def _expert_grad_ready(self, p: torch.Tensor) -> None:
@@ -206,12 +280,15 @@ class MoEDataParallel(DistributedDataParallel):
             self._callback_queued = True
         with torch.no_grad():
             grad = p.grad.to_local()  # under no_grad, the DTensor's own local storage
-            # Divide before the sum: keeps low-precision gradients in range.
-            grad.mul_(self._expert_grad_scale)
-            if self._edp_group is not None and self.grad_compression != "none":
-                self._collected[id(p)] = grad  # reduced together at the end of the backward
-            elif self._edp_group is not None:
-                self._pending.append(dist.all_reduce(grad, group=self._edp_group, async_op=True))
+            if self._local_gradients:
+                grad.mul_(self._expert_local_scale)  # this rank's estimate; nothing to reduce
+            else:
+                # Divide before the sum: keeps low-precision gradients in range.
+                grad.mul_(self._expert_grad_scale)
+                if self._edp_group is not None and self.grad_compression == "bf16":
+                    self._collected[id(p)] = grad  # reduced together at the end of the backward
+                elif self._edp_group is not None:
+                    self._pending.append(dist.all_reduce(grad, group=self._edp_group, async_op=True))
         self._num_reduced += 1
 
     def _finish_expert_sync(self) -> None:
@@ -221,10 +298,7 @@ class MoEDataParallel(DistributedDataParallel):
             # In parameter order, the same on every rank whatever order the hooks fired in.
             order = [(n, p) for n, p in zip(self._expert_names, self._expert_params) if id(p) in self._collected]
             grads = [self._collected[id(p)] for _, p in order]
-            if self.grad_compression == "bf16":
-                self._bytes_sent += bf16_all_reduce_sum(grads, self._edp_group)
-            else:
-                self._bytes_sent += self._expert_reducer.all_reduce_sum(grads, [n for n, _ in order])
+            self._bytes_sent += bf16_all_reduce_sum(grads, self._edp_group)
             self._collected = {}
         # Internal invariant: the hooks fire in the same order on every rank only if every expert
         # weight took part in the forward (GroupedExperts uses its weights even with no tokens).
@@ -258,6 +332,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
     if grad_compression != "none" and zero_stage >= 2:
         raise ValueError(f"dp.grad_compression ({grad_compression!r}) needs parallel.zero_stage <= 1 (is {zero_stage}): "
                          "at stages 2/3 FSDP2 reduce-scatters its own gradient buckets")
+    if grad_compression == "onebit" and zero_stage != 0:
+        raise ValueError(f"dp.grad_compression ('onebit') needs parallel.zero_stage = 0 (is {zero_stage}): 1-bit Adam "
+                         "keeps the whole momentum and frozen variance on every replica (DeepSpeed's 1-bit Adam "
+                         "rejects ZeRO too)")
     if offload_optimizer and zero_stage == 0:
         raise ValueError("zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)")
     if zero_stage >= 2:
@@ -275,8 +353,16 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
 
 def grad_comm_metrics(model: nn.Module) -> dict[str, float]:
     """``grad_bytes`` (per synced step, this rank) and ``grad_bytes_ratio_vs_fp32`` of a
-    ``MoEDataParallel`` since the last call; empty for any other model."""
+    ``MoEDataParallel`` since the last call (and, for 1-bit Adam's compressed steps,
+    ``grad_bytes_compressed_step`` and ``grad_bytes_ratio_vs_fp32_compressed_step``); empty for any
+    other model."""
     return model.grad_comm_stats() if isinstance(model, MoEDataParallel) else {}
+
+
+def onebit_data_parallel(model: nn.Module) -> MoEDataParallel | None:
+    """The ``MoEDataParallel`` that runs 1-bit Adam's communication, when ``model`` is one with
+    dp.grad_compression "onebit"; else None (at dp = 1 there is nothing to exchange: plain AdamW)."""
+    return model if isinstance(model, MoEDataParallel) and model.grad_compression == "onebit" else None
 
 
 def grad_compression_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,4 +1,5 @@
-"""Compressed gradient all-reduce: bf16, and 1-bit (sign x mean |g|) with error feedback.
+"""Compressed all-reduces: bf16 (of gradients), and 1-bit (sign x mean |x|) with error feedback
+(of 1-bit Adam's momenta, ``moetrain.distributed.onebit_adam``).
 
 The 1-bit reduction is the two-phase compressed all-reduce of 1-bit Adam (Tang et al. 2021).
 Packed signs cannot be summed by an all-reduce, so each rank owns one chunk of every tensor:
@@ -12,9 +13,10 @@ Packed signs cannot be summed by an all-reduce, so each rank owns one chunk of e
     4. all-gather of the compressed chunks; every rank decompresses all of them, so the replicas
        get bit-identical results.
 
-Chunks are cut per tensor, not per DDP bucket: DDP rebuilds its buckets after the first step
-(and again after a resume), and per-tensor chunks keep the numerics, and the residuals, the same
-whatever bucket carried a tensor. That is what makes a resumed run continue bit for bit.
+Chunks are cut per tensor, keyed by parameter name, not per DDP bucket: buckets change (DDP
+rebuilds them after the first step and after a resume), and per-tensor chunks keep the numerics,
+and the residuals, the same whatever grouping carried a tensor. That is what makes a resumed run
+continue bit for bit.
 
 Bytes per tensor of N elements at W ranks: the all-to-all's send buffer plus the all-gather's
 output, W * (L / 8 + 4) each, with chunk length L = 8 * ceil(N / (8 W)): about 2 * (N / 8 + 4 W).

@@ -8,6 +8,9 @@ import math
 import torch
 from torch import nn
 
+from moetrain.distributed.data_parallel import onebit_data_parallel
+from moetrain.distributed.onebit_adam import OneBitAdam
+
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     """AdamW groups: matrices (and stacked expert matrices) decay; norms, biases and other
@@ -23,11 +26,19 @@ def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float) -> torch.optim.Optimizer:
+                    eps: float, data_parallel: nn.Module | None = None,
+                    onebit_warmup_steps: int = 1) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters; 1-bit Adam (AdamW for ``onebit_warmup_steps`` steps, then
+    compressed momenta: ``moetrain.distributed.onebit_adam``) when ``data_parallel``, the wrapped
+    model, runs dp.grad_compression "onebit"."""
+    groups = param_groups(model, weight_decay=weight_decay)
+    wrapper = onebit_data_parallel(data_parallel) if data_parallel is not None else None
+    if wrapper is not None:
+        return OneBitAdam(groups, data_parallel=wrapper, warmup_steps=onebit_warmup_steps, lr=lr, betas=betas,
+                          eps=eps, weight_decay=weight_decay)
     # foreach=False: the fused multi-tensor path does not accept a mix of DTensor expert
     # weights and plain tensors in one group.
-    return torch.optim.AdamW(param_groups(model, weight_decay=weight_decay), lr=lr, betas=betas, eps=eps,
-                             foreach=False)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,

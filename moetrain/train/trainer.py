@@ -141,7 +141,8 @@ class Trainer:
         # ZeRO-1 shards the optimizer state (dense over dp, experts over edp); other stages pass
         # the optimizer through (FSDP2 parameters are already shards).
         self.optimizer = wrap_optimizer(
-            build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps),
+            build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                            data_parallel=self.parallel_model, onebit_warmup_steps=self.cfg.dp.onebit_warmup(t.steps)),
             self.dims, zero_stage=self.cfg.parallel.zero_stage,
             offload_optimizer=self.cfg.zero.offload_optimizer == "cpu", bucket_numel=self.cfg.zero.allgather_bucket_size)
         self.scheduler = build_scheduler(self.optimizer, lr=o.lr, min_lr=o.resolved_min_lr,

@@ -1,7 +1,8 @@
 """Rank functions for the gradient-compression tests (``test_grad_compression.py``).
 
 The tiny model is ``zero_parity``'s (two blocks, the first MoE with 4 experts); it is wrapped the
-way ``parallelize`` does at stage 0, with ``grad_compression`` passed to ``apply_data_parallel``.
+way ``parallelize`` does at stage 0, with ``grad_compression`` passed to ``apply_data_parallel``;
+"onebit" trains with ``build_optimizer``'s 1-bit Adam, as the trainer does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from moetrain.distributed.data_parallel import (
 from moetrain.distributed.expert_parallel import apply_expert_parallel
 from moetrain.distributed.grad_compression import OneBitReducer
 from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
-from tests.distributed.zero_parity import GLOBAL_BATCH, Run, _optimizer, build, make_batches, model_configs
+from moetrain.train.optim import build_optimizer
+from tests.distributed.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
 
 
 def _release(*objs) -> None:
@@ -62,7 +64,8 @@ def _local(p: torch.Tensor) -> torch.Tensor:
 
 def grads_worker(rank: int, world_size: int, mode: str, ep: int) -> dict:
     """One backward of the tiny model per mode ("none" and ``mode``) on this rank's batch: the
-    reduced gradients, every rank's local (unreduced) gradients, and the byte counters."""
+    reduced gradients, every rank's local (unreduced) gradients, and the byte counters; for
+    "onebit" also the gradients of a backward in local-gradient mode (its compression stage)."""
     out = {}
     B = GLOBAL_BATCH // world_size
     for m in ("none", mode):
@@ -76,6 +79,12 @@ def grads_worker(rank: int, world_size: int, mode: str, ep: int) -> dict:
         out[m] = {"grads": {n: _local(p).clone() for n, p in model.named_parameters()}, "local": local,
                   "stats": grad_comm_metrics(ddp), "numel": {n: _local(p).numel() for n, p in model.named_parameters()},
                   "dp": dims.dp, "edp": dims.edp}
+        if m == "onebit":
+            model.zero_grad(set_to_none=True)
+            ddp.set_local_gradients(True)
+            ddp(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
+            out[m]["local_mode"] = {n: _local(p).clone() for n, p in model.named_parameters()}
+            out[m]["local_mode_stats"] = grad_comm_metrics(ddp)
         _release(ddp, model)
     return out
 
@@ -96,20 +105,26 @@ def _train(ddp, model, opt, run: Run, rank: int, world_size: int, steps: range, 
     return losses
 
 
+def _optimizer(model, ddp):
+    return build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, data_parallel=ddp,
+                           onebit_warmup_steps=2)
+
+
 def resume_worker(rank: int, world_size: int, folder: str, *, steps: int = 6, stop: int = 3) -> dict:
-    """onebit at ep=1: ``steps`` uninterrupted; then ``stop`` steps, a checkpoint, a fresh model
-    that loads it and trains on; then a load of the same checkpoint at ep=2 (another layout)."""
+    """onebit at ep=1 (1-bit Adam, 2 warmup steps): ``steps`` uninterrupted; then ``stop`` steps, a
+    checkpoint, a fresh model that loads it and trains on; then a load of the same checkpoint at
+    ep=2 (another layout)."""
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())
     logging.getLogger("moetrain").addHandler(handler)
     run, _, model, ddp = _wrapped(world_size, ep=1, mode="onebit")
-    opt = _optimizer(model)
+    opt = _optimizer(model, ddp)
     straight = _train(ddp, model, opt, run, rank, world_size, range(steps), steps)
     _release(ddp, model, opt)
 
     run, _, model, ddp = _wrapped(world_size, ep=1, mode="onebit")
-    opt = _optimizer(model)
+    opt = _optimizer(model, ddp)
     first = _train(ddp, model, opt, run, rank, world_size, range(stop), steps)
     saved = grad_compression_state(ddp)
     path = save_checkpoint(folder, stop, model=model, optimizer=opt, trainer_state={"step": stop},
@@ -117,7 +132,7 @@ def resume_worker(rank: int, world_size: int, folder: str, *, steps: int = 6, st
     _release(ddp, model, opt)
 
     run, _, model, ddp = _wrapped(world_size, ep=1, mode="onebit")
-    opt = _optimizer(model)
+    opt = _optimizer(model, ddp)
     loaded = load_checkpoint(path, model=model, optimizer=opt)
     load_grad_compression_state(ddp, loaded.grad_compression_state)
     restored_equal = all(torch.equal(v, saved[k]) for k, v in grad_compression_state(ddp).items())
@@ -126,7 +141,7 @@ def resume_worker(rank: int, world_size: int, folder: str, *, steps: int = 6, st
 
     num_warnings = len(records)
     run, _, model, ddp = _wrapped(world_size, ep=2, mode="onebit")
-    opt = _optimizer(model)
+    opt = _optimizer(model, ddp)
     loaded = load_checkpoint(path, model=model, optimizer=opt)
     load_grad_compression_state(ddp, loaded.grad_compression_state)
     reset = all(not v.any() for k, v in grad_compression_state(ddp).items() if k != "layout")

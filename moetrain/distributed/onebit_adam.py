@@ -1,0 +1,156 @@
+"""1-bit Adam (Tang et al. 2021; DeepSpeed's OnebitAdam): AdamW whose replicas exchange 1-bit
+compressed momenta instead of fp32 gradients, once the variance has settled.
+
+Sign compression of the *gradients* under plain Adam does not converge well: Adam's variance,
+estimated from compressed gradients, sees every element of a chunk at the chunk's mean magnitude,
+and the update degenerates into a sign-like one. 1-bit Adam runs in two stages:
+
+    warmup (the first ``warmup_steps`` optimizer steps): exactly AdamW; the gradients are
+        all-reduced in fp32 by ``MoEDataParallel`` before the step, as without compression.
+    compression (every later step):
+        1. the backward reduces nothing: each rank keeps its own gradient (``MoEDataParallel``'s
+           local-gradient mode; expert shards get the local scale of its module docstring);
+        2. each rank folds its local gradient into the momentum, m = b1 m + (1 - b1) g_local;
+        3. the momenta are averaged over the replicas with the two-phase 1-bit all-reduce and its
+           error feedback (``MoEDataParallel.onebit_average_``: dense over dp, experts over edp);
+           every replica ends with the same m, bit for bit;
+        4. v stays frozen; p <- p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps).
+
+Averaging momenta is averaging gradients: with m identical on every replica before the step, the
+mean of b1 m + (1 - b1) g_r over the replicas is b1 m + (1 - b1) mean(g_r), the AdamW momentum of
+the averaged gradient, up to the compression error that the residuals feed back.
+
+Bias correction: AdamW's, so that the warmup equals AdamW bit for bit and the first compressed step
+continues it: m_hat = m / (1 - b1^t) at the current step t, v_hat = v / (1 - b2^t_v) with t_v the
+step v froze at, ``warmup_steps``. (DeepSpeed applies none, in either stage; its freeze_step is
+thousands of steps, where both corrections are 1.) A checkpoint of an uncompressed run resumed past
+the warmup freezes v at its saved step, later than ``warmup_steps``: dividing by 1 - b2^warmup_steps
+then over-corrects v slightly, which only shortens the steps.
+
+Momentum mask: a coordinate whose gradient was exactly zero throughout the warmup has v = 0, and
+1-bit compression cannot send an exact zero (every element becomes +- its chunk's scale): its
+update would be scale / eps. DeepSpeed asks the user for an ``exp_avg_mask``; here the mask is
+v > 0, derived from the frozen variance itself and the same on every replica.
+
+Parameters without replicas (expert shards at edp = 1: the all-to-all already summed every rank's
+contribution into the one copy) have their exact gradient and nothing to average: they keep plain
+AdamW steps, variance included, in both stages.
+
+The state is AdamW's (``step``, ``exp_avg``, ``exp_avg_sq`` per parameter; the same param groups),
+so checkpoints save and reshard it as AdamW's and a run can switch dp.grad_compression on resume.
+The error-feedback residuals are ``MoEDataParallel``'s and travel with its compression state.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from moetrain.distributed.data_parallel import MoEDataParallel
+from moetrain.utils.tensors import local_tensor
+
+log = logging.getLogger("moetrain")
+
+
+class OneBitAdam(torch.optim.AdamW):
+    """1-bit Adam over the replicas of ``data_parallel`` (see the module docstring): AdamW for
+    ``warmup_steps`` optimizer steps, then a frozen variance and 1-bit compressed momenta.
+
+    Switches ``data_parallel`` into local-gradient mode once the warmup is over, and back when a
+    checkpoint of an earlier step is loaded: which stage the next backward belongs to follows from
+    the step count of the state, the same on every rank.
+    """
+
+    def __init__(self, params, *, data_parallel: MoEDataParallel, warmup_steps: int, lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:
+            raise ValueError(f"dp.onebit_warmup_steps ({warmup_steps!r}) must be an int >= 1: the variance "
+                             "freezes after the warmup, and one frozen at zero would divide by eps")
+        # foreach=False: the fused multi-tensor path does not accept a mix of DTensor expert
+        # weights and plain tensors in one group (the param groups stay those of AdamW).
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
+        self.data_parallel = data_parallel
+        self.warmup_steps = warmup_steps
+        self.register_load_state_dict_post_hook(OneBitAdam._follow_stage)
+        self._follow_stage()
+
+    def num_steps(self) -> int:
+        """Optimizer steps taken: the step count of the state (0 before the first step). AdamW
+        keeps it as a CPU scalar, so reading it is no device sync."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state.get(p)
+                if state:
+                    return int(state["step"].item())
+        return 0
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step is a compression-stage step."""
+        return self.num_steps() >= self.warmup_steps
+
+    def _follow_stage(self) -> None:
+        compressing = self.compressing
+        if compressing and not self.data_parallel.local_gradients:
+            log.info("1-bit Adam: variance frozen after %d steps; momenta are 1-bit compressed from here on",
+                     self.warmup_steps)
+        self.data_parallel.set_local_gradients(compressing)
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            # AdamW's format: an fp32 CPU step count, moments shaped (and placed) like the parameter.
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        compressing = self.compressing
+        pending = []  # (group, param, m, v, step t, v frozen)
+        averaged_params, averaged_m = [], []
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state_of(p)
+                state["step"] += 1
+                grad = local_tensor(p.grad)
+                m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
+                # On the local gradient in the compression stage (step 2), the averaged one in warmup.
+                m.lerp_(grad, 1 - beta1)
+                frozen = compressing and self.data_parallel.has_replicas(p)
+                if frozen:
+                    averaged_params.append(p)
+                    averaged_m.append(m)
+                else:
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                pending.append((group, p, m, v, state["step"].item(), frozen))
+        if averaged_m:
+            # Step 3: every rank ends with the same m (collective: dp, then edp).
+            self.data_parallel.onebit_average_(averaged_params, averaged_m)
+        for group, p, m, v, t, frozen in pending:
+            if frozen:
+                m.mul_(v > 0)  # the momentum mask (module docstring)
+            self._update(local_tensor(p), m, v, group, t=t, t_v=self.warmup_steps if frozen else t)
+        self._follow_stage()
+        return loss
+
+    @staticmethod
+    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict, *, t: float, t_v: float) -> None:
+        """AdamW's update, operation for operation as torch's single-tensor AdamW (so the warmup
+        matches it bit for bit), with the variance's bias correction at its own step t_v."""
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if wd != 0:
+            p.mul_(1 - lr * wd)
+        step_size = lr / (1 - beta1 ** t)
+        denom = (v.sqrt() / (1 - beta2 ** t_v) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)

@@ -1,0 +1,92 @@
+"""1-bit Adam resumes bit for bit through the real trainer, from a checkpoint saved inside its
+warmup and from one saved after the variance froze (momenta, frozen variance, step and both
+error-feedback residuals of every rank come back). Reference: the same run never stopped."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from moetrain.config.loader import load_config
+from tests.distributed.dist_launcher import run_ranks
+from tests.integration.conftest import job_overrides
+
+STEPS, WARMUP = 10, 4
+
+
+def _ov(run_dir, *, steps: int, ep: int, save_final: bool = False) -> list[str]:
+    return job_overrides(run_dir, steps=steps, ep=ep, extra=(
+        "--dp.grad_compression=onebit", f"--dp.onebit_warmup_steps={WARMUP}", "--train.deterministic=true",
+        f"--checkpoint.save_final={str(save_final).lower()}"))
+
+
+def _records(run_dir) -> list[dict]:
+    with open(run_dir / "metrics.jsonl") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return (t.to_local() if isinstance(t, DTensor) else t).detach().clone()
+
+
+def _state(trainer) -> dict[str, torch.Tensor]:
+    """This rank's weights, Adam state and 1-bit residuals."""
+    from moetrain.distributed.data_parallel import grad_compression_state
+
+    out = {f"param/{n}": _local(p) for n, p in trainer.model.named_parameters()}
+    for n, p in trainer.model.named_parameters():
+        for key, value in sorted(trainer.optimizer.state.get(p, {}).items()):
+            out[f"adam/{n}/{key}"] = _local(value)
+    out.update({f"residual/{k}": v.clone() for k, v in grad_compression_state(trainer.parallel_model).items()})
+    return out
+
+
+def _fit(rank: int, world_size: int, overrides: list[str]) -> dict:
+    """One trainer (they own the process group, so one per ``run_ranks``): this rank's state right
+    after construction (a resume loads there) and after training; rank 0's metrics records."""
+    from moetrain.train.trainer import Trainer
+
+    torch.use_deterministic_algorithms(True)  # this child process only
+    trainer = Trainer(load_config(None, overrides))
+    out = {"step": trainer.step, "loaded": _state(trainer)}
+    trainer.fit()
+    out["final"] = _state(trainer)
+    trainer.close()
+    out["records"] = _records(trainer.run_dir) if rank == 0 else None
+    return out
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    assert sorted(a) == sorted(b)
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ep", [1, 2])
+def test_onebit_resume_is_exact(tmp_path, shakespeare_cached, ep):
+    ref = run_ranks(_fit, 2, _ov(tmp_path / "ref", steps=STEPS, ep=ep), timeout_s=240)
+    want = ref[0]["records"]
+    assert [r["step"] for r in want] == list(range(1, STEPS + 1))
+    # The run compresses after the warmup: full fp32 bytes before, the 1-bit exchange after.
+    assert all(r["grad_bytes_ratio_vs_fp32"] == 1.0 for r in want[:WARMUP])
+    assert all(r["grad_bytes_ratio_vs_fp32"] < 0.1 for r in want[WARMUP:])
+    for stop in (WARMUP - 1, WARMUP + 2):  # saved inside the warmup, and after the freeze
+        run_dir = tmp_path / f"stop{stop}"
+        first = run_ranks(_fit, 2, _ov(run_dir, steps=stop, ep=ep, save_final=True), timeout_s=240)
+        resumed = run_ranks(_fit, 2, _ov(run_dir, steps=STEPS, ep=ep), timeout_s=240)
+        for r in range(2):
+            saved, got = first[r]["final"], resumed[r]
+            assert got["step"] == stop
+            # The resumed trainer starts from what was saved: weights, Adam state, residuals.
+            assert _differ(got["loaded"], saved) == []
+            residuals = [k for k in saved if k.startswith("residual/") and k != "residual/layout"]
+            assert any(saved[k].any() for k in residuals) == (stop > WARMUP)
+            # And ends where the run that never stopped ended, bit for bit.
+            assert _differ(got["final"], ref[r]["final"]) == []
+        got = resumed[0]["records"]
+        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+        for key in ("loss", "grad_norm", "grad_bytes"):
+            assert [r[key] for r in got] == [r[key] for r in want], (stop, key)
