@@ -53,6 +53,7 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.config.job import JobConfig
+from moetrain.distributed.comm_timer import CommTimer
 from moetrain.distributed.expert_parallel import is_expert_shard
 from moetrain.distributed.grad_compression import OneBitReducer, bf16_all_reduce_sum, fp32_bytes
 from moetrain.distributed.parallel_dims import ParallelDims
@@ -95,6 +96,7 @@ class MoEDataParallel(DistributedDataParallel):
         self._callback_queued = False
         self._pending: list[dist.Work] = []
         self._num_reduced = 0
+        self.timer = CommTimer()
         # Tensor hooks live in C++, where the garbage collector cannot see them: a bound method
         # there would keep this wrapper (and its process groups) alive until interpreter
         # shutdown, when gloo's worker threads can no longer take the GIL and abort the process.
@@ -134,6 +136,9 @@ class MoEDataParallel(DistributedDataParallel):
             self._dense_reducer = OneBitReducer(dims.dp_group, dense, device=device)
             if self._edp_group is not None:
                 self._expert_reducer = OneBitReducer(self._edp_group, experts, device=device)
+        self._register_reduce_hook()
+
+    def _register_reduce_hook(self) -> None:
         this = weakref.ref(self)
 
         def hook(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -143,19 +148,32 @@ class MoEDataParallel(DistributedDataParallel):
         hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
         self.register_comm_hook(None, hook)
 
+    def enable_comm_timing(self, device: torch.device) -> None:
+        """Time every gradient reduction (``log.comm_timing``), each waited for where it is
+        issued; before the first forward. Uncompressed buckets then go through this module's
+        hook (the same division and fp32 all-reduce as DDP's own)."""
+        self.timer = CommTimer(enabled=True, device=device)
+        if self.grad_compression == "none":
+            self._register_reduce_hook()
+
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP comm hook: the bucket's mean over dp in bf16; for "onebit", in fp32 (asynchronous,
-        as DDP's own) or, in local-gradient mode, not at all."""
+        """DDP comm hook: the bucket's mean over dp in bf16; for "onebit" (and "none" when timed),
+        in fp32, asynchronous as DDP's own unless timed; in 1-bit Adam's local-gradient mode, not at
+        all."""
         buffer = bucket.buffer()
         if self._local_gradients:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buffer)
             return fut
         buffer.div_(self.process_group.size())  # mean = sum of the pre-divided gradients
-        if self.grad_compression == "onebit":
+        if self.grad_compression in ("onebit", "none") and not self.timer.enabled:
             work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
             return work.get_future().then(lambda f: f.value()[0])
-        self._bytes_sent += bf16_all_reduce_sum([buffer], self.process_group)
+        with self.timer.span("grad_reduce"):
+            if self.grad_compression == "bf16":
+                self._bytes_sent += bf16_all_reduce_sum([buffer], self.process_group)
+            else:  # fp32, timed where it is issued (log.comm_timing)
+                dist.all_reduce(buffer, group=self.process_group)
         fut = torch.futures.Future()
         fut.set_result(buffer)
         return fut
@@ -190,13 +208,15 @@ class MoEDataParallel(DistributedDataParallel):
         # 1. Replicated parameters over dp.
         dense = [(n, by_id[id(p)]) for n, p in self._dense_params if id(p) in by_id]
         if dense:
-            moved += self._dense_reducer.all_reduce_sum([t for _, t in dense], [n for n, _ in dense])
+            with self.timer.span("grad_reduce"):
+                moved += self._dense_reducer.all_reduce_sum([t for _, t in dense], [n for n, _ in dense])
             for _, t in dense:
                 t.div_(self.process_group.size())
         # 2. Expert shards over edp.
         experts = [(n, by_id[id(p)]) for n, p in zip(self._expert_names, self._expert_params) if id(p) in by_id]
         if experts and self._expert_reducer is not None:
-            moved += self._expert_reducer.all_reduce_sum([t for _, t in experts], [n for n, _ in experts])
+            with self.timer.span("grad_reduce"):
+                moved += self._expert_reducer.all_reduce_sum([t for _, t in experts], [n for n, _ in experts])
             edp = dist.get_world_size(self._edp_group)
             for _, t in experts:
                 t.div_(edp)
@@ -288,7 +308,11 @@ class MoEDataParallel(DistributedDataParallel):
                 if self._edp_group is not None and self.grad_compression == "bf16":
                     self._collected[id(p)] = grad  # reduced together at the end of the backward
                 elif self._edp_group is not None:
-                    self._pending.append(dist.all_reduce(grad, group=self._edp_group, async_op=True))
+                    with self.timer.span("grad_reduce"):
+                        work = dist.all_reduce(grad, group=self._edp_group, async_op=True)
+                        if self.timer.enabled:
+                            work.wait()  # timed where it is issued (log.comm_timing)
+                    self._pending.append(work)
         self._num_reduced += 1
 
     def _finish_expert_sync(self) -> None:
@@ -298,7 +322,8 @@ class MoEDataParallel(DistributedDataParallel):
             # In parameter order, the same on every rank whatever order the hooks fired in.
             order = [(n, p) for n, p in zip(self._expert_names, self._expert_params) if id(p) in self._collected]
             grads = [self._collected[id(p)] for _, p in order]
-            self._bytes_sent += bf16_all_reduce_sum(grads, self._edp_group)
+            with self.timer.span("grad_reduce"):
+                self._bytes_sent += bf16_all_reduce_sum(grads, self._edp_group)
             self._collected = {}
         # Internal invariant: the hooks fire in the same order on every rank only if every expert
         # weight took part in the forward (GroupedExperts uses its weights even with no tokens).

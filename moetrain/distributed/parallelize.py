@@ -15,12 +15,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moetrain.distributed.data_parallel import apply_data_parallel
+from moetrain.distributed.comm_timer import CommTimer
+from moetrain.distributed.data_parallel import MoEDataParallel, apply_data_parallel
 from moetrain.distributed.expert_parallel import apply_expert_parallel
+from moetrain.distributed.expert_parallel import collect_comm_times as collect_dispatch_times
+from moetrain.distributed.expert_parallel import enable_comm_timing as enable_dispatch_timing
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.zero import ZeroShardedOptimizer
 from moetrain.models.moe.layer import MoELayer
 
 
@@ -105,3 +110,28 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
                                offload_params=offload_params, offload_optimizer=offload_optimizer,
                                pin_memory=pin_memory, hsdp_replicate=hsdp_replicate,
                                grad_compression=grad_compression)
+
+
+def enable_comm_timing(model: nn.Module, parallel_model: nn.Module, optimizer: torch.optim.Optimizer,
+                       device: torch.device) -> None:
+    """``log.comm_timing``: time the expert-parallel exchanges of ``model``'s MoE layers, the
+    gradient reduction of a stage 0/1 wrapper and the ZeRO-1 parameter all-gather, each waited for
+    where it is issued (``moetrain.distributed.comm_timer``). FSDP2's own all-gathers and
+    reduce-scatters (stages 2/3) run on its streams and are not timed."""
+    enable_dispatch_timing(model, device)
+    if isinstance(parallel_model, MoEDataParallel):
+        parallel_model.enable_comm_timing(device)
+    if isinstance(optimizer, ZeroShardedOptimizer):
+        optimizer.timer = CommTimer(enabled=True, device=device)
+
+
+def collect_comm_times(model: nn.Module, parallel_model: nn.Module,
+                       optimizer: torch.optim.Optimizer) -> dict[str, float]:
+    """Seconds (``comm_time/<kind>``) and spans (``comm_calls/<kind>``) of every timed collective on
+    this rank since the last call; empty when nothing is timed."""
+    out = collect_dispatch_times(model)
+    if isinstance(parallel_model, MoEDataParallel):
+        out.update(parallel_model.timer.read())
+    if isinstance(optimizer, ZeroShardedOptimizer):
+        out.update(optimizer.timer.read())
+    return out

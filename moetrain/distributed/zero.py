@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
+from moetrain.distributed.comm_timer import CommTimer
 from moetrain.distributed.expert_parallel import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.utils import all_gather_single
@@ -84,6 +85,8 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
                         "expert": (dims.edp_group if dims.edp > 1 else None, dims.edp, dims.edp_rank)}
         self.offload = offload
         self.bucket_numel = bucket_numel
+        self.timer = CommTimer()
+        """Times the parameter all-gathers after the step when enabled (``log.comm_timing``)."""
         self._shards: list[_Shard] = []
         if offload and all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
             warnings.warn("zero.offload_optimizer='cpu' with parameters already on the CPU: the host copy of "
@@ -150,7 +153,8 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
                 continue
             shards = [s for s in self._shards if s.group == name]
             for bucket in _buckets(shards, self.bucket_numel, world):
-                self._all_gather_bucket(bucket, group, world)
+                with self.timer.span("param_gather"):
+                    self._all_gather_bucket(bucket, group, world)
 
     @staticmethod
     def _all_gather_bucket(bucket: list[_Shard], group, world: int) -> None:

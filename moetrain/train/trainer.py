@@ -32,9 +32,9 @@ from moetrain.config.loader import config_to_dict, save_config
 from moetrain.data import prepare_data
 from moetrain.distributed import data_parallel, runtime
 from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
-from moetrain.distributed.expert_parallel import collect_comm_stats, collect_comm_times, enable_comm_timing
+from moetrain.distributed.expert_parallel import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.parallelize import parallelize
+from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing, parallelize
 from moetrain.distributed.utils import clip_global_grad_norm_, mean_over_dp
 from moetrain.models.transformer import Transformer
 from moetrain.train.balancing import install_balancing
@@ -133,8 +133,6 @@ class Trainer:
                                           activation_checkpointing_every=t.activation_checkpointing_every,
                                           compile=t.compile, grad_compression=cfg.dp.grad_compression,
                                           **zero_settings(cfg))
-        if cfg.log.comm_timing:
-            enable_comm_timing(self.model, self.device)
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -148,6 +146,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, lr=o.lr, min_lr=o.resolved_min_lr,
                                          warmup_steps=o.warmup_steps, total_steps=t.steps, schedule=o.schedule)
         self.scaler = DynamicLossScaler(enabled=t.dtype == "fp16")
+        if self.cfg.log.comm_timing:
+            enable_comm_timing(self.model, self.parallel_model, self.optimizer, self.device)
         # Router-bias updates, dynamic capacity, per-expert LR and the health monitor run in
         # optimizer pre/post-step hooks, so gradient accumulation and skipped steps are handled.
         self.balancer = install_balancing(self.optimizer, self.model, self.dims) if self.model_config.is_moe else None
@@ -366,7 +366,8 @@ class Trainer:
         if self.dims.ep_enabled:
             m.update(collect_comm_stats(self.model).as_metrics())  # over the window
             m["a2a_bytes_per_step"] = m["a2a_bytes"] / max(w.steps, 1)
-        m.update({k: v / max(w.steps, 1) for k, v in collect_comm_times(self.model).items()})  # per step
+        times = collect_comm_times(self.model, self.parallel_model, self.optimizer)
+        m.update({k: v / max(w.steps, 1) for k, v in times.items()})  # per step
         self.window = MetricsWindow()
         return m
 

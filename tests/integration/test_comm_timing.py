@@ -1,6 +1,6 @@
-"""``log.comm_timing``: every expert-parallel exchange timed, in both directions, with the same
-numbers as an untimed run (timing waits for each collective where it is issued; nothing else
-changes)."""
+"""``log.comm_timing``: every expert-parallel exchange timed, in both directions, and the gradient
+reduction and ZeRO-1 parameter gather, with the same numbers as an untimed run (timing waits for
+each collective where it is issued; nothing else changes)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def _run(rank: int, world_size: int, overrides: list[str]) -> dict | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("extra", [(), ("--moe.dispatch_dtype=fp8_e4m3", "--moe.dispatch_dedup=true")],
-                         ids=["plain", "fp8-dedup"])
+@pytest.mark.parametrize("extra", [(), ("--moe.dispatch_dtype=fp8_e4m3", "--moe.dispatch_dedup=true"),
+                                   ("--parallel.zero_stage=1",)],
+                         ids=["plain", "fp8-dedup", "zero1"])
 def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakespeare_cached, extra):
     base = ("--train.micro_batch_size=4", "--log.every=2", "--train.deterministic=true", *extra)
     plain = run_ranks(_run, 2, job_overrides(tmp_path / "plain", steps=4, ep=2, extra=base), timeout_s=150)[0]
@@ -46,5 +47,9 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
             assert record[f"comm_calls/{kind}"] == 2, (kind, record)
             assert record[f"comm_time/{kind}"] > 0
         assert record["comm_calls/routing"] >= 2 and record["comm_time/routing"] > 0
+        # dp = 2 for the dense weights: DDP's buckets, once per step (the experts have edp = 1).
+        assert record["comm_calls/grad_reduce"] >= 1 and record["comm_time/grad_reduce"] > 0
+        zero1 = "--parallel.zero_stage=1" in extra
+        assert ("comm_calls/param_gather" in record) == zero1
         assert record["a2a_bytes_per_step"] == record["a2a_bytes"] / 2
     assert not any(k.startswith("comm_") for r in plain["records"] for k in r)  # off by default
