@@ -50,6 +50,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.compressed_exchange import wire_row_bytes
 from moetrain.distributed.fsdp import expert_shard_dim
+from moetrain.distributed.grad_compression import chunk_len
 from moetrain.plan.model_states import Layout, ParamSpec, _chunk
 
 COLLECTIVES = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather")
@@ -140,16 +141,27 @@ def _ep_node_bytes(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: i
         vol.all_to_all = int(per_token * (other_nodes + forwarded))
 
 
+def _onebit_sent(numel: int, group: int) -> int:
+    """Bytes a rank sends in the 1-bit all-reduce of one tensor: its W - 1 foreign chunks in the
+    all-to-all and its own compressed chunk to W - 1 ranks in the all-gather."""
+    if group == 1:
+        return 0
+    return 2 * (group - 1) * (chunk_len(numel, group) // 8 + 4)
+
+
 def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
                   ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None,
-                  ep_hierarchical: bool = False) -> CommVolume:
+                  ep_hierarchical: bool = False, grad_compression: str = "none") -> CommVolume:
     """Bytes this rank sends in one optimizer step (``grad_accum`` micro-batches of
     ``tokens_per_micro_batch`` tokens). ``ac_moe_layers_recomputed``: MoE layers whose forward
     (all-to-alls included) checkpointing repeats in backward. ``procs_per_node`` (default: all
     on one node) decides which groups span nodes: ep groups are consecutive ranks, dp spans
     every rank, edp groups stride by ep, HSDP shard groups are consecutive. ``ep_hierarchical``
-    (parallel.ep_hierarchical): the two-stage all-to-all where ep groups are whole nodes."""
+    (parallel.ep_hierarchical): the two-stage all-to-all where ep groups are whole nodes.
+    ``grad_compression`` (dp.grad_compression, stages 0/1): "bf16" halves the gradient
+    all-reduce; "onebit" counts a step of 1-bit Adam's compressed phase (after its fp32 warm-up):
+    per tensor, the all-to-all and all-gather of W chunks of packed signs and an fp32 scale."""
     W, ep, edp, stage = layout.world, layout.ep, layout.edp, layout.zero_stage
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
@@ -175,6 +187,11 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     expert_numel = sum(s.numel // ep for s in specs if s.expert and ep > 1)
     if stage in (0, 1):
         dense_ar, expert_ar = 2 * _ring(dense_numel * 4, W), 2 * _ring(expert_numel * 4, edp)
+        if grad_compression == "bf16":
+            dense_ar, expert_ar = dense_ar / 2, expert_ar / 2
+        elif grad_compression == "onebit":
+            dense_ar = sum(_onebit_sent(s.numel, W) for s in specs if not (s.expert and ep > 1))
+            expert_ar = sum(_onebit_sent(s.numel // ep, edp) for s in specs if s.expert and ep > 1)
         vol.all_reduce = int(dense_ar + expert_ar)
         vol.inter_node += int(dense_ar * dp_crosses + expert_ar * edp_crosses)
         if stage == 1:

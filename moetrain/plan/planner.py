@@ -267,7 +267,8 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
                          if model.is_moe_layer(i))
     row.comm = comm_per_step(specs, layout, model, cfg.moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
                              compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed,
-                             procs_per_node=per_node, ep_hierarchical=cfg.parallel.ep_hierarchical).as_dict()
+                             procs_per_node=per_node, ep_hierarchical=cfg.parallel.ep_hierarchical,
+                             grad_compression=_compression(cfg.dp.grad_compression, c.zero_stage)).as_dict()
     if c.ep > per_node or per_node % c.ep != 0:
         row.ep_spans_nodes = True
         row.notes.append(f"ep={c.ep} spans nodes ({per_node} processes per node): all-to-alls cross the "
@@ -276,8 +277,16 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
             flat, hier = row.comm["all_to_all_inter_node_flat"], row.comm["all_to_all_inter_node_hierarchical"]
             row.notes.append(f"parallel.ep_hierarchical: {hier / 2**20:.1f} MiB of all-to-all per step cross "
                              f"nodes instead of {flat / 2**20:.1f} MiB (each token once per destination node)")
+    if cfg.dp.grad_compression == "onebit" and c.zero_stage == 0:
+        row.notes.append("dp.grad_compression onebit: all-reduce bytes of a compressed step; the first "
+                         "dp.onebit_warmup_steps steps all-reduce fp32 gradients")
     if device_memory is not None:
         row.fits = row.device_bytes <= device_memory
+
+
+def _compression(mode: str, zero_stage: int) -> str:
+    """dp.grad_compression where the stage supports it (bf16 at 0/1, onebit at 0), else "none"."""
+    return mode if (mode == "bf16" and zero_stage <= 1) or (mode == "onebit" and zero_stage == 0) else "none"
 
 
 def stage3_advice(plan: Plan) -> list[str]:

@@ -141,6 +141,28 @@ def test_comm_all_to_all_accounts_for_dispatch_dtype():
     assert a2a("fp8_e4m3") / fp32 == pytest.approx((7 * D + 4) / (16 * D))
 
 
+def test_comm_all_reduce_accounts_for_grad_compression():
+    """dp.grad_compression by hand at stage 0, W = 4, ep = 2 (experts over edp = 2): bf16 halves the
+    ring all-reduce; a compressed 1-bit Adam step sends, per tensor, its W - 1 foreign chunks in the
+    all-to-all and its own chunk to W - 1 ranks, each chunk ceil(N / 8W) bytes of signs + a 4-byte scale."""
+    model_cfg, moe = _tiny()
+    specs = param_specs(model_cfg, moe)
+
+    def all_reduce(mode):
+        return comm_per_step(specs, Layout(world=4, ep=2, zero_stage=0), model_cfg, moe, tokens_per_micro_batch=64,
+                             grad_accum=1, compute_bytes=4, grad_compression=mode).all_reduce
+
+    def onebit(numel, group):
+        return 2 * (group - 1) * (math.ceil(numel / (8 * group)) + 4)
+
+    fp32 = all_reduce("none")
+    assert all_reduce("bf16") == fp32 // 2
+    expected = sum(onebit(s.numel, 4) for s in specs if not s.expert) + \
+        sum(onebit(s.numel // 2, 2) for s in specs if s.expert)
+    assert all_reduce("onebit") == expected
+    assert all_reduce("onebit") / fp32 < 1 / 30
+
+
 def _job(*, moe_every: int = 1) -> JobConfig:
     from moetrain.config.data import DataConfig
     from moetrain.config.train import TrainConfig
