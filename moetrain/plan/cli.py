@@ -4,6 +4,7 @@ ZeRO stage x expert-parallel degree x offload x activation-checkpointing choice 
     moetrain plan --config mixtral-8x7b --nproc 64 --nodes 8 --device-memory 80GiB
     moetrain plan --config tiny --nproc 2 --json
     moetrain plan --config deepseek-v3 --nproc 1024 --dry-run [--rank R]
+    moetrain plan --config mixtral-8x7b --nproc 64 --nodes 8 --device-profile h100    (+ step time)
 
 ``--dry-run`` builds one rank for real on the meta device under a fake process group of world
 ``--nproc`` and prints its counted model-state bytes next to the planner's (``dry_run``).
@@ -36,6 +37,12 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
                         "and optimizer bytes next to the planner's")
     p.add_argument("--rank", type=int, default=None,
                    help="with --dry-run: the rank to build (default: the largest-memory rank)")
+    p.add_argument("--device-profile", default=None,
+                   help="h100, h200 or a calibration file: add the estimated step time, tokens/s and MFU of "
+                        "each choice and rank the choices by it (docs/step-time.md)")
+    p.add_argument("--calibrate", default=None, metavar="FILE",
+                   help="measure this machine first (GEMM rates, gloo bandwidth at the ranks per node), write "
+                        "FILE and use it as the device profile")
     return p
 
 
@@ -49,13 +56,28 @@ def run_plan(args, overrides=()) -> int:
     if args.dry_run:
         return _run_dry_run(args, cfg)
     device_memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    plan = make_plan(cfg, nproc=args.nproc, nodes=args.nodes, device_memory=device_memory)
+    plan = make_plan(cfg, nproc=args.nproc, nodes=args.nodes, device_memory=device_memory,
+                     profile=_profile(args))
     if args.json:
         json.dump(plan.to_dict(), sys.stdout, indent=1)
         print()
     else:
         print(format_plan(plan, top=None if args.all else 20))
     return 0
+
+
+def _profile(args):
+    """The device profile of ``--device-profile`` / ``--calibrate``, or None."""
+    from moetrain.plan.step_time import load_profile
+
+    path = args.device_profile
+    if args.calibrate is not None:
+        from moetrain.plan.calibrate import main as calibrate
+
+        calibrate(["--out", args.calibrate, "--config", args.config or "tiny", "--procs",
+                   str(args.nproc // args.nodes)])
+        path = args.calibrate
+    return None if path is None else load_profile(path, procs_per_node=args.nproc // args.nodes)
 
 
 def _run_dry_run(args, cfg) -> int:

@@ -77,6 +77,9 @@ class PlanRow:
     """Exact parameter/gradient/optimizer bytes of every rank (they differ when shards are uneven)."""
     fits: bool | None = None
     ep_spans_nodes: bool = False
+    step: dict | None = None
+    """The step-time estimate (``StepEstimate.as_dict()``: seconds and their breakdown, tokens/s,
+    MFU) with a device profile; None without one, or for offload choices (not modelled)."""
 
 
 @dataclass
@@ -101,9 +104,11 @@ class Plan:
         communication bytes, then fewest inter-node bytes; ties go to the lower stage (fewer, larger collectives), no
         offload, less recomputation, then least device memory."""
         ok = [r for r in self.rows if r.valid and r.fits is not False]
-        # Ties (offload and checkpointing move no collective bytes) go to the cheaper choice:
-        # no offload before offload (host copies every step), less recomputation first.
-        return sorted(ok, key=lambda r: (r.ep_spans_nodes, r.comm["total"], r.comm["inter_node"],
+        # With a device profile the estimated step time ranks first. Ties (offload and
+        # checkpointing move no collective bytes) go to the cheaper choice: no offload before
+        # offload (host copies every step), less recomputation first.
+        return sorted(ok, key=lambda r: ((r.step is None, r.step["step_s"]) if r.step else (True, 0.0),
+                                         r.ep_spans_nodes, r.comm["total"], r.comm["inter_node"],
                                          r.choice.zero_stage, OFFLOADS.index(r.choice.offload),
                                          AC_CHOICES.index(r.choice.ac), r.device_bytes))
 
@@ -168,8 +173,9 @@ def planned_micro_batch(train: TrainConfig, dp: int) -> tuple[int, int, str | No
 
 
 def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int | None = None,
-              stages=(0, 1, 2, 3), eps=None, offloads=OFFLOADS, acs=AC_CHOICES) -> Plan:
-    """Evaluate every choice for ``nproc`` processes in all (over ``nodes`` nodes)."""
+              stages=(0, 1, 2, 3), eps=None, offloads=OFFLOADS, acs=AC_CHOICES, profile=None) -> Plan:
+    """Evaluate every choice for ``nproc`` processes in all (over ``nodes`` nodes); with a device
+    ``profile`` (``moetrain.plan.step_time``) also its step time, which then ranks the choices."""
     if not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"--nproc ({nproc!r}) must be an int >= 1")
     if not isinstance(nodes, int) or nodes < 1 or nproc % nodes != 0:
@@ -204,6 +210,9 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
         if reason is None:
             _fill(row, specs, model, cfg, nproc=nproc, micro=micro, grad_accum=grad_accum,
                   compute_bytes=compute_bytes, per_node=per_node, device_memory=device_memory, states=states)
+            if profile is not None and offload == "none":
+                row.step = _step_estimate(specs, model, cfg, choice, nproc=nproc, micro=micro,
+                                          grad_accum=grad_accum, per_node=per_node, profile=profile)
         rows.append(row)
     counts = {"total": sum(s.numel for s in specs), "expert": sum(s.numel for s in specs if s.expert)}
     counts["non_expert"] = counts["total"] - counts["expert"]
@@ -284,9 +293,28 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
         row.fits = row.device_bytes <= device_memory
 
 
+def _step_estimate(specs, model: ModelConfig, cfg: JobConfig, c: Choice, *, nproc: int, micro: int, grad_accum: int,
+                   per_node: int, profile) -> dict:
+    from moetrain.plan.step_time import CalibratedProfiles, estimate_step_time
+
+    if isinstance(profile, CalibratedProfiles):
+        profile = profile.for_procs(per_node)
+    layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate)
+    return estimate_step_time(specs, layout, model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+                              grad_accum=grad_accum, profile=profile, dtype=cfg.train.dtype, ac=c.ac,
+                              ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,
+                              dispatch_chunks=cfg.moe.dispatch_chunks).as_dict()
+
+
 def _compression(mode: str, zero_stage: int) -> str:
     """dp.grad_compression where the stage supports it (bf16 at 0/1, onebit at 0), else "none"."""
     return mode if (mode == "bf16" and zero_stage <= 1) or (mode == "onebit" and zero_stage == 0) else "none"
+
+
+def _step_columns(step: dict | None) -> str:
+    if step is None:
+        return f" | {'-':>8} {'-':>10} {'-':>6}"
+    return f" | {step['step_s']:8.3f} {step['tokens_per_s']:10.0f} {step['mfu']:6.1%}"
 
 
 def stage3_advice(plan: Plan) -> list[str]:
@@ -326,6 +354,9 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
     hdr = (f"{'#':>3} {'choice':44s} {'param':>8} {'grad':>8} {'optim':>8} {'gather':>8} {'transnt':>8} {'activ':>8} "
            f"{'a2a buf':>8} {'device':>8} {'host':>8} | {'a2a':>8} {'allred':>8} {'redsc':>8} {'allgat':>8} "
            f"{'total':>8} {'inter':>8} fits")
+    timed = any(r.step for r in valid)
+    if timed:
+        hdr += f" | {'step s':>8} {'tok/s':>10} {'MFU':>6}"
     lines.append(hdr)
 
     def line(i: int, r: PlanRow) -> str:
@@ -335,7 +366,7 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
                 f"{g(r.gathered_param_bytes)} {g(r.transient_bytes)} {g(r.activation_bytes)} {g(r.a2a_buffer_bytes)} "
                 f"{g(r.device_bytes)} {g(r.host_bytes)} | {g(cm['all_to_all'])} {g(cm['all_reduce'])} "
                 f"{g(cm['reduce_scatter'])} {g(cm['all_gather'])} {g(cm['total'])} {g(cm['inter_node'])} {fits:4s}"
-                + (f" [{'; '.join(r.notes)}]" if r.notes else ""))
+                + (_step_columns(r.step) if timed else "") + (f" [{'; '.join(r.notes)}]" if r.notes else ""))
 
     ranked = plan.ranked
     for i, r in enumerate(ranked[:top] if top else ranked, 1):

@@ -1,6 +1,7 @@
 """The planner: parameter lists, the ZeRO stage table, communication formulas worked by hand,
 invalid choices, ranking, and ``moetrain plan --json`` for every preset config."""
 
+import argparse
 import json
 import math
 from dataclasses import replace
@@ -17,7 +18,7 @@ from moetrain.config.presets import get_preset
 from moetrain.models.transformer import Transformer, count_params
 from moetrain.plan import Layout, comm_per_step, make_plan, param_specs, parse_bytes, rank_state_bytes
 from moetrain.plan.cli import add_plan_parser, run_plan
-from moetrain.plan.planner import format_plan
+from moetrain.plan.planner import Choice, format_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "moetrain" / "configs"
 
@@ -312,3 +313,25 @@ def test_cli_config_overrides_apply():
     plan = make_plan(cfg, nproc=2)
     assert plan.tokens_per_micro_batch == 512 and plan.grad_accum == 2
     assert torch.is_tensor(torch.zeros(1))  # the planner allocated nothing real on the way
+
+
+def test_device_profile_adds_step_time_and_ranks_by_it(capsys):
+    from moetrain.plan.step_time import H100_SXM, estimate_for_config
+
+    cfg = load_config("mixtral-8x7b", [])
+    plan = make_plan(cfg, nproc=64, nodes=8, device_memory=parse_bytes("80GiB"), profile=H100_SXM)
+    ranked = plan.ranked
+    timed = [r for r in ranked if r.step is not None]
+    assert timed and all(r.choice.offload == "none" for r in timed)
+    assert all(r.step is None for r in plan.rows if r.choice.offload != "none")
+    times = [r.step["step_s"] for r in timed]
+    assert times == sorted(times) and ranked[:len(timed)] == timed  # fastest first, untimed after
+    # The row of the config's own layout (ep 8, ZeRO-3, full checkpointing) is estimate_for_config's.
+    own = next(r for r in plan.rows if r.choice == Choice(zero_stage=3, ep=8, offload="none", ac="full"))
+    assert own.step["step_s"] == pytest.approx(estimate_for_config(cfg, world=64, nodes=8, profile=H100_SXM).step_s)
+    parser = argparse.ArgumentParser()
+    add_plan_parser(parser.add_subparsers(dest="cmd"))
+    args = parser.parse_args(["plan", "--config", "mixtral-8x7b", "--nproc", "64", "--nodes", "8",
+                              "--device-profile", "h100"])
+    assert run_plan(args) == 0
+    assert "step s" in capsys.readouterr().out

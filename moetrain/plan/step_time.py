@@ -1,0 +1,449 @@
+"""Seconds per optimizer step of one layout, with its breakdown, tokens/s and MFU.
+
+Per rank (ranks are alike under balanced routing; the slowest one sets the step)::
+
+    step = compute + exposed communication + fixed
+
+**Compute**, forward + backward (+ recompute) of the step's ``grad_accum`` micro-batches of T tokens:
+
+    dense GEMMs    2 * T * (attention projections + dense FFNs + shared experts + routers + head)
+                   FLOPs forward; backward twice the forward (input and weight gradients)
+    expert GEMMs   2 * N * (2 or 3) * D * F forward, N = T*K*min(1, capacity factor) routed copies:
+                   under balanced routing a rank's experts receive as many copies as it sends, so
+                   ep spreads the experts, not the work per rank
+    attention      2 * S * D FLOPs per token and layer forward (QK^T and AV, causal: the masked half
+                   is skipped, as flash kernels do); backward 2.5x (it recomputes the probabilities:
+                   5 matmuls to the forward's 2)
+    elementwise    norms, activations, softmaxes, routing, permutations, residuals and the loss are
+                   memory-bound: ``ELEMENTWISE_PASSES`` passes over the activation bytes the model
+                   saves for backward (``plan.activations``), plus 2 passes over what a recompute
+                   regenerates
+    recompute      activation checkpointing repeats the checkpointed modules' forward in backward
+
+GEMMs run at ``peak * gemm_efficiency`` (experts at ``expert_gemm_efficiency``), attention at
+``peak * attention_efficiency``, elementwise bytes at ``memory_bandwidth``.
+
+**Communication**: the bytes of ``plan.comm.comm_per_step`` over the link's bandwidth for that
+collective, plus one latency per call; a group that spans nodes runs at the inter-node link.
+
+**Overlap**: the DDP all-reduce (stages 0/1) runs under the last micro-batch's backward except
+its last bucket; FSDP's all-gathers are prefetched under the previous unit's compute except the
+first, its reduce-scatters run under the backward except the last unit's; the MoE all-to-all
+blocks its layer unless ``dispatch_chunks`` > 1 splits it, and then all but one chunk hide behind
+the expert GEMMs. Of the communication that could hide, the fraction ``comm_overlap`` does (1 on
+GPUs, whose collectives run on their own streams; measured on CPUs, where gloo competes for the
+cores); what does not fit under the compute is exposed too. The ZeRO-1 parameter all-gather
+after the step is exposed.
+
+**Fixed**: the optimizer step (``OPTIMIZER_BYTES_PER_ELEMENT`` per element this rank updates,
+plus gradient clipping, at memory bandwidth), the step's small collectives (global norm,
+agreement on the step) and host syncs (one per MoE layer and micro-batch: the all-to-all's split
+sizes).
+
+What it cannot know: kernel efficiency on a device it never measured (the GPU profiles' are stated
+assumptions), imbalanced routing (the busiest expert rank sets the step), congestion, stragglers,
+and fused kernels (``torch.compile`` removes much elementwise traffic).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.plan.activations import estimate_activations
+from moetrain.plan.comm import comm_per_step
+from moetrain.plan.model_states import ADAM_STATE_BYTES, Layout, ParamSpec, param_specs, state_bytes_per_rank
+
+ELEMENTWISE_PASSES = 5
+"""Passes over each saved activation byte: written and read in forward; read, its gradient written
+and read in backward."""
+OPTIMIZER_BYTES_PER_ELEMENT = 80 + 12
+"""AdamW (per tensor, as ``train.optim`` builds it): lerp of exp_avg 12, scale of exp_avg_sq 8, its
+addcmul 12, weight decay 8, sqrt/bias-correction/eps of the denominator 24, the addcdiv update 16;
+global-norm clipping: the norm 4 and the scaling 8."""
+ATTENTION_BACKWARD_RATIO = 2.5
+"""Flash-attention backward FLOPs over forward: 5 matmuls (probabilities recomputed) against 2."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """One interconnect, as a rank sees it: bytes per second this rank sends (the ring volumes of
+    ``plan.comm``) and seconds per call (the cost of the smallest message)."""
+
+    bandwidth: float
+    latency: float
+    by_collective: dict | None = None
+    """Collective name -> ``[bandwidth, latency]`` where it differs (gloo's all-to-all is pairwise
+    sends, its all-reduce also sums on the CPU); None: ``bandwidth`` and ``latency`` for all."""
+
+    def seconds(self, collective: str, num_bytes: float, num_calls: int) -> float:
+        bw, lat = (self.by_collective or {}).get(collective, (self.bandwidth, self.latency))
+        return num_bytes / bw + num_calls * lat
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What one rank's device and links can do. ``H100_SXM`` and ``H200`` are datasheet figures
+    with stated efficiencies; ``python -m moetrain.plan.calibrate`` measures a "cpu" one."""
+
+    name: str
+    peak_flops: dict
+    """Dense peak FLOP/s of one rank by compute dtype ("fp32", "bf16"), the denominator of MFU."""
+    gemm_efficiency: float
+    """Achieved fraction of the peak on the model's dense GEMMs."""
+    expert_gemm_efficiency: float
+    """Achieved fraction of the peak on the grouped expert GEMMs."""
+    attention_efficiency: float
+    """Achieved fraction of the peak in the attention kernel."""
+    memory_bandwidth: float
+    """Bytes/s (read + written) of the elementwise kernels."""
+    optimizer_bandwidth: float
+    """Bytes/s (read + written) of the optimizer step and gradient clipping."""
+    intra_node: Link
+    inter_node: Link
+    comm_overlap: float = 1.0
+    """Fraction of overlappable communication that does hide behind compute."""
+    host_sync_s: float = 0.0
+    """Seconds a host sync costs beyond the work it waits for (draining the launch queue)."""
+    threads_per_rank: float = 0.0
+    """CPU profiles: threads each rank ran with when measured (0: not a CPU profile)."""
+
+    def peak(self, dtype: str) -> float:
+        if dtype not in self.peak_flops:
+            raise ValueError(f"train.dtype ({dtype!r}) has no peak rate in the {self.name!r} device profile "
+                             f"(measured: {', '.join(self.peak_flops)})")
+        return self.peak_flops[dtype]
+
+    @staticmethod
+    def from_dict(d: dict) -> DeviceProfile:
+        d = dict(d)
+        d["intra_node"], d["inter_node"] = Link(**d["intra_node"]), Link(**d["inter_node"])
+        return DeviceProfile(**d)
+
+    @staticmethod
+    def from_json(path: str | Path, *, procs_per_node: int | None = None) -> CalibratedProfiles | DeviceProfile:
+        """A calibration file (``python -m moetrain.plan.calibrate``): its profiles by the number
+        of processes that shared the machine; ``procs_per_node`` picks one."""
+        profiles = CalibratedProfiles.from_dict(json.loads(Path(path).read_text()))
+        return profiles if procs_per_node is None else profiles.for_procs(procs_per_node)
+
+
+@dataclass(frozen=True)
+class CalibratedProfiles:
+    """CPU profiles measured with 1, 2, 4 ... processes sharing the cores at once: a rank's rates
+    depend on how many ranks run beside it (oversubscription is measured, not assumed)."""
+
+    by_procs: dict
+    """Processes per node -> ``DeviceProfile``."""
+
+    def for_procs(self, procs_per_node: int) -> DeviceProfile:
+        if procs_per_node not in self.by_procs:
+            raise ValueError(f"--nproc per node ({procs_per_node}) was not calibrated (measured: "
+                             f"{', '.join(map(str, sorted(self.by_procs)))}): rerun calibrate with --procs")
+        return self.by_procs[procs_per_node]
+
+    @staticmethod
+    def from_dict(d: dict) -> CalibratedProfiles:
+        return CalibratedProfiles({int(n): DeviceProfile.from_dict(p) for n, p in d["profiles"].items()})
+
+
+_NVLINK4 = Link(bandwidth=450e9 * 0.8, latency=10e-6)
+_NDR_IB = Link(bandwidth=50e9 * 0.8, latency=25e-6)
+H100_SXM = DeviceProfile(
+    name="h100", peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
+    gemm_efficiency=0.7, expert_gemm_efficiency=0.6, attention_efficiency=0.5, memory_bandwidth=3.35e12 * 0.8,
+    optimizer_bandwidth=3.35e12 * 0.8,
+    intra_node=_NVLINK4, inter_node=_NDR_IB, comm_overlap=1.0, host_sync_s=20e-6)
+"""NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node. Datasheet (NVIDIA H100 Tensor Core GPU datasheet):
+989 TFLOP/s dense bf16/fp16 (1,979 with sparsity), 494 dense tf32 (the fp32 matmul rate with tf32
+enabled), 3.35 TB/s HBM3; NVLink 4 at 900 GB/s per GPU both directions together, 450 GB/s each
+way; one 400 Gb/s (50 GB/s) ConnectX-7 InfiniBand NDR port per GPU (8 per DGX H100 node).
+Assumed, not measured: links and HBM deliver 80% of nominal (nccl-tests bus bandwidth on such
+nodes is in that range); GEMMs reach 70% of peak (large bf16 cuBLAS GEMMs), grouped expert GEMMs
+60%, attention 50% (FlashAttention-2 reports 50-73% of peak, Dao 2023); 10 us per NVLink and 25 us
+per InfiniBand collective call; 20 us per host sync. ``benchmarks/gpu.sh`` measures the GEMM rate."""
+H200 = replace(H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8, optimizer_bandwidth=4.8e12 * 0.8)
+"""NVIDIA H200 SXM: the H100's compute, NVLink 4 and NDR networking, 4.8 TB/s HBM3e (141 GB)
+(NVIDIA H200 Tensor Core GPU datasheet); the same assumed efficiencies as ``H100_SXM``."""
+PROFILES = {"h100": H100_SXM, "h200": H200}
+
+
+def load_profile(name_or_path: str, *, procs_per_node: int) -> DeviceProfile:
+    """"h100", "h200", or a calibration JSON file (``--device-profile`` of ``moetrain plan``)."""
+    if name_or_path in PROFILES:
+        return PROFILES[name_or_path]
+    if not Path(name_or_path).is_file():
+        raise ValueError(f"--device-profile ({name_or_path!r}) must be one of {', '.join(PROFILES)} or a "
+                         "calibration file written by python -m moetrain.plan.calibrate")
+    return DeviceProfile.from_json(name_or_path, procs_per_node=procs_per_node)
+
+
+@dataclass
+class Work:
+    """One rank's work in one optimizer step; FLOPs and bytes forward / backward (recompute in backward)."""
+
+    dense_gemm_flops: tuple[float, float]
+    expert_gemm_flops: tuple[float, float]
+    attention_flops: tuple[float, float]
+    elementwise_bytes: tuple[float, float]
+
+    def seconds(self, p: DeviceProfile, dtype: str) -> tuple[float, float]:
+        """(forward, backward) seconds."""
+        peak = p.peak(dtype)
+        return tuple(self.dense_gemm_flops[i] / (peak * p.gemm_efficiency)
+                     + self.expert_gemm_flops[i] / (peak * p.expert_gemm_efficiency)
+                     + self.attention_flops[i] / (peak * p.attention_efficiency)
+                     + self.elementwise_bytes[i] / p.memory_bandwidth for i in (0, 1))
+
+
+def _recomputed_blocks(model: ModelConfig, ac: str, every: int) -> tuple[list[int], list[int]]:
+    """(blocks whose whole forward is recomputed, blocks whose MoE FFN alone is)."""
+    ids = list(range(model.num_layers))
+    if ac == "full":
+        return ids, []
+    if ac == "every_n":
+        return ids[::every], []
+    if ac == "moe":
+        return [], [i for i in ids if model.is_moe_layer(i)]
+    return [], []
+
+
+def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_len: int, grad_accum: int,
+              ep: int = 1, ac: str = "none", ac_every: int = 2, dtype: str = "fp32") -> Work:
+    """FLOPs and elementwise bytes of one rank's optimizer step (see the module docstring)."""
+    T, D, S = micro_batch_size * seq_len, model.dim, seq_len
+    mats = {"gelu": 2, "swiglu": 3}
+    attn_proj = 2 * D * model.head_dim * (model.num_heads + model.resolved_num_kv_heads)  # wq, wo; wk, wv
+    dense_ffn = mats[model.activation] * D * model.resolved_dense_hidden_dim
+    shared = mats[moe.activation] * D * moe.resolved_shared_hidden_dim if moe.num_shared_experts > 0 else 0
+    moe_dense = shared + D * moe.num_experts  # shared experts + router
+    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
+    expert_per_token = moe.top_k * kept * mats[moe.activation] * D * moe.expert_hidden_dim
+    head = D * (model.num_classes if model.head == "classifier" else model.vocab_size)
+    attention_fwd = 2 * S * D  # per token and layer
+
+    def block(i: int, ffn_only: bool = False) -> tuple[float, float, float]:
+        """Forward (dense GEMM, expert GEMM, attention) FLOPs of block i per token."""
+        ffn = (moe_dense, expert_per_token) if model.is_moe_layer(i) else (dense_ffn, 0.0)
+        if ffn_only:
+            return 2 * ffn[0], 2 * ffn[1], 0.0
+        return 2 * (attn_proj + ffn[0]), 2 * ffn[1], attention_fwd
+
+    fwd = [sum(x) for x in zip(*(block(i) for i in range(model.num_layers)))]
+    fwd[0] += 2 * head
+    whole, ffn_only = _recomputed_blocks(model, ac, ac_every)
+    rec = [0.0, 0.0, 0.0]
+    for i in whole:
+        rec = [a + b for a, b in zip(rec, block(i))]
+    for i in ffn_only:
+        rec = [a + b for a, b in zip(rec, block(i, ffn_only=True))]
+    tokens = T * grad_accum
+
+    def act(mode: str) -> int:
+        return estimate_activations(model, moe, micro_batch_size=micro_batch_size, seq_len=seq_len, ep=ep,
+                                    ac=mode, ac_every=ac_every, dtype=dtype).saved_bytes
+
+    saved = act("none")
+    regenerated = saved - act(ac) if ac != "none" else 0
+    forward_passes = 2  # of ELEMENTWISE_PASSES: written and read in forward
+    return Work(
+        dense_gemm_flops=(tokens * fwd[0], tokens * (2 * fwd[0] + rec[0])),
+        expert_gemm_flops=(tokens * fwd[1], tokens * (2 * fwd[1] + rec[1])),
+        attention_flops=(tokens * fwd[2], tokens * (ATTENTION_BACKWARD_RATIO * fwd[2] + rec[2])),
+        elementwise_bytes=(grad_accum * forward_passes * saved,
+                           grad_accum * ((ELEMENTWISE_PASSES - forward_passes) * saved
+                                         + forward_passes * regenerated)))
+
+
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+"""DDP's first bucket (the gradients ready first) is capped at 1 MiB, the others at ``bucket_cap_mb``."""
+STEP_COLLECTIVES = 2
+"""Latency-bound all-reduces of every step: the global gradient norm, the agreement on the step."""
+
+
+@dataclass
+class StepEstimate:
+    """One rank's optimizer step, in seconds."""
+
+    forward_s: float
+    backward_s: float
+    """Backward, recompute included."""
+    comm_s: dict
+    """Time of each collective (bytes / bandwidth + calls * latency), hidden or not."""
+    exposed_s: dict
+    """What of each collective's time the compute does not hide."""
+    optimizer_s: float
+    sync_s: float
+    """The step's small collectives and host syncs."""
+    tokens_per_step: int
+    world: int
+    flops_per_token: float
+    peak_flops: float
+    threads_per_rank: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return sum(self.exposed_s.values())
+
+    @property
+    def fixed_s(self) -> float:
+        return self.optimizer_s + self.sync_s
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.fixed_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (``flops_per_token``, as the trainer reports MFU) over the ranks' peak."""
+        return self.tokens_per_s * self.flops_per_token / (self.world * self.peak_flops)
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "compute_s": self.compute_s, "forward_s": self.forward_s,
+                "backward_s": self.backward_s, "exposed_comm_s": self.exposed_comm_s, "fixed_s": self.fixed_s,
+                "optimizer_s": self.optimizer_s, "sync_s": self.sync_s, "comm_s": dict(self.comm_s),
+                "exposed_s": dict(self.exposed_s), "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+
+
+def _hide(total_s: float, exposed_floor_s: float, capacity_s: float, overlap: float) -> tuple[float, float]:
+    """(exposed, capacity left): of ``total_s``, ``exposed_floor_s`` cannot overlap; of the rest the
+    fraction ``overlap`` hides, as far as ``capacity_s`` of compute reaches."""
+    hidden = min((total_s - exposed_floor_s) * overlap, capacity_s)
+    return total_s - hidden, capacity_s - hidden
+
+
+def _num_units(specs: list[ParamSpec], ep: int) -> int:
+    """FSDP2 units: the root, each block, and each block's experts at ep > 1 (``fully_shard`` order)."""
+    blocks = {".".join(s.name.split(".")[:2]) for s in specs if s.name.startswith("layers.")}
+    experts = {s.name.rsplit(".", 1)[0] for s in specs if s.expert and ep > 1}
+    return 1 + len(blocks) + len(experts)
+
+
+def _calls(specs: list[ParamSpec], layout: Layout, *, num_moe: int, recomputed: int, grad_accum: int,
+           bucket_cap_bytes: int) -> tuple[dict[str, int], int, float]:
+    """(calls per collective in one step, FSDP units, the share of the stage-0/1 reduction in its
+    last bucket)."""
+    units = _num_units(specs, layout.ep)
+    ep, stage = layout.ep, layout.zero_stage
+    expert_tensors = sum(1 for s in specs if s.expert) if ep > 1 and layout.edp > 1 else 0
+    grad_bytes = sum(s.numel * 4 for s in specs if not (s.expert and ep > 1))
+    expert_bytes = sum(s.numel * 4 // ep for s in specs if s.expert) if expert_tensors else 0
+    # DDP's buckets fill in backward order (1 MiB, then bucket_cap_bytes each): the last one to
+    # reduce holds what is left, the first layers' gradients. Expert shards reduce one by one.
+    rest = grad_bytes - DDP_FIRST_BUCKET_BYTES
+    last_bucket = (rest % bucket_cap_bytes or bucket_cap_bytes) if rest > 0 else grad_bytes
+    buckets = 1 + max(0, -(-rest // bucket_cap_bytes))
+    # Per MoE layer: forward counts, dispatch, combine; backward the two gradients; a recompute 3 more.
+    a2a = (num_moe * 5 + recomputed * 3) * grad_accum if ep > 1 else 0
+    calls = {"all_to_all": a2a,
+             "all_reduce": buckets + expert_tensors if stage < 2 else units * (layout.hsdp_replicate > 1),
+             "reduce_scatter": units if stage >= 2 else 0,
+             "all_gather": ((units - 1) * (2 if stage == 3 else 1) + 1) * grad_accum if stage >= 2 else int(stage == 1)}
+    return calls, units, last_bucket / (grad_bytes + expert_bytes)
+
+
+def _spans_nodes(layout: Layout, per_node: int) -> dict[str, bool]:
+    """Whether each collective's group leaves the node (the group rules of ``comm_per_step``)."""
+    grads = layout.world > per_node
+    return {"all_to_all": layout.ep > per_node or per_node % layout.ep != 0, "all_reduce": grads,
+            "reduce_scatter": layout.dense_shard_size > per_node, "all_gather": grads}
+
+
+def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
+                       micro_batch_size: int, seq_len: int, grad_accum: int, profile: DeviceProfile,
+                       dtype: str = "fp32", ac: str = "none", ac_every: int = 2, procs_per_node: int | None = None,
+                       dispatch_chunks: int = 1, bucket_cap_bytes: int = 25 << 20) -> StepEstimate:
+    """Seconds of one optimizer step of ``layout`` on ``profile`` (see the module docstring)."""
+    if layout.offload_optimizer or layout.offload_params:
+        raise ValueError("zero.offload_optimizer/offload_param ('cpu'): host offload is not in the step-time "
+                         "model (its host-link copies and host optimizer are not measured)")
+    if dispatch_chunks < 1:
+        raise ValueError(f"moe.dispatch_chunks ({dispatch_chunks}) must be >= 1")
+    from moetrain.models.transformer import flops_per_token
+
+    per_node = layout.world if procs_per_node is None else procs_per_node
+    compute_bytes = 4 if dtype == "fp32" else 2
+    T = micro_batch_size * seq_len
+    work = step_work(model, moe, micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum=grad_accum,
+                     ep=layout.ep, ac=ac, ac_every=ac_every, dtype=dtype)
+    forward_s, backward_s = work.seconds(profile, dtype)
+    num_moe = len(model.moe_layer_ids)
+    whole, ffn_only = _recomputed_blocks(model, ac, ac_every)
+    recomputed = sum(1 for i in whole if model.is_moe_layer(i)) + len(ffn_only)
+    vol = comm_per_step(specs, layout, model, moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
+                        compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed, procs_per_node=per_node)
+    # 1. Each collective's time: its bytes over its link, one latency per call.
+    calls, units, last_bucket_share = _calls(specs, layout, num_moe=num_moe, recomputed=recomputed,
+                                             grad_accum=grad_accum, bucket_cap_bytes=bucket_cap_bytes)
+    spans = _spans_nodes(layout, per_node)
+    comm = {}
+    for c, n in calls.items():
+        link = profile.inter_node if spans[c] else profile.intra_node
+        num_bytes = getattr(vol, c)
+        comm[c] = link.seconds(c, num_bytes, n) if (num_bytes or n) and layout.world > 1 else 0.0
+
+    # 2. What hides behind compute: reductions under the last micro-batch's backward first.
+    last_backward = backward_s / grad_accum
+    exposed = {}
+    if layout.zero_stage < 2:
+        floor = comm["all_reduce"] * last_bucket_share
+        exposed["all_reduce"], _ = _hide(comm["all_reduce"], floor, last_backward, profile.comm_overlap)
+        exposed["all_gather"] = comm["all_gather"]  # ZeRO-1: after the optimizer step
+        exposed["reduce_scatter"] = 0.0
+    else:
+        exposed["reduce_scatter"], left = _hide(comm["reduce_scatter"], comm["reduce_scatter"] / units,
+                                                last_backward, profile.comm_overlap)
+        exposed["all_reduce"], left = _hide(comm["all_reduce"], comm["all_reduce"] / units, left,
+                                            profile.comm_overlap)
+        first_gather = comm["all_gather"] / max(1, calls["all_gather"]) * grad_accum
+        exposed["all_gather"], _ = _hide(comm["all_gather"], first_gather,
+                                         forward_s + backward_s - last_backward + left, profile.comm_overlap)
+    expert_s = sum(work.expert_gemm_flops) / (profile.peak(dtype) * profile.expert_gemm_efficiency)
+    chunk_floor = comm["all_to_all"] / dispatch_chunks
+    exposed["all_to_all"], _ = _hide(comm["all_to_all"], chunk_floor, expert_s, profile.comm_overlap)
+
+    # 3. Fixed costs: the optimizer over this rank's slice, the step's small collectives, host syncs.
+    worst = max(state_bytes_per_rank(specs, layout), key=lambda s: s.total)
+    owned = worst.optim / ADAM_STATE_BYTES
+    optimizer_s = (owned * (OPTIMIZER_BYTES_PER_ELEMENT - 12) + worst.grad / 4 * 12) / profile.optimizer_bandwidth
+    host_syncs = (num_moe + recomputed) * grad_accum if layout.ep > 1 else 0
+    small = profile.inter_node if layout.world > per_node else profile.intra_node
+    sync_s = (STEP_COLLECTIVES * small.latency if layout.world > 1 else 0.0) + host_syncs * profile.host_sync_s
+    return StepEstimate(forward_s=forward_s, backward_s=backward_s, comm_s=comm, exposed_s=exposed,
+                        optimizer_s=optimizer_s, sync_s=sync_s, tokens_per_step=T * grad_accum * layout.world,
+                        world=layout.world, flops_per_token=flops_per_token(model, moe, seq_len=seq_len),
+                        peak_flops=profile.peak(dtype), threads_per_rank=profile.threads_per_rank)
+
+
+def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | CalibratedProfiles,
+                        nodes: int = 1) -> StepEstimate:
+    """The step time of ``cfg``'s own layout (parallel.ep, zero_stage, hsdp_replicate, checkpointing)
+    at ``world`` processes over ``nodes`` nodes, with the micro-batch the planner would plan."""
+    from moetrain.plan.planner import planned_micro_batch, resolve_vocab
+
+    model = resolve_vocab(cfg)
+    per_node = world // nodes
+    if isinstance(profile, CalibratedProfiles):
+        profile = profile.for_procs(per_node)
+    micro, accum, _ = planned_micro_batch(cfg.train, world)
+    p = cfg.parallel
+    layout = Layout(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate,
+                    offload_optimizer=cfg.zero.offload_optimizer != "none",
+                    offload_params=cfg.zero.offload_param != "none")
+    specs = param_specs(model, cfg.moe)
+    return estimate_step_time(specs, layout, model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+                              grad_accum=accum, profile=profile, dtype=cfg.train.dtype,
+                              ac=cfg.train.activation_checkpointing, ac_every=cfg.train.activation_checkpointing_every,
+                              procs_per_node=per_node, dispatch_chunks=cfg.moe.dispatch_chunks)

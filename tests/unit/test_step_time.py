@@ -1,0 +1,207 @@
+"""The step-time model: its breakdown adds up, bandwidth and overlap rules worked by hand, MFU of a
+hand-counted model, profiles and their sources, calibration files."""
+
+import ast
+import json
+import math
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+
+from moetrain.config.loader import load_config
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.config.presets import get_preset
+from moetrain.plan.calibrate import profile_from_measurement
+from moetrain.plan.comm import comm_per_step
+from moetrain.plan.model_states import Layout, param_specs
+from moetrain.plan.step_time import (
+    H100_SXM,
+    H200,
+    DeviceProfile,
+    Link,
+    estimate_for_config,
+    estimate_step_time,
+    load_profile,
+    step_work,
+)
+
+SOURCE = Path(__file__).resolve().parents[2] / "moetrain" / "plan" / "step_time.py"
+
+
+def _tiny(vocab=4096):
+    p = get_preset("tiny")
+    return replace(p.model, vocab_size=vocab, preset=None), p.moe
+
+
+def _profile(*, bandwidth=1e9, latency=0.0, overlap=1.0, peak=1e12) -> DeviceProfile:
+    link = Link(bandwidth=bandwidth, latency=latency)
+    return DeviceProfile(name="test", peak_flops={"fp32": peak}, gemm_efficiency=1.0, expert_gemm_efficiency=1.0,
+                         attention_efficiency=1.0, memory_bandwidth=1e30, optimizer_bandwidth=1e30,
+                         intra_node=link, inter_node=replace(link, bandwidth=bandwidth / 10), comm_overlap=overlap)
+
+
+def _estimate(layout, profile, *, micro=8, accum=1, **kw):
+    model, moe = _tiny()
+    return estimate_step_time(param_specs(model, moe), layout, model, moe, micro_batch_size=micro, seq_len=256,
+                              grad_accum=accum, profile=profile, **kw)
+
+
+@pytest.mark.parametrize("layout", [Layout(world=2, ep=1, zero_stage=0), Layout(world=2, ep=2, zero_stage=1),
+                                    Layout(world=4, ep=2, zero_stage=2), Layout(world=4, ep=4, zero_stage=3)])
+def test_breakdown_adds_up(layout):
+    est = _estimate(layout, H100_SXM, accum=2, ac="full")
+    d = est.as_dict()
+    assert d["step_s"] == pytest.approx(d["forward_s"] + d["backward_s"] + sum(d["exposed_s"].values())
+                                        + d["optimizer_s"] + d["sync_s"], rel=1e-12)
+    for c, t in est.comm_s.items():
+        assert 0.0 <= est.exposed_s[c] <= t + 1e-15
+    assert est.tokens_per_s == pytest.approx(8 * 256 * 2 * layout.world / est.step_s)
+
+
+def test_doubling_bandwidth_halves_communication():
+    layout = Layout(world=4, ep=2, zero_stage=2)
+    slow, fast = _estimate(layout, _profile(bandwidth=1e9)), _estimate(layout, _profile(bandwidth=2e9))
+    assert set(slow.comm_s) == {"all_to_all", "all_reduce", "reduce_scatter", "all_gather"}
+    assert slow.comm_s["all_to_all"] > 0 and slow.comm_s["all_gather"] > 0
+    for c in slow.comm_s:
+        assert fast.comm_s[c] == pytest.approx(slow.comm_s[c] / 2, rel=1e-12)
+    assert fast.compute_s == slow.compute_s
+
+
+def test_communication_is_comm_bytes_over_bandwidth_plus_latency():
+    model, moe = _tiny()
+    layout = Layout(world=2, ep=2, zero_stage=0)
+    est = _estimate(layout, _profile(bandwidth=1e9, latency=1e-3))
+    vol = comm_per_step(param_specs(model, moe), layout, model, moe, tokens_per_micro_batch=8 * 256, grad_accum=1,
+                        compute_bytes=4)
+    # 4 MoE layers x (3 forward + 2 backward calls): counts, dispatch, combine; their gradients.
+    assert est.comm_s["all_to_all"] == pytest.approx(vol.all_to_all / 1e9 + 4 * 5 * 1e-3)
+    assert est.exposed_s["all_to_all"] == est.comm_s["all_to_all"]  # one chunk: the layer waits
+
+
+def test_a_reduction_shorter_than_the_backward_hides_except_its_last_bucket():
+    layout = Layout(world=2, ep=1, zero_stage=0)
+    model, moe = _tiny()
+    grad_bytes = sum(s.numel * 4 for s in param_specs(model, moe))
+    cap = 2 << 20
+    est = _estimate(layout, _profile(bandwidth=1e12, peak=1e9), bucket_cap_bytes=cap)
+    assert est.comm_s["all_reduce"] < est.backward_s
+    # Buckets of 1 MiB (the first), then 2 MiB: the last one holds what is left.
+    last = (grad_bytes - (1 << 20)) % cap or cap
+    assert est.exposed_s["all_reduce"] == pytest.approx(est.comm_s["all_reduce"] * last / grad_bytes)
+    # A backward too short to hide it: all that does not fit under the backward shows.
+    fast = _estimate(layout, _profile(bandwidth=1e9, peak=1e15), bucket_cap_bytes=cap)
+    assert fast.exposed_s["all_reduce"] == pytest.approx(fast.comm_s["all_reduce"] - fast.backward_s)
+    # Overlap that does not work (comm_overlap 0) hides nothing.
+    none = _estimate(layout, _profile(bandwidth=1e12, peak=1e9, overlap=0.0), bucket_cap_bytes=cap)
+    assert none.exposed_s["all_reduce"] == none.comm_s["all_reduce"]
+
+
+def test_chunked_dispatch_hides_all_but_one_chunk_behind_the_experts():
+    layout = Layout(world=2, ep=2, zero_stage=0)
+    est = _estimate(layout, _profile(bandwidth=1e12, peak=1e9), dispatch_chunks=4)
+    assert est.exposed_s["all_to_all"] == pytest.approx(est.comm_s["all_to_all"] / 4)
+
+
+def test_an_all_to_all_across_nodes_runs_at_the_inter_node_link():
+    model, moe = _tiny()
+    within = _estimate(Layout(world=4, ep=2, zero_stage=0), _profile(), procs_per_node=2)
+    across = _estimate(Layout(world=4, ep=4, zero_stage=0), _profile(), procs_per_node=2)
+    vol = comm_per_step(param_specs(model, moe), Layout(world=4, ep=4, zero_stage=0), model, moe,
+                        tokens_per_micro_batch=8 * 256, grad_accum=1, compute_bytes=4, procs_per_node=2)
+    assert across.comm_s["all_to_all"] == pytest.approx(vol.all_to_all / 1e8)
+    assert within.comm_s["all_to_all"] < across.comm_s["all_to_all"]
+
+
+def test_flops_and_mfu_of_a_hand_counted_model():
+    # vocab 16, dim 8, 1 block of 2 heads, 2 gelu experts of hidden 16, top-1, tied head; S = 4.
+    model = ModelConfig(vocab_size=16, dim=8, num_layers=1, num_heads=2, max_seq_len=4, moe_every=1,
+                        activation="gelu", tie_embeddings=True)
+    moe = MoEConfig(num_experts=2, top_k=1, expert_hidden_dim=16, activation="gelu")
+    work = step_work(model, moe, micro_batch_size=3, seq_len=4, grad_accum=1)
+    tokens = 12
+    # Forward per token: wq wk wv wo 4*64, router 16, head 128 -> 2*400; one expert 2*8*16 -> 2*256;
+    # attention 2 * S * D = 64. Backward: 2x the GEMMs, 2.5x attention.
+    assert work.dense_gemm_flops == (tokens * 800, tokens * 1600)
+    assert work.expert_gemm_flops == (tokens * 512, tokens * 1024)
+    assert work.attention_flops == (tokens * 64, tokens * 160)
+    layout = Layout(world=1, ep=1, zero_stage=0)
+    p = _profile(peak=1e6)
+    est = estimate_step_time(param_specs(model, moe), layout, model, moe, micro_batch_size=3, seq_len=4,
+                             grad_accum=1, profile=p)
+    assert est.compute_s == pytest.approx(tokens * (800 + 1600 + 512 + 1024 + 64 + 160) / 1e6)
+    # MFU counts model FLOPs as the trainer does: 6 * the active parameters (attention 256, router
+    # 16, one expert 256, tied head 128, norm weights 24) + 12 * L * D * S = 4464.
+    assert est.flops_per_token == 6 * 680 + 12 * 1 * 8 * 4 == 4464
+    assert est.mfu == pytest.approx(tokens / est.step_s * 4464 / 1e6)
+
+
+def test_recompute_adds_the_checkpointed_forward():
+    model, moe = _tiny()
+    plain = step_work(model, moe, micro_batch_size=8, seq_len=256, grad_accum=1)
+    full = step_work(model, moe, micro_batch_size=8, seq_len=256, grad_accum=1, ac="full")
+    moe_only = step_work(model, moe, micro_batch_size=8, seq_len=256, grad_accum=1, ac="moe")
+    assert full.expert_gemm_flops[1] == plain.expert_gemm_flops[1] + plain.expert_gemm_flops[0]
+    assert full.attention_flops[1] == plain.attention_flops[1] + plain.attention_flops[0]
+    head = 2 * 128 * 4096 * 8 * 256  # the head's forward is not recomputed
+    assert full.dense_gemm_flops[1] == plain.dense_gemm_flops[1] + plain.dense_gemm_flops[0] - head
+    assert moe_only.attention_flops == plain.attention_flops
+    assert moe_only.expert_gemm_flops[1] == full.expert_gemm_flops[1]
+    assert full.elementwise_bytes[1] > plain.elementwise_bytes[1]
+
+
+def test_gpu_defaults_name_their_sources():
+    tree = ast.parse(SOURCE.read_text())
+    docs = {}
+    for a, b in zip(tree.body, tree.body[1:]):
+        if isinstance(a, ast.Assign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+            docs[a.targets[0].id] = b.value.value
+    for word in ("datasheet", "989", "3.35 TB/s", "NVLink 4", "450 GB/s", "400 Gb/s", "InfiniBand NDR", "Assumed"):
+        assert word in docs["H100_SXM"], word
+    assert "4.8 TB/s" in docs["H200"] and "datasheet" in docs["H200"]
+    assert H200.memory_bandwidth > H100_SXM.memory_bandwidth and H200.peak("bf16") == H100_SXM.peak("bf16")
+
+
+def test_calibration_files_round_trip_and_name_what_is_missing(tmp_path):
+    measured = {"peak": 50e9, "dense": 40e9, "expert": 30e9, "attention": 20e9, "elementwise_bandwidth": 5e9,
+                "optimizer_bandwidth": 2e9, "threads_per_rank": 1, "overlap": 0.25,
+                "collectives": {"all_reduce": [1e9, 1e-4], "all_to_all": [2e9, 5e-5],
+                                "all_gather": [1e9, 1e-4], "reduce_scatter": [1e9, 1e-4]}}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"profiles": {"2": profile_from_measurement(measured)}}))
+    p = load_profile(str(path), procs_per_node=2)
+    assert p.gemm_efficiency == 0.8 and p.expert_gemm_efficiency == 0.6 and p.comm_overlap == 0.25
+    assert p.intra_node.seconds("all_to_all", 2e9, 2) == pytest.approx(1 + 1e-4)
+    assert p.intra_node.seconds("all_reduce", 2e9, 2) == pytest.approx(2 + 2e-4)
+    assert DeviceProfile.from_dict(json.loads(json.dumps(asdict(p)))) == p
+    with pytest.raises(ValueError, match=r"--nproc per node \(4\) was not calibrated"):
+        load_profile(str(path), procs_per_node=4)
+    with pytest.raises(ValueError, match="--device-profile"):
+        load_profile("a100", procs_per_node=1)
+    with pytest.raises(ValueError, match=r"train.dtype \('bf16'\)"):
+        p.peak("bf16")
+
+
+def test_config_layouts_and_what_is_not_modelled():
+    cfg = load_config("tiny", ["--parallel.ep=2", "--parallel.zero_stage=2"])
+    est = estimate_for_config(cfg, world=2, profile=H200)
+    assert est.comm_s["reduce_scatter"] > 0 and est.comm_s["all_to_all"] > 0 and est.comm_s["all_reduce"] == 0
+    assert 0 < est.mfu < 1 and math.isfinite(est.step_s)
+    off = load_config("tiny", ["--parallel.zero_stage=2", "--zero.offload_optimizer=cpu"])
+    with pytest.raises(ValueError, match="offload"):
+        estimate_for_config(off, world=2, profile=H200)
+
+
+@pytest.mark.slow
+def test_calibration_measures_two_real_processes(tmp_path):
+    from moetrain.plan.calibrate import main
+
+    out = tmp_path / "cal.json"
+    assert main(["--out", str(out), "--procs", "2", "--repeats", "1"]) == 0
+    p = load_profile(str(out), procs_per_node=2)
+    assert p.name == "cpu" and p.threads_per_rank >= 1 and 0.0 <= p.comm_overlap <= 1.0
+    assert p.peak("fp32") > 0 and p.gemm_efficiency > 0 and p.memory_bandwidth > 0
+    assert set(p.intra_node.by_collective) == {"all_reduce", "all_to_all", "all_gather", "reduce_scatter"}
+    assert all(bw > 0 and lat > 0 for bw, lat in p.intra_node.by_collective.values())
