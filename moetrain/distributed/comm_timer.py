@@ -85,33 +85,23 @@ def waited(x: torch.Tensor) -> torch.Tensor:
     return x.wait() if isinstance(x, AsyncCollectiveTensor) else x
 
 
-class _BackwardStop(torch.autograd.Function):
-    """Identity on the exchange's input; its backward ends the backward span."""
+class _BackwardMark(torch.autograd.Function):
+    """Identity in the forward. Its backward starts the backward span (placed on the exchange's
+    output: the gradient reaches it first) or ends it (on the input, once the gradient is here)."""
 
     @staticmethod
-    def forward(ctx, x, timer: CommTimer, kind: str):
-        ctx.timer, ctx.kind = timer, kind
+    def forward(ctx, x, timer: CommTimer, kind: str, starts: bool):
+        ctx.timer, ctx.kind, ctx.starts = timer, kind, starts
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = waited(grad)
-        ctx.timer.stop(ctx.kind)
-        return grad, None, None
-
-
-class _BackwardStart(torch.autograd.Function):
-    """Identity on the exchange's output; its backward starts the backward span."""
-
-    @staticmethod
-    def forward(ctx, y, timer: CommTimer, kind: str):
-        ctx.timer, ctx.kind = timer, kind
-        return y.view_as(y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.timer.start(ctx.kind)
-        return grad, None, None
+        if ctx.starts:
+            ctx.timer.start(ctx.kind)
+        else:
+            grad = waited(grad)
+            ctx.timer.stop(ctx.kind)
+        return grad, None, None, None
 
 
 def timed_exchange(exchange, x: torch.Tensor, timer: CommTimer, *, kind: str,
@@ -123,9 +113,9 @@ def timed_exchange(exchange, x: torch.Tensor, timer: CommTimer, *, kind: str,
     backward_kind = backward_kind or f"{kind}_backward"
     track_backward = x.requires_grad and torch.is_grad_enabled()
     if track_backward:
-        x = _BackwardStop.apply(x, timer, backward_kind)
+        x = _BackwardMark.apply(x, timer, backward_kind, False)
     with timer.span(kind):
         y = waited(exchange(x))
     if track_backward and y.requires_grad:
-        y = _BackwardStart.apply(y, timer, backward_kind)
+        y = _BackwardMark.apply(y, timer, backward_kind, True)
     return y

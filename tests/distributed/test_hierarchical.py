@@ -21,10 +21,6 @@ Against the fp32 reference: test_dispatch_dtype's bounds plus those two extra ro
 The byte checks of the flat exchange need it to know the node of each peer (``ep_nodes``).
 """
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -41,6 +37,7 @@ from tests.distributed.hierarchical_worker import (
     layer_worker,
     training_worker,
 )
+from tests.distributed.torchrun_agents import run_agents
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -116,26 +113,7 @@ def test_training_matches_single_process():
 @pytest.mark.timeout(240)
 def test_two_torchrun_agents_on_localhost(tmp_path):
     script = Path(__file__).with_name("hierarchical_torchrun.py")
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = launcher + ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                      "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "moetrain-hierarchical",
-                      str(script), str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-              for _ in range(2)]
-    logs = []
-    try:
-        for agent in agents:
-            logs.append(agent.communicate(timeout=200)[0])
-    finally:
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-    assert all(a.returncode == 0 for a in agents), "\n\n".join(logs)[-6000:]
+    run_agents(script, str(tmp_path), rdzv_id="moetrain-hierarchical")
 
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
     for rank, res in enumerate(results):

@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -30,17 +28,12 @@ import torch
 from moetrain.config.loader import load_config
 from moetrain.train.checkpoint import load_model_weights
 from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.torchrun_agents import free_port, torchrun
 from tests.integration.conftest import job_overrides
 
 STEPS = 400
 EXTRA = ("--moe.aux_loss_coef=0", "--train.deterministic=true", "--checkpoint.every=10",
          "--checkpoint.keep_last=20", "--train.collective_timeout_s=60")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _reference(rank: int, world_size: int, overrides: list[str]) -> None:
@@ -54,9 +47,7 @@ def _reference(rank: int, world_size: int, overrides: list[str]) -> None:
 
 
 def _agent(port: int, run_dir: Path, log: Path) -> subprocess.Popen:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launcher = [str(torchrun)] if torchrun.exists() else [sys.executable, "-m", "torch.distributed.run"]
-    cmd = launcher + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+    cmd = torchrun() + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "moetrain-elastic",
                       "--rdzv-conf", "is_host=false,last_call_timeout=2,join_timeout=120", "--max-restarts", "4",
                       "--monitor-interval", "0.5", "-m", "moetrain.cli", "train",
@@ -124,7 +115,7 @@ def _events(run_dir: Path) -> list[dict]:
 def test_lost_and_added_node_resume_at_the_new_world_size_with_the_same_result(tmp_path, shakespeare_cached):
     run_ranks(_reference, 2, job_overrides(tmp_path / "ref", steps=STEPS, extra=EXTRA), timeout_s=300)
 
-    run_dir, port = tmp_path / "elastic", _free_port()
+    run_dir, port = tmp_path / "elastic", free_port()
     # The rendezvous endpoint outlives every node, as a cluster's does (an etcd or a login host):
     # no agent hosts it, so losing one loses no state.
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
