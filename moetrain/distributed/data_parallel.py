@@ -18,8 +18,11 @@ every gradient must equal (1/W) * sum over ranks of that rank's local gradient.
   so the right gradient is (sum over edp) / W. Averaging over edp (sum / edp) instead leaves it
   ``ep`` times too large: the classic silent EP bug.
 
-DDP handles the non-expert parameters (bucketed, overlapped with backward); the expert shards
-(DTensors) are hidden from it and reduced by hooks here, with the same ``no_sync`` switch.
+DDP handles the non-expert parameters; the expert shards (DTensors) are hidden from it and
+reduced by hooks here, with the same ``no_sync`` switch. Every gradient reduction overlaps the
+backward, at every stage and in every compression mode: each DDP bucket and each expert gradient
+is reduced asynchronously as soon as it is ready (FSDP2 reduce-scatters each unit in its
+post-backward), proven by ``tests/distributed/test_grad_overlap.py``.
 
 Gradient compression (``dp.grad_compression``). "bf16" (stages 0/1) swaps both reductions for a
 bf16 all-reduce: a DDP communication hook for the replicated parameters, the same reduction over
@@ -55,7 +58,7 @@ from torch.nn.parallel import DistributedDataParallel
 from moetrain.config.job import JobConfig
 from moetrain.distributed.comm_timer import CommTimer
 from moetrain.distributed.expert_parallel import is_expert_shard
-from moetrain.distributed.grad_compression import OneBitReducer, bf16_all_reduce_sum, fp32_bytes
+from moetrain.distributed.grad_compression import Bf16AllReduce, OneBitReducer, fp32_bytes
 from moetrain.distributed.parallel_dims import ParallelDims
 
 log = logging.getLogger("moetrain")
@@ -91,11 +94,13 @@ class MoEDataParallel(DistributedDataParallel):
         self._edp_group = dims.edp_group if dims.edp > 1 else None
         self._expert_grad_scale = 1.0 / dims.dp
         self._expert_local_scale = dims.edp / dims.dp  # local-gradient mode (module docstring)
-        self._local_gradients = False
-        self._sync_experts = False
-        self._callback_queued = False
-        self._pending: list[dist.Work] = []
-        self._num_reduced = 0
+        self._local_gradients = self._sync_experts = self._callback_queued = False
+        # Each expert shard's place in the launch order of the reductions, the same on every rank:
+        # reverse parameter order, the order in which the backward reaches them.
+        self._launch_position = {id(p): i for i, p in enumerate(reversed(self._expert_params))}
+        self._ready: dict[int, torch.Tensor] = {}  # launch position -> gradient, not launched yet
+        self._pending: list[dist.Work | Bf16AllReduce] = []
+        self._num_reduced = self._num_launched = 0
         self.timer = CommTimer()
         # Tensor hooks live in C++, where the garbage collector cannot see them: a bound method
         # there would keep this wrapper (and its process groups) alive until interpreter
@@ -127,7 +132,6 @@ class MoEDataParallel(DistributedDataParallel):
         self._bytes_sent, self._bytes_fp32, self._num_synced = 0, 0, 0
         self._onebit_bytes, self._num_onebit = 0, 0
         self._dense_reducer = self._expert_reducer = None
-        self._collected: dict[int, torch.Tensor] = {}
         if mode == "none":
             return
         if mode == "onebit":
@@ -157,26 +161,25 @@ class MoEDataParallel(DistributedDataParallel):
             self._register_reduce_hook()
 
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP comm hook: the bucket's mean over dp in bf16; for "onebit" (and "none" when timed),
-        in fp32, asynchronous as DDP's own unless timed; in 1-bit Adam's local-gradient mode, not at
-        all."""
+        """DDP comm hook: the bucket's mean over dp, launched asynchronously (bf16 for "bf16", cast
+        back when it arrives; fp32 for "onebit" and a timed "none"), waited for where it is issued
+        when timed; in 1-bit Adam's local-gradient mode, no reduction."""
         buffer = bucket.buffer()
         if self._local_gradients:
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buffer)
             return fut
         buffer.div_(self.process_group.size())  # mean = sum of the pre-divided gradients
-        if self.grad_compression in ("onebit", "none") and not self.timer.enabled:
-            work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-            return work.get_future().then(lambda f: f.value()[0])
         with self.timer.span("grad_reduce"):
             if self.grad_compression == "bf16":
-                self._bytes_sent += bf16_all_reduce_sum([buffer], self.process_group)
-            else:  # fp32, timed where it is issued (log.comm_timing)
-                dist.all_reduce(buffer, group=self.process_group)
-        fut = torch.futures.Future()
-        fut.set_result(buffer)
-        return fut
+                reduction = Bf16AllReduce([buffer], self.process_group)
+                self._bytes_sent += reduction.num_bytes
+                fut = reduction.future()
+            else:
+                fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
+            if self.timer.enabled:
+                fut.wait()  # timed where it is issued (log.comm_timing)
+        return fut.then(lambda f: f.value()[0])
 
     # --- 1-bit Adam (moetrain.distributed.onebit_adam) -----------------------------------------------
 
@@ -305,31 +308,36 @@ class MoEDataParallel(DistributedDataParallel):
             else:
                 # Divide before the sum: keeps low-precision gradients in range.
                 grad.mul_(self._expert_grad_scale)
-                if self._edp_group is not None and self.grad_compression == "bf16":
-                    self._collected[id(p)] = grad  # reduced together at the end of the backward
-                elif self._edp_group is not None:
-                    with self.timer.span("grad_reduce"):
-                        work = dist.all_reduce(grad, group=self._edp_group, async_op=True)
-                        if self.timer.enabled:
-                            work.wait()  # timed where it is issued (log.comm_timing)
-                    self._pending.append(work)
+                if self._edp_group is not None:
+                    self._ready[self._launch_position[id(p)]] = grad
+                    self._launch_expert_reductions()
         self._num_reduced += 1
 
-    def _finish_expert_sync(self) -> None:
-        for work in self._pending:
-            work.wait()
-        if self._collected:
-            # In parameter order, the same on every rank whatever order the hooks fired in.
-            order = [(n, p) for n, p in zip(self._expert_names, self._expert_params) if id(p) in self._collected]
-            grads = [self._collected[id(p)] for _, p in order]
+    def _launch_expert_reductions(self) -> None:
+        """Launch the ready expert gradients' edp reductions (async) in launch order, up to the first
+        not ready. Collectives pair up by issue order, and hook order is only as deterministic as
+        the autograd engine's threads: DDP too launches its buckets in a fixed order."""
+        while self._num_launched in self._ready:
+            grad = self._ready.pop(self._num_launched)
+            self._num_launched += 1
             with self.timer.span("grad_reduce"):
-                self._bytes_sent += bf16_all_reduce_sum(grads, self._edp_group)
-            self._collected = {}
-        # Internal invariant: the hooks fire in the same order on every rank only if every expert
-        # weight took part in the forward (GroupedExperts uses its weights even with no tokens).
+                if self.grad_compression == "bf16":
+                    reduction = Bf16AllReduce([grad], self._edp_group)
+                    self._bytes_sent += reduction.num_bytes
+                else:
+                    reduction = dist.all_reduce(grad, group=self._edp_group, async_op=True)
+                if self.timer.enabled:
+                    reduction.wait()  # timed where it is issued (log.comm_timing)
+            self._pending.append(reduction)
+
+    def _finish_expert_sync(self) -> None:
+        for reduction in self._pending:
+            reduction.wait()  # a bf16 reduction casts its sum back into the gradient here
+        # Internal invariant: all were launched only if every expert weight took part in the
+        # forward (GroupedExperts uses its weights even with no tokens).
         assert self._num_reduced == len(self._expert_params), \
             f"{self._num_reduced} of {len(self._expert_params)} expert gradients were reduced"
-        self._pending, self._num_reduced, self._callback_queued = [], 0, False
+        self._pending, self._num_reduced, self._num_launched, self._callback_queued = [], 0, 0, False
 
 
 def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: float = 25.0, zero_stage: int = 0,

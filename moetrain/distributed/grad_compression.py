@@ -182,13 +182,43 @@ def own_width(numel: int, world: int) -> int:
     return chunk_len(numel, world) // 8 + _SCALE_BYTES
 
 
-def bf16_all_reduce_sum(tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> int:
-    """Sum ``tensors`` over ``group`` through one bf16 all-reduce, cast back (in place). Returns
-    the bytes moved (ring all-reduce)."""
-    flat = torch.cat([t.reshape(-1) for t in tensors]).to(torch.bfloat16)
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for t in tensors:
-        t.copy_(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return bf16_bytes(flat.numel())
+class Bf16AllReduce:
+    """The sum of ``tensors`` over ``group`` through one bf16 all-reduce, launched asynchronously
+    by the constructor. ``wait`` (or the callback of ``future``) writes the sums back into
+    ``tensors``, cast to their own dtype. ``num_bytes``: what it moves (ring all-reduce).
+
+    Each element is cast, summed and cast back the same way whether tensors travel together or
+    one per reduction; only the reduction order of a ring over more than two ranks may differ."""
+
+    def __init__(self, tensors: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
+        self.tensors = tensors
+        parts = [t.reshape(-1).to(torch.bfloat16) for t in tensors]
+        self.flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        self.num_bytes = bf16_bytes(self.flat.numel())
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+        self._written = False
+
+    def _write_back(self) -> None:
+        if self._written:
+            return
+        offset = 0
+        for t in self.tensors:
+            t.copy_(self.flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+        self._written = True
+
+    def wait(self) -> None:
+        """Wait for the sum (on a GPU the current stream waits, not the host), then write it back."""
+        self.work.wait()
+        self._write_back()
+
+    def future(self) -> torch.futures.Future[list[torch.Tensor]]:
+        """A future of ``tensors``, completed once the sums are written back into them; the
+        caller does not block."""
+
+        def write_back(fut: torch.futures.Future) -> list[torch.Tensor]:
+            fut.value()  # raises if the all-reduce failed
+            self._write_back()
+            return self.tensors
+
+        return self.work.get_future().then(write_back)

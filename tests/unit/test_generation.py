@@ -35,7 +35,7 @@ def test_top_k_one_is_greedy_decoding_over_the_context_window():
 
 def test_sampling_is_seeded_and_continues_the_prompt():
     model, tok = _model(), CharTokenizer()
-    kwargs = dict(context=8, device=torch.device("cpu"), max_new_tokens=12, temperature=1.5, top_k=50)
+    kwargs = {"context": 8, "device": torch.device("cpu"), "max_new_tokens": 12, "temperature": 1.5, "top_k": 50}
     a = sample_text(model, tok, "xyz", seed=7, **kwargs)
     assert a == sample_text(model, tok, "xyz", seed=7, **kwargs)
     assert a.startswith(tok.decode(tok.encode("xyz"))) and len(a) == 3 + 12
