@@ -40,6 +40,9 @@ class CommStats:
     fp8 scales; not the combine, not the metadata)."""
     dispatch_min_bytes_fp32: int = 0
     """The bytes those same dispatch rows take as fp32 (sent plus received)."""
+    combine_bytes: int = 0
+    """Of bytes_sent + bytes_received, the forward combine payload (expert outputs going home); the
+    rest besides the dispatch is routing metadata (counts, row indices, gate weights, all-gathers)."""
     inter_node_bytes: int = 0
     """Of bytes_sent + bytes_received, those exchanged with ranks on other nodes (the slow link).
     Counted for the exchanges told the node of each peer (``ParallelDims.ranks_per_node``); the
@@ -69,10 +72,11 @@ class CommStats:
 
     def count_exchange(self, *, input_splits: list[int], output_splits: list[int], own: int,
                        row_bytes: int, dispatch_row_elements: int | None = None,
-                       peer_nodes: Sequence[int] | None = None) -> None:
+                       peer_nodes: Sequence[int] | None = None, combine: bool = False) -> None:
         """Add one exchange: ``input_splits[p]`` rows of ``row_bytes`` to rank p, ``output_splits[p]``
         from it. The one place traffic is counted; a rank's chunk to itself does not move.
-        ``dispatch_row_elements`` (D) marks the forward dispatch payload. ``peer_nodes[p]``, the
+        ``dispatch_row_elements`` (D) marks the forward dispatch payload, ``combine`` the forward
+        combine payload. ``peer_nodes[p]``, the
         node of group rank p, makes the rows of peers on another node than ``own``'s inter-node."""
         rows_sent = sum(input_splits) - input_splits[own]
         rows_received = sum(output_splits) - output_splits[own]
@@ -81,6 +85,8 @@ class CommStats:
         if dispatch_row_elements is not None:
             self.dispatch_bytes += (rows_sent + rows_received) * row_bytes
             self.dispatch_min_bytes_fp32 += (rows_sent + rows_received) * dispatch_row_elements * 4
+        if combine:
+            self.combine_bytes += (rows_sent + rows_received) * row_bytes
         if peer_nodes is not None:
             assert len(peer_nodes) == len(input_splits), (peer_nodes, input_splits)
             far = sum(i + o for i, o, node in zip(input_splits, output_splits, peer_nodes) if node != peer_nodes[own])
@@ -99,6 +105,8 @@ class CommStats:
         """The counters as ``metrics.jsonl`` keys."""
         return {"a2a_bytes": self.bytes_sent + self.bytes_received, "a2a_bytes_ratio": self.ratio,
                 "a2a_bytes_ratio_vs_fp32": self.ratio_vs_fp32, "a2a_dispatch_bytes": self.dispatch_bytes,
+                "a2a_combine_bytes": self.combine_bytes,
+                "a2a_routing_bytes": self.bytes_sent + self.bytes_received - self.dispatch_bytes - self.combine_bytes,
                 "a2a_dispatch_ratio_vs_fp32": self.dispatch_ratio_vs_fp32,
                 "a2a_inter_node_bytes": self.inter_node_bytes, "a2a_intra_node_bytes": self.intra_node_bytes,
                 "a2a_inter_node_dispatch_bytes": self.inter_node_dispatch_bytes}

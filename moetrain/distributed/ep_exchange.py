@@ -75,7 +75,7 @@ class EpExchanges:
         self.stats.count_exchange(input_splits=input_splits, output_splits=output_splits, own=self.ep_rank,
                                   row_bytes=row_bytes(x_MX) if wire == "none" else wire_row_bytes(dim, wire),
                                   dispatch_row_elements=dim if payload == "dispatch" else None,
-                                  peer_nodes=self.ep_nodes)
+                                  peer_nodes=self.ep_nodes, combine=payload == "combine")
         if self.timer.enabled:
             # Timed means waited for at once: the span is the exchange, not the work overlapping it.
             y_RX = timed_exchange(lambda t: launch_rows(t, wire=wire, output_splits=output_splits,

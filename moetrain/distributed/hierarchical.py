@@ -262,7 +262,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         assert payload == "combine" or not compressed, payload  # compressed dispatch rows: _RelayedRows
         dim = x_MD.shape[1]
         self._count(stage, rows=(send, recv), row_bytes=wire_row_bytes(dim, "bf16") if compressed else row_bytes(x_MD),
-                    dim=dim if payload == "dispatch" else None)
+                    dim=dim if payload == "dispatch" else None, combine=payload == "combine")
         if compressed:
             return timed_exchange(lambda x: exchange_rows(x, wire="bf16", output_splits=recv, input_splits=send,
                                                           group=stage.group), x_MD, self.timer, kind=payload)
@@ -289,9 +289,9 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         return ints_from_bytes(out_RX, bound, x_MX.shape[1:]) if self.compact_ints else out_RX
 
     def _count(self, stage: _Stage, *, rows: tuple[list[int], list[int]], row_bytes: int,
-               dim: int | None = None) -> None:
+               dim: int | None = None, combine: bool = False) -> None:
         self.stats.count_exchange(input_splits=rows[0], output_splits=rows[1], own=stage.own, row_bytes=row_bytes,
-                                  dispatch_row_elements=dim, peer_nodes=stage.nodes)
+                                  dispatch_row_elements=dim, peer_nodes=stage.nodes, combine=combine)
 
 
 # ----- compressed token rows through both stages ------------------------------------------------------

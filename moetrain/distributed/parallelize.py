@@ -128,10 +128,12 @@ def enable_comm_timing(model: nn.Module, parallel_model: nn.Module, optimizer: t
 def collect_comm_times(model: nn.Module, parallel_model: nn.Module,
                        optimizer: torch.optim.Optimizer) -> dict[str, float]:
     """Seconds (``comm_time/<kind>``) and spans (``comm_calls/<kind>``) of every timed collective on
-    this rank since the last call; empty when nothing is timed."""
+    this rank since the last call (empty when nothing is timed), and at ZeRO-1 the bytes this rank
+    sent in the parameter all-gathers (``param_gather_bytes``)."""
     out = collect_dispatch_times(model)
     if isinstance(parallel_model, MoEDataParallel):
         out.update(parallel_model.timer.read())
     if isinstance(optimizer, ZeroShardedOptimizer):
         out.update(optimizer.timer.read())
+        out["param_gather_bytes"], optimizer.gather_bytes = float(optimizer.gather_bytes), 0
     return out

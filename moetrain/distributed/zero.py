@@ -86,6 +86,8 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         self.offload = offload
         self.bucket_numel = bucket_numel
         self.timer = CommTimer()
+        self.gather_bytes = 0
+        """Bytes this rank has sent in the parameter all-gathers (ring: its slice to W - 1 ranks)."""
         """Times the parameter all-gathers after the step when enabled (``log.comm_timing``)."""
         self._shards: list[_Shard] = []
         if offload and all(p.device.type == "cpu" for g in optimizer.param_groups for p in g["params"]):
@@ -155,6 +157,7 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
             for bucket in _buckets(shards, self.bucket_numel, world):
                 with self.timer.span("param_gather"):
                     self._all_gather_bucket(bucket, group, world)
+                self.gather_bytes += sum(s.chunk for s in bucket) * bucket[0].flat.element_size() * (world - 1)
 
     @staticmethod
     def _all_gather_bucket(bucket: list[_Shard], group, world: int) -> None:

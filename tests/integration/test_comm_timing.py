@@ -51,5 +51,13 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
         assert record["comm_calls/grad_reduce"] >= 1 and record["comm_time/grad_reduce"] > 0
         zero1 = "--parallel.zero_stage=1" in extra
         assert ("comm_calls/param_gather" in record) == zero1
+        assert ("param_gather_bytes" in record) == zero1 and record.get("param_gather_bytes", 1) > 0
+        # Bytes per payload: the combine brings back the rows the dispatch sent, in fp32 rows of
+        # D = 64 values (4 bytes each) or, with fp8, as bf16 rows (2 D bytes) against e4m3 rows plus
+        # one fp32 scale (D + 4 bytes); the rest of the total is routing metadata.
+        dispatch, combine = record["a2a_dispatch_bytes"], record["a2a_combine_bytes"]
+        assert dispatch > 0 and record["a2a_routing_bytes"] > 0
+        assert combine * (64 + 4 if extra and "fp8" in extra[0] else 4 * 64) == \
+            dispatch * (2 * 64 if extra and "fp8" in extra[0] else 4 * 64)
         assert record["a2a_bytes_per_step"] == record["a2a_bytes"] / 2
     assert not any(k.startswith("comm_") for r in plain["records"] for k in r)  # off by default
