@@ -149,6 +149,27 @@ def _onebit_sent(numel: int, group: int) -> int:
     return 2 * (group - 1) * (chunk_len(numel, group) // 8 + 4)
 
 
+def _add_replicated(vol: CommVolume, specs: list[ParamSpec], layout: Layout, *, grad_compression: str,
+                    dp_crosses: bool, edp_crosses: bool) -> None:
+    """Stages 0/1: the gradient all-reduce (dense over dp, expert shards over edp), in the wire
+    format of ``grad_compression``, and at stage 1 the all-gather of the updated parameters."""
+    W, ep, edp = layout.world, layout.ep, layout.edp
+    dense_numel = sum(s.numel for s in specs if not (s.expert and ep > 1))
+    expert_numel = sum(s.numel // ep for s in specs if s.expert and ep > 1)
+    dense_ar, expert_ar = 2 * _ring(dense_numel * 4, W), 2 * _ring(expert_numel * 4, edp)
+    if grad_compression == "bf16":
+        dense_ar, expert_ar = dense_ar / 2, expert_ar / 2
+    elif grad_compression == "onebit":
+        dense_ar = sum(_onebit_sent(s.numel, W) for s in specs if not (s.expert and ep > 1))
+        expert_ar = sum(_onebit_sent(s.numel // ep, edp) for s in specs if s.expert and ep > 1)
+    vol.all_reduce = int(dense_ar + expert_ar)
+    vol.inter_node += int(dense_ar * dp_crosses + expert_ar * edp_crosses)
+    if layout.zero_stage == 1:
+        dense_ag, expert_ag = _ring(dense_numel * 4, W), _ring(expert_numel * 4, edp)
+        vol.all_gather = int(dense_ag + expert_ag)
+        vol.inter_node += int(dense_ag * dp_crosses + expert_ag * edp_crosses)
+
+
 def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
                   ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None,
@@ -183,21 +204,9 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
                            else vol.all_to_all_inter_node_flat)
 
     # 2. Gradient and parameter collectives.
-    dense_numel = sum(s.numel for s in specs if not (s.expert and ep > 1))
-    expert_numel = sum(s.numel // ep for s in specs if s.expert and ep > 1)
     if stage in (0, 1):
-        dense_ar, expert_ar = 2 * _ring(dense_numel * 4, W), 2 * _ring(expert_numel * 4, edp)
-        if grad_compression == "bf16":
-            dense_ar, expert_ar = dense_ar / 2, expert_ar / 2
-        elif grad_compression == "onebit":
-            dense_ar = sum(_onebit_sent(s.numel, W) for s in specs if not (s.expert and ep > 1))
-            expert_ar = sum(_onebit_sent(s.numel // ep, edp) for s in specs if s.expert and ep > 1)
-        vol.all_reduce = int(dense_ar + expert_ar)
-        vol.inter_node += int(dense_ar * dp_crosses + expert_ar * edp_crosses)
-        if stage == 1:
-            dense_ag, expert_ag = _ring(dense_numel * 4, W), _ring(expert_numel * 4, edp)
-            vol.all_gather = int(dense_ag + expert_ag)
-            vol.inter_node += int(dense_ag * dp_crosses + expert_ag * edp_crosses)
+        _add_replicated(vol, specs, layout, grad_compression=grad_compression, dp_crosses=dp_crosses,
+                        edp_crosses=edp_crosses)
         return vol
 
     shard = layout.dense_shard_size

@@ -15,6 +15,7 @@ the final weights are equal, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -79,10 +80,8 @@ def _descendants(pid: int) -> list[int]:
 def _kill_node(agent: subprocess.Popen) -> None:
     """The agent and its workers die at once, as with a lost node."""
     for pid in [agent.pid, *_descendants(agent.pid)]:
-        try:
+        with contextlib.suppress(ProcessLookupError):  # already gone
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _records(run_dir: Path) -> list[dict]:
