@@ -64,8 +64,8 @@ def fsync_dir(folder: str | os.PathLike) -> None:
     """Make a rename inside ``folder`` durable."""
     fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems (network mounts) cannot fsync a directory; the rename stays atomic
+        # Some filesystems (network mounts) cannot fsync a directory; the rename stays atomic.
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
     finally:
         os.close(fd)
