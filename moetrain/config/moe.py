@@ -36,6 +36,13 @@ class MoEConfig:
     softmax probabilities (Switch/GShard). Ignored for top_k=1: a weight fixed at 1.0 would leave
     the router without any gradient from the language-model loss."""
 
+    routed_scaling_factor: float = 1.0
+    """Multiplies every routed gate weight, after the optional renormalisation (DeepSeek-V3: 2.5,
+    DeepSeek-V2: 16.0): out = shared(x) + factor * sum_k w_k * expert_k(x). It scales the routed
+    output against the shared experts' and the residual stream; it changes no selection, no
+    capacity drop (the "score" policy ranks by the scaled weights, in the same order) and no
+    balance loss (those read the unscaled probabilities). 1.0 = off."""
+
     router_init_std: float = 0.02
     """Std of the normal init of the router weight. Small, so that routing starts near uniform."""
 
@@ -44,6 +51,13 @@ class MoEConfig:
 
     shared_hidden_dim: int | None = None
     """Hidden size of the shared-expert FFN; None = num_shared_experts * expert_hidden_dim."""
+
+    shared_expert_gate: bool = False
+    """Scale the shared experts' output per token by sigmoid(x @ w^T), w a [1, D] weight without
+    bias (Qwen2-MoE's shared_expert_gate): out = routed + sigmoid(x w^T) * shared(x). The weight
+    is the layer's ``shared_gate.weight``, drawn like the other dense weights (normal(model.init_std),
+    as Qwen2-MoE draws it with its initializer_range). Computed with the shared experts while the
+    routed rows are dispatched. Needs num_shared_experts > 0."""
 
     aux_loss_coef: float = 0.01
     """Coefficient of the Switch/GShard load-balancing loss E * sum_e f_e * P_e."""
@@ -112,6 +126,14 @@ class MoEConfig:
     summed over every micro-batch and every data- and expert-parallel rank. The update runs in the
     optimizer pre-step hook that ``moetrain.train.balancing.install_balancing`` installs. 0 = off."""
 
+    expert_bias: bool = False
+    """Give a token-choice router its per-expert selection bias (the fp32 buffer
+    ``router.expert_bias``, DeepSeek-V3's e_score_correction_bias) even when
+    router_bias_update_rate is 0: the bias then selects experts (gate weights stay the unbiased
+    scores) and stays fixed, e.g. one imported from a checkpoint. Implied when
+    router_bias_update_rate > 0. It starts at 0, is saved in checkpoints, and stays fp32 under
+    module casts (``model.to(torch.bfloat16)``) and mixed precision."""
+
     router_jitter: float = 0.0
     """Multiplicative jitter on the router input in training (Switch Transformer):
     x * U(1 - eps, 1 + eps). 0 = off. Random per rank, so runs are not layout-invariant with it."""
@@ -136,10 +158,17 @@ class MoEConfig:
 
     num_expert_groups: int = 1
     """Two-level (group-limited) routing: the E experts form this many groups of consecutive ids;
-    a token first picks its top_groups groups (group score: the sum of the group's two best
-    selection scores, as DeepSeek-V3), then its top_k experts inside them. With num_expert_groups
-    = parallel.ep each group is one rank's experts, so a token's copies go to at most top_groups
-    ranks. Must divide num_experts. 1 = off. Token-choice routers only."""
+    a token first picks its top_groups groups (by group_score), then its top_k experts inside
+    them. With num_expert_groups = parallel.ep each group is one rank's experts, so a token's
+    copies go to at most top_groups ranks. Must divide num_experts. 1 = off. Token-choice
+    routers only."""
+
+    group_score: str = "top2_sum"
+    """How two-level routing scores a group, over the selection scores (the scores plus the
+    expert_bias, when there is one). "top2_sum": the sum of the group's two best (DeepSeek-V3's
+    noaux_tc: a group with two good experts beats one with a single outlier; one score for
+    one-expert groups). "max": the group's best score (DeepSeek-V2's group_limited_greedy over
+    softmax scores). Acts only with num_expert_groups > 1."""
 
     top_groups: int = 1
     """Groups each token may use under two-level routing (<= num_expert_groups); top_groups *
@@ -227,6 +256,9 @@ class MoEConfig:
         require_positive("moe.router_init_std", self.router_init_std)
         require_int("moe.num_shared_experts", self.num_shared_experts, min_value=0)
         require_int("moe.shared_hidden_dim", self.shared_hidden_dim, min_value=1, none_ok=True)
+        require_bool("moe.shared_expert_gate", self.shared_expert_gate)
+        require(not self.shared_expert_gate or self.num_shared_experts > 0, "moe.shared_expert_gate",
+                self.shared_expert_gate, "needs moe.num_shared_experts > 0 (it gates their output)")
         require_non_negative("moe.aux_loss_coef", self.aux_loss_coef)
         require_non_negative("moe.z_loss_coef", self.z_loss_coef)
         require_choice("moe.expert_impl", self.expert_impl, ("grouped", "loop"))
@@ -245,6 +277,15 @@ class MoEConfig:
         require(not (expert_choice and self.router_bias_update_rate > 0), "moe.router_bias_update_rate",
                 self.router_bias_update_rate, 'must be 0 with moe.router "expert_choice" (experts pick tokens; '
                 'there is no token-choice selection to bias)')
+        require_bool("moe.expert_bias", self.expert_bias)
+        require(not (expert_choice and self.expert_bias), "moe.expert_bias", self.expert_bias,
+                'must be false with moe.router "expert_choice" (experts pick tokens; there is no '
+                'token-choice selection to bias)')
+        factor = self.routed_scaling_factor
+        require_positive("moe.routed_scaling_factor", factor)
+        require(math.isfinite(factor), "moe.routed_scaling_factor", factor, "must be finite")
+        require(not (expert_choice and factor != 1), "moe.routed_scaling_factor", factor,
+                'must be 1.0 with moe.router "expert_choice" (token-choice routers only)')
         _require_finite_non_negative("moe.router_jitter", self.router_jitter)
         require(self.router_jitter < 1, "moe.router_jitter", self.router_jitter,
                 "must be < 1 (inputs are scaled by U(1 - eps, 1 + eps))")
@@ -258,6 +299,10 @@ class MoEConfig:
         require(not (expert_choice and self.num_expert_groups > 1), "moe.num_expert_groups",
                 self.num_expert_groups, 'must be 1 with moe.router "expert_choice" (two-level routing is '
                 'token choice)')
+        require_choice("moe.group_score", self.group_score, ("top2_sum", "max"))
+        require(self.group_score == "top2_sum" or self.num_expert_groups > 1, "moe.group_score",
+                self.group_score, 'acts only with moe.num_expert_groups > 1 (two-level routing); leave it '
+                '"top2_sum" otherwise')
         require_int("moe.top_groups", self.top_groups, min_value=1)
         require(self.top_groups <= self.num_expert_groups, "moe.top_groups", self.top_groups,
                 f"must be <= moe.num_expert_groups ({self.num_expert_groups})")
@@ -293,6 +338,11 @@ class MoEConfig:
     @property
     def is_expert_choice(self) -> bool:
         return self.router == "expert_choice"
+
+    @property
+    def has_expert_bias(self) -> bool:
+        """Whether token-choice routers hold the selection bias ``router.expert_bias``."""
+        return self.expert_bias or self.router_bias_update_rate > 0
 
     @property
     def resolved_shared_hidden_dim(self) -> int:

@@ -36,6 +36,21 @@ from tests.distributed.ep_parity import (
 class RoutingCase(Case):
     seq_len: int | None = None
     """Feed the model ``[T / S, S, D]`` instead of ``[T, D]`` (for the sequence-level aux loss)."""
+    bias_std: float = 0.0
+    """> 0: after building, each router's ``expert_bias`` (moe.expert_bias) is drawn from
+    normal(0, bias_std) with a fixed seed, as an imported DeepSeek-V3 bias would be set."""
+
+
+def build_routing_model(case: RoutingCase):
+    """ep_parity's model, with the case's fixed selection bias: the same on every rank and in
+    the reference."""
+    model = build_model(case)
+    if case.bias_std > 0:
+        g = torch.Generator().manual_seed(2000 + case.seed)
+        for layer in model.modules():
+            if isinstance(layer, MoELayer):
+                layer.router.expert_bias.normal_(0.0, case.bias_std, generator=g)
+    return model
 
 
 def _balance_state(model) -> dict:
@@ -90,7 +105,7 @@ def train_balanced(model, train_model, case: RoutingCase, x, target, slices, dim
 
 
 def run_reference(case: RoutingCase, world_size: int) -> dict:
-    model = build_model(case)
+    model = build_routing_model(case)
     x, target = make_data(case, world_size)
     n, T = case.micro_batches, case.tokens_per_rank
     slices = [torch.cat([torch.arange(r * T + m * (T // n), r * T + (m + 1) * (T // n)) for r in range(world_size)])
@@ -104,7 +119,7 @@ def routing_worker(rank: int, world_size: int, layouts: list[tuple[int, list[Rou
         dims = ParallelDims(world_size=world_size, ep=ep, num_experts=8)
         dims.build_mesh()
         for case in cases:
-            model = build_model(case)
+            model = build_routing_model(case)
             train_model = parallelize(model, dims, activation_checkpointing=case.activation_checkpointing)
             x, target = make_data(case, world_size)
             results[f"ep{ep}/{case.name}"] = train_balanced(model, train_model, case, x, target,

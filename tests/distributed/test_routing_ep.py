@@ -2,14 +2,22 @@
 processes, against one plain process with the global batch (routing_parity.py): outputs, losses,
 drops, every gradient, the parameters after several AdamW steps, and after every step the
 balancing state (selection bias, capacity factor, per-expert learning-rate scales, aux-loss
-coefficient) on every rank.
+coefficient) on every rank. The DeepSeek-V3 and Qwen2-MoE cases add a fixed selection bias, the
+routed scaling factor and the gated shared expert.
 """
 
 import pytest
+import torch
 
 from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import assert_parity
-from tests.distributed.routing_parity import RoutingCase, assert_balance_parity, routing_worker, run_reference
+from tests.distributed.ep_parity import assert_parity, make_data
+from tests.distributed.routing_parity import (
+    RoutingCase,
+    assert_balance_parity,
+    build_routing_model,
+    routing_worker,
+    run_reference,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 
@@ -33,6 +41,16 @@ LR_SCALE = RoutingCase("expert_lr_scale", moe={"expert_lr_scale_max": 3.0, "bala
 SEQ_AUX = RoutingCase("sequence_aux", moe={"aux_loss_type": "sequence", "aux_loss_coef": 0.1}, seq_len=4)
 # Layer 0 sends every token to expert 0: with no warm-up and one check in a row, the alarm fires at
 # each step and raises that layer's coefficient on every rank alike.
+# DeepSeek-V3's MoE block: sigmoid scores, a fixed (imported) selection bias, group-limited routing
+# over groups that straddle the ep ranks, routed weights scaled by 2.5, a shared expert.
+DEEPSEEK_V3 = RoutingCase("deepseek_v3", moe={"router": "sigmoid", "expert_bias": True, "routed_scaling_factor": 2.5,
+                                              "num_expert_groups": 4, "top_groups": 2, "num_shared_experts": 1,
+                                              "activation": "swiglu"}, bias_std=0.1)
+# Qwen2-MoE's: raw softmax weights of 4 experts, a shared expert behind its sigmoid gate (the
+# collapse alarm above top_k / E = 0.5, where it can fire).
+QWEN2_MOE = RoutingCase("qwen2_moe", moe={"top_k": 4, "renormalize": False, "num_shared_experts": 1,
+                                          "shared_expert_gate": True, "activation": "swiglu",
+                                          "collapse_threshold": 0.9})
 COLLAPSE = RoutingCase("collapse", moe={"top_k": 1, "collapse_threshold": 0.5, "collapse_aux_increase": 0.05,
                                         "balance_interval": 1, "collapse_warmup_steps": 0,
                                         "collapse_consecutive_checks": 1}, force="one_expert")
@@ -60,7 +78,9 @@ def _check_case_is_what_it_claims(case, ref, ranks, ep):
         assert sum(sum(d) for st in ref["steps"] for d in st["dropped"]) > 0, "no copy was dropped"
     if moe.get("expert_lr_scale_max", 1) > 1:
         assert last["expert_lr_scale"].max() > 1
-    if moe.get("num_expert_groups", 1) > 1 and ep == 2:
+    if moe.get("expert_bias") and moe.get("router_bias_update_rate", 0) == 0:
+        _check_fixed_bias(case, ref, ranks)
+    if moe.get("num_expert_groups", 1) == ep == 2 and moe.get("top_groups", 1) == 1:
         # Groups aligned with the ranks: all K copies of a token go to the same rank, so the
         # per-copy all-to-all moves exactly K rows per (token, remote rank) pair. Each remote copy
         # is sent twice (there by dispatch, back by combine), once by each side.
@@ -75,9 +95,26 @@ def _check_case_is_what_it_claims(case, ref, ranks, ep):
         assert ref["alarms"] > 0 and last["aux_loss_coef"][0] > moe.get("aux_loss_coef", 0.01)
 
 
+def _check_fixed_bias(case, ref, ranks):
+    """A fixed bias is the one the case set, after every step on every rank, and it re-routes."""
+    model = build_routing_model(case)
+    initial = torch.stack([layer.router.expert_bias for layer in model.layers])
+    assert initial.abs().max() > 0
+    for run in (ref, *ranks):
+        for step in run["steps"]:
+            assert torch.equal(step["balance"]["expert_bias"], initial), case.name
+    x, _ = make_data(case, 1)
+    router = model.layers[0].router
+    with torch.no_grad():
+        biased = router(x[0]).idx_TK
+        router.expert_bias.zero_()
+        assert not torch.equal(biased, router(x[0]).idx_TK), "the bias must change some selection"
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_routers_ep2_world2_match_single_process():
-    layouts = [(2, [SIGMOID_BIAS, SIGMOID_BIAS_ACCUM, EXPERT_CHOICE, GROUPS, DYNAMIC, LR_SCALE, SEQ_AUX, COLLAPSE]),
+    layouts = [(2, [SIGMOID_BIAS, SIGMOID_BIAS_ACCUM, EXPERT_CHOICE, GROUPS, DYNAMIC, LR_SCALE, SEQ_AUX, COLLAPSE,
+                    DEEPSEEK_V3, QWEN2_MOE]),
                # Plain data parallelism: expert choice and dynamic capacity still cut over the global batch.
                (1, [EXPERT_CHOICE, DYNAMIC])]
     _check(layouts, run_ranks(routing_worker, 2, layouts, timeout_s=180), 2)
@@ -85,5 +122,5 @@ def test_routers_ep2_world2_match_single_process():
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_routers_dp2_ep2_world4_match_single_process():
-    layouts = [(2, [SIGMOID_BIAS_ACCUM, EXPERT_CHOICE, DYNAMIC, LR_SCALE])]
+    layouts = [(2, [SIGMOID_BIAS_ACCUM, EXPERT_CHOICE, DYNAMIC, LR_SCALE, DEEPSEEK_V3])]
     _check(layouts, run_ranks(routing_worker, 4, layouts, timeout_s=180), 4)

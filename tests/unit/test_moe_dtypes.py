@@ -128,3 +128,25 @@ def test_layer_without_autocast_is_unchanged():
     for where in ("gemm", "shared", "router", "router_logits"):
         assert _floats(recorder.seen, where) == {torch.float32}, where
     assert torch.equal(layer(x_TD)[0], out_TD)
+
+
+@pytest.mark.parametrize("dtype", LOW)
+def test_fixed_bias_and_shared_gate_under_autocast(dtype):
+    """The trainer's mixed precision (autocast over fp32 parameters): the selection bias stays
+    fp32 and selects as without autocast; the gated shared experts compute in the autocast dtype;
+    every parameter, the shared gate's included, gets an fp32 gradient."""
+    layer = _layer(router="sigmoid", expert_bias=True, shared_expert_gate=True, routed_scaling_factor=2.5)
+    layer.router.expert_bias.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(2))
+    x_TD = _x()
+    idx_fp32 = layer.router(x_TD.detach()).idx_TK
+    with torch.autocast("cpu", dtype=dtype):
+        out_TD, aux = layer(x_TD)
+        idx_TK = layer.router(x_TD.detach()).idx_TK
+        shared_TD = layer._shared(to_autocast_dtype(x_TD.detach()))
+    assert out_TD.dtype == shared_TD.dtype == dtype
+    assert torch.equal(idx_TK, idx_fp32)
+    assert layer.router.expert_bias.dtype == torch.float32
+    (out_TD.float().sum() + aux.loss).backward()
+    for name, p in layer.named_parameters():
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32, name
+    assert layer.shared_gate.weight.grad.abs().sum() > 0

@@ -5,6 +5,7 @@ against hand-worked values and plain references (torch's AdamW with one paramete
 
 import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from moetrain.distributed.parallelize import apply_activation_checkpointing
 from moetrain.models.moe import MoELayer
 from moetrain.models.moe.dispatcher import expert_capacity
 from moetrain.train.balancing import expert_lr_scales, install_balancing, seed_capacity_factor
+from moetrain.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from moetrain.train.health import expert_health_summary, load_entropy
 
 DIM = 8
@@ -85,6 +87,44 @@ def test_hook_moves_the_bias_by_the_step_counts():
         step = 0.01 * torch.sign(load.mean() - load)
         torch.testing.assert_close(layer.router.expert_bias, (step - step.mean()).float())
         assert layer.router.expert_bias.abs().sum() > 0, "the case must be unbalanced"
+
+
+def test_a_fixed_bias_selects_but_never_moves():
+    """moe.expert_bias with rate 0 (an imported DeepSeek-V3 e_score_correction_bias): the hooks
+    leave it bit for bit as it was over training steps, while it keeps changing selections."""
+    cfg = moe(router="sigmoid", expert_bias=True, aux_loss_coef=0.0)
+    model = TwoLayers(cfg)
+    bias = torch.tensor([0.3, -0.1, 0.05, -0.25])
+    for layer in model.layers:
+        layer.router.expert_bias.copy_(bias)
+    x, _ = batch(0)
+    with torch.no_grad():
+        biased = model.layers[0].router(x).idx_TK
+        unbiased = TwoLayers(moe(router="sigmoid", aux_loss_coef=0.0)).layers[0].router(x).idx_TK
+    assert not torch.equal(biased, unbiased), "the bias must change some selection"
+    counts = []
+    train(model, 3, record=counts)
+    assert any(c.max() != c.min() for step in counts for c in step), "unbalanced load: a rate would move it"
+    for layer in model.layers:
+        assert torch.equal(layer.router.expert_bias, bias)
+
+
+def test_a_fixed_bias_round_trips_through_a_checkpoint(tmp_path):
+    cfg = moe(router="sigmoid", expert_bias=True)
+    model, fresh = TwoLayers(cfg), TwoLayers(cfg, seed=1)
+    bias = torch.tensor([0.3, -0.1 + 2.0**-20, 0.05, -0.25])  # not a bf16 value
+    for layer in model.layers:
+        layer.router.expert_bias.copy_(bias)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
+        path = save_checkpoint(tmp_path / "ckpt", 1, model=model, optimizer=optimizer, trainer_state={"step": 1})
+        tensors, _ = load_model_weights(path)
+        load_checkpoint(path, model=fresh, optimizer=torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    for i in range(2):
+        saved = tensors[f"layers.{i}.router.expert_bias"]
+        assert saved.dtype == torch.float32 and torch.equal(saved, bias)
+        assert torch.equal(fresh.layers[i].router.expert_bias, bias)
 
 
 def test_bias_update_is_the_same_with_and_without_gradient_accumulation():

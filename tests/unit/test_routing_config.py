@@ -1,5 +1,6 @@
-"""Validation of the routing and balancing fields of MoEConfig: each bad value raises ValueError
-naming the field, the value and the rule."""
+"""Validation of the routing and balancing fields of MoEConfig (and of the Hugging Face families'
+routed scaling, shared-expert gate, fixed selection bias and group score): each bad value raises
+ValueError naming the field, the value and the rule."""
 
 import pytest
 
@@ -35,6 +36,16 @@ BAD = [
     ("collapse_aux_increase", -0.01, {}, ">= 0"),
     ("collapse_aux_max", -1.0, {}, ">= 0"),
     ("unused_expert_steps", 0, {}, "int >= 1"),
+    ("routed_scaling_factor", 0.0, {}, "> 0"),
+    ("routed_scaling_factor", -2.5, {}, "> 0"),
+    ("routed_scaling_factor", float("inf"), {}, "finite"),
+    ("routed_scaling_factor", 2.5, {"router": "expert_choice", "capacity_factor": 1.0}, "must be 1.0"),
+    ("shared_expert_gate", True, {}, "needs moe.num_shared_experts > 0"),
+    ("shared_expert_gate", 1, {"num_shared_experts": 1}, "true or false"),
+    ("expert_bias", "yes", {}, "true or false"),
+    ("expert_bias", True, {"router": "expert_choice", "capacity_factor": 1.0}, "must be false"),
+    ("group_score", "sum", {"num_expert_groups": 2}, "must be one of 'top2_sum', 'max'"),
+    ("group_score", "max", {}, "acts only with moe.num_expert_groups > 1"),
 ]
 
 
@@ -55,6 +66,11 @@ def test_bad_routing_field_names_field_value_and_rule(field, value, others, rule
     {"capacity_factor": 1.0, "dynamic_capacity": True, "balance_interval": 5},
     {"expert_lr_scale_max": 2.0, "aux_loss_type": "sequence"},
     {"router_jitter": 0.01, "router_noise_std": 0.1, "collapse_threshold": 1.0},
+    {"router": "sigmoid", "expert_bias": True, "routed_scaling_factor": 2.5, "num_expert_groups": 4,
+     "top_groups": 2},
+    {"num_expert_groups": 4, "top_groups": 2, "group_score": "max", "renormalize": False,
+     "routed_scaling_factor": 16.0},
+    {"num_shared_experts": 1, "shared_expert_gate": True},
 ])
 def test_valid_routing_configs_construct(kwargs):
     cfg = MoEConfig(**kwargs)
@@ -68,3 +84,22 @@ def test_routing_fields_load_from_overrides():
     m = cfg.moe
     assert (m.router, m.router_bias_update_rate, m.num_expert_groups, m.top_groups) == ("sigmoid", 1e-3, 2, 1)
     assert m.dynamic_capacity is True and m.aux_loss_type == "sequence"
+
+
+def test_hf_family_fields_load_from_overrides():
+    cfg = load_config(None, ["--moe.router=sigmoid", "--moe.expert_bias=true", "--moe.routed_scaling_factor=2.5",
+                             "--moe.num_expert_groups=4", "--moe.top_groups=2", "--moe.group_score=max",
+                             "--moe.num_shared_experts=1", "--moe.shared_expert_gate=true"])
+    m = cfg.moe
+    assert (m.expert_bias, m.routed_scaling_factor, m.group_score, m.shared_expert_gate) == (True, 2.5, "max", True)
+    assert m.has_expert_bias
+
+
+@pytest.mark.parametrize("kwargs, has_bias", [
+    ({}, False),
+    ({"expert_bias": True}, True),
+    ({"router_bias_update_rate": 1e-3}, True),
+    ({"router": "expert_choice", "capacity_factor": 1.0}, False),
+])
+def test_has_expert_bias(kwargs, has_bias):
+    assert MoEConfig(**kwargs).has_expert_bias is has_bias

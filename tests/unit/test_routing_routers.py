@@ -77,6 +77,69 @@ def test_bias_on_a_softmax_router_also_only_selects():
     torch.testing.assert_close(out.weights_TK, torch.tensor([[0.3]]))
 
 
+def test_routed_scaling_factor_multiplies_the_weights_after_renormalisation():
+    x = torch.tensor([[logit(p) for p in SIGMOID_SCORES]])
+    out = identity(TopKRouter(4, 4, top_k=2, score_func="sigmoid", scaling_factor=2.5))(x)
+    assert out.idx_TK.tolist() == [[0, 1]]
+    torch.testing.assert_close(out.weights_TK, 2.5 * torch.tensor([[0.9 / 1.65, 0.75 / 1.65]]))
+    torch.testing.assert_close(out.probs_TE, torch.tensor([SIGMOID_SCORES]) / 2.4)  # the balance loss's: unscaled
+    raw = identity(TopKRouter(4, 4, top_k=2, score_func="sigmoid", renormalize=False, scaling_factor=16.0))(x)
+    torch.testing.assert_close(raw.weights_TK, 16.0 * torch.tensor([[0.9, 0.75]]))
+
+
+def test_sigmoid_weights_stay_finite_when_every_selected_score_underflows():
+    """Logits far below -88 give sigmoid scores of exactly 0 in fp32: the renormalisation's eps
+    (DeepSeek-V3's 1e-20) turns 0 / 0 into 0 instead of NaN."""
+    router = identity(TopKRouter(4, 4, top_k=2, score_func="sigmoid"))
+    out = router(torch.full((1, 4), -200.0))
+    assert torch.sigmoid(torch.tensor(-200.0)) == 0
+    assert torch.equal(out.weights_TK, torch.zeros(1, 2))
+
+
+@pytest.mark.parametrize("cast", [
+    lambda m: m.to(torch.bfloat16), lambda m: m.half(), lambda m: m.bfloat16(), lambda m: m.double(),
+    lambda m: m.to("meta"),
+], ids=["to_bf16", "half", "bfloat16", "double", "to_meta"])
+def test_the_selection_bias_stays_fp32_under_module_casts(cast):
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=8, router="sigmoid", expert_bias=True))
+    # Values bf16 cannot hold (8 mantissa bits): a cast there and back would change them.
+    bias = torch.tensor([1.001234567, -0.000123456, 0.25 + 2.0**-20, -0.3 - 2.0**-18])
+    layer.router.expert_bias.copy_(bias)
+    cast(layer)
+    assert layer.router.expert_bias.dtype == torch.float32
+    assert "router.expert_bias" in dict(layer.named_buffers())
+    if layer.router.expert_bias.is_meta:
+        return
+    assert torch.equal(layer.router.expert_bias, bias)
+    assert layer.router.gate.weight.dtype != torch.float32  # the cast did reach the parameters
+
+
+def test_a_bf16_layer_selects_with_its_fp32_bias():
+    """Biases 0.3 and 0.3 + 2**-12 differ by less than bf16's resolution there (2**-9): rounded
+    to bf16 they would tie (and the tie would go to expert 1); in fp32 expert 2 wins, in the bf16
+    layer as in the fp32 one."""
+    layer = MoELayer(4, MoEConfig(num_experts=4, top_k=1, expert_hidden_dim=8, router="sigmoid", expert_bias=True))
+    identity(layer.router)
+    layer.router.expert_bias.copy_(torch.tensor([0.0, 0.3, 0.3 + 2.0**-12, 0.0]))
+    assert torch.equal(layer.router.expert_bias.bfloat16()[1], layer.router.expert_bias.bfloat16()[2])
+    x = torch.zeros(1, 4)  # every score 0.5: the bias alone decides
+    assert layer.router(x).idx_TK.tolist() == [[2]]
+    layer.to(torch.bfloat16)
+    assert layer.router(x.bfloat16()).idx_TK.tolist() == [[2]]
+    assert layer(x.bfloat16())[0].dtype == torch.bfloat16
+
+
+def test_a_fixed_bias_is_registered_and_saved_without_an_update_rate():
+    layer = MoELayer(8, MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=8, router="sigmoid", expert_bias=True))
+    assert layer.config.router_bias_update_rate == 0
+    assert layer.router.expert_bias.dtype == torch.float32 and torch.equal(layer.router.expert_bias, torch.zeros(4))
+    assert "router.expert_bias" in layer.state_dict()
+    fresh = MoELayer(8, MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=8, router="sigmoid", expert_bias=True))
+    layer.router.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.3, -0.4]))
+    fresh.load_state_dict(layer.state_dict())
+    assert torch.equal(fresh.router.expert_bias, layer.router.expert_bias)
+
+
 @pytest.mark.parametrize("counts, expected", [
     # mean 4: expert 0 over-loaded (-r), expert 1 under-loaded (+r), the others exactly at the mean.
     ([6, 2, 4, 4], [-1.0, 1.0, 0.0, 0.0]),
@@ -114,6 +177,28 @@ def test_group_score_is_the_sum_of_two_not_the_max():
     probs = [0.30, 0.01, 0.20, 0.19, 0.10, 0.10, 0.05, 0.05]
     out = identity(TopKRouter(8, 8, top_k=2, num_groups=4, top_groups=1))(torch.tensor([probs]).log())
     assert out.idx_TK.tolist() == [[2, 3]]
+
+
+def test_max_group_score_takes_the_group_of_the_best_expert():
+    # The case above with DeepSeek-V2's "max": g0's outlier 0.30 beats g1's best 0.20.
+    probs = [0.30, 0.01, 0.20, 0.19, 0.10, 0.10, 0.05, 0.05]
+    out = identity(TopKRouter(8, 8, top_k=2, num_groups=4, top_groups=1, group_score="max"))(
+        torch.tensor([probs]).log())
+    assert out.idx_TK.tolist() == [[0, 1]]
+    # Two groups: g0 (0.30) and g1 (0.20); the best two experts of those are 0 and 2.
+    out = identity(TopKRouter(8, 8, top_k=2, num_groups=4, top_groups=2, group_score="max", renormalize=False))(
+        torch.tensor([probs]).log())
+    assert out.idx_TK.tolist() == [[0, 2]]
+    torch.testing.assert_close(out.weights_TK, torch.tensor([[0.30, 0.20]]))
+
+
+def test_group_limit_max_masks_whole_groups():
+    select = torch.tensor([[0.1, 0.95, 0.9, 0.8, 0.3, 0.4]])
+    inf = math.inf
+    torch.testing.assert_close(limit_to_groups(select, num_groups=3, top_groups=1, score="max"),
+                               torch.tensor([[0.1, 0.95, -inf, -inf, -inf, -inf]]))
+    torch.testing.assert_close(limit_to_groups(select, num_groups=3, top_groups=1),
+                               torch.tensor([[-inf, -inf, 0.9, 0.8, -inf, -inf]]))
 
 
 def test_group_limit_masks_whole_groups():

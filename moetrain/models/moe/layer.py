@@ -1,5 +1,6 @@
 """The Mixture-of-Experts feed-forward layer: router -> dispatch -> experts -> combine, plus the
-shared experts, which the dispatcher runs while the dispatched rows are in flight.
+shared experts (optionally scaled by a per-token sigmoid gate), which the dispatcher runs while
+the dispatched rows are in flight.
 
 Written for one device. Expert parallelism replaces ``self.dispatcher`` (and shards the expert
 weights) afterwards, from ``moetrain.distributed``; nothing here changes.
@@ -21,6 +22,7 @@ from fractions import Fraction
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config.moe import MoEConfig
@@ -67,7 +69,7 @@ class MoEAux:
 
 class MoELayer(nn.Module):
     """MoE FFN with a token-choice (softmax/sigmoid, optional bias and groups) or expert-choice
-    router, optional capacity and shared experts.
+    router, optional capacity and shared experts (optionally gated, ``shared_gate``).
 
     ``forward(x)`` takes ``[..., D]`` and returns ``(out [..., D], MoEAux)``. With
     ``moe.aux_loss_type="sequence"`` the last-but-one dim of ``x`` is the sequence.
@@ -83,13 +85,19 @@ class MoELayer(nn.Module):
         else:
             self.router = TopKRouter(dim, c.num_experts, top_k=c.top_k, renormalize=c.renormalize,
                                      init_std=c.router_init_std, score_func=c.router,
-                                     bias=c.router_bias_update_rate > 0, num_groups=c.num_expert_groups,
-                                     top_groups=c.top_groups, jitter=c.router_jitter, noise_std=c.router_noise_std,
-                                     force_balance=c.force_balance)
+                                     bias=c.has_expert_bias, num_groups=c.num_expert_groups,
+                                     top_groups=c.top_groups, group_score=c.group_score,
+                                     scaling_factor=c.routed_scaling_factor, jitter=c.router_jitter,
+                                     noise_std=c.router_noise_std, force_balance=c.force_balance)
         self.experts = GroupedExperts(dim, c.expert_hidden_dim, c.num_experts,
                                       activation=c.activation, impl=c.expert_impl)
         self.shared_experts = (FeedForward(dim, c.resolved_shared_hidden_dim, activation=c.activation)
                                if c.num_shared_experts > 0 else None)
+        # Qwen2-MoE's shared-expert gate: one logit per token. Drawn normal(0.02) here, as
+        # FeedForward draws its weights; Transformer.init_weights redraws it with model.init_std.
+        self.shared_gate = nn.Linear(dim, 1, bias=False) if c.shared_expert_gate else None
+        if self.shared_gate is not None:
+            nn.init.normal_(self.shared_gate.weight, std=0.02)
         self.dispatcher: Dispatcher = LocalDispatcher(c.num_experts)
         # Process group over which routing counts are summed before the load-balancing loss
         # (set by the data/expert-parallel wrappers). With it, the mean of the per-rank losses
@@ -172,12 +180,12 @@ class MoELayer(nn.Module):
         drop_policy = "score" if c.is_expert_choice else c.drop_policy
         # The dispatcher turns the factor into a capacity over the batch it decides drops for:
         # this layer's tokens, or the global batch under data/expert parallelism.
-        # The shared experts do not read the routed rows: the dispatcher runs them (in_flight)
-        # while those rows travel; their output is added here.
-        shared = self.shared_experts
+        # The shared experts (and their gate) do not read the routed rows: the dispatcher runs
+        # them (in_flight) while those rows travel; their output is added here.
+        in_flight = None if self.shared_experts is None else lambda: self._shared(x_TD)
         d = self.dispatcher.run_experts(x_TD, routing.idx_TK, routing.weights_TK, self.experts,
                                         capacity_factor=self.capacity_factor, drop_policy=drop_policy,
-                                        in_flight=None if shared is None else lambda: shared(x_TD))
+                                        in_flight=in_flight)
         out_TD = d.out_TD if d.overlapped is None else d.out_TD + d.overlapped
 
         z = router_z_loss(routing.logits_TE)
@@ -188,6 +196,15 @@ class MoELayer(nn.Module):
         if self.track_routing_stats and self.training:
             self._record_step_stats(aux, routing, num_tokens)
         return out_TD.view_as(x), aux
+
+    def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The shared experts' output, times sigmoid(x w^T) per token with ``shared_gate``."""
+        y_TD = self.shared_experts(x_TD)
+        if self.shared_gate is None:
+            return y_TD
+        # The gate weight follows the activation dtype, as FeedForward's weights do.
+        gate_T1 = torch.sigmoid(F.linear(x_TD, self.shared_gate.weight.to(x_TD.dtype)))
+        return gate_T1 * y_TD
 
     def _token_choice_aux(self, x, routing, d, z, num_tokens: int) -> MoEAux:
         c = self.config

@@ -2,9 +2,10 @@
 
 ``TopKRouter`` is token choice (each token takes its top-k experts) over softmax or sigmoid scores,
 optionally with an auxiliary-loss-free selection bias (DeepSeek-V3), two-level group-limited
-selection, input jitter or logit noise in training, and a forced balanced assignment for
-benchmarks (``force_balance``). ``ExpertChoiceRouter`` lets each expert pick its tokens instead;
-the capacity cut itself is made by the dispatcher.
+selection, a scale of the routed gate weights (DeepSeek's routed_scaling_factor), input jitter or
+logit noise in training, and a forced balanced assignment for benchmarks (``force_balance``).
+``ExpertChoiceRouter`` lets each expert pick its tokens instead; the capacity cut itself is made
+by the dispatcher.
 
 Shape legend: T tokens, D model dim, E experts, K experts per token, G expert groups,
 X = E/G experts per group.
@@ -19,6 +20,13 @@ import torch.nn.functional as F
 from torch import nn
 
 FORCE_BALANCE_MODES = ("none", "round_robin", "random")
+GROUP_SCORES = ("top2_sum", "max")
+
+SIGMOID_RENORM_EPS = 1e-20
+"""Added to the sum of a token's selected sigmoid scores before dividing by it (DeepSeek-V3's
+value): sigmoid scores can all underflow to 0 (logits below about -88), and 0 / 0 would be NaN.
+It is below half an fp32 ulp of any sum >= 2**-42 (2.3e-13), so it changes no other result. Softmax needs
+none: a token's best softmax score is >= 1 / E."""
 
 
 @dataclass
@@ -42,14 +50,17 @@ class TopKRouter(nn.Module):
     ``expert_bias`` [E] to the scores used for *selection* only; it is moved by
     :meth:`update_bias` (called from an optimizer pre-step hook, never in forward).
     ``num_groups > 1`` restricts each token to its ``top_groups`` best groups of consecutive
-    experts before the top-k. ``jitter``/``noise_std`` perturb the routing in training mode only.
+    experts before the top-k, a group scored by ``group_score`` ("top2_sum" or "max", see
+    :func:`limit_to_groups`). ``scaling_factor`` multiplies the gate weights after the optional
+    renormalisation. ``jitter``/``noise_std`` perturb the routing in training mode only.
     ``force_balance`` ("round_robin", "random") replaces the selection in training mode only by
     :func:`forced_assignment`; the gate weights are then the scores of the forced experts.
     """
 
     def __init__(self, dim: int, num_experts: int, *, top_k: int, renormalize: bool = True,
                  init_std: float = 0.02, score_func: str = "softmax", bias: bool = False,
-                 num_groups: int = 1, top_groups: int = 1, jitter: float = 0.0, noise_std: float = 0.0,
+                 num_groups: int = 1, top_groups: int = 1, group_score: str = "top2_sum",
+                 scaling_factor: float = 1.0, jitter: float = 0.0, noise_std: float = 0.0,
                  force_balance: str = "none") -> None:
         super().__init__()
         if score_func not in ("softmax", "sigmoid"):
@@ -63,17 +74,23 @@ class TopKRouter(nn.Module):
         if num_experts % num_groups != 0 or not 1 <= top_groups <= num_groups:
             raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts}) and "
                              f"top_groups ({top_groups}) must be in [1, num_groups]")
+        if not (isinstance(scaling_factor, (int, float)) and 0 < scaling_factor < float("inf")):
+            raise ValueError(f"moe.routed_scaling_factor ({scaling_factor!r}) must be a finite number > 0")
+        if group_score not in GROUP_SCORES:
+            raise ValueError(f"moe.group_score ({group_score!r}) must be one of "
+                             f"{', '.join(map(repr, GROUP_SCORES))}")
         self.num_experts = num_experts
         self.top_k = top_k
         self.renormalize = renormalize
         self.init_std = init_std
         self.score_func = score_func
-        self.num_groups, self.top_groups = num_groups, top_groups
+        self.num_groups, self.top_groups, self.group_score = num_groups, top_groups, group_score
+        self.scaling_factor = scaling_factor
         self.jitter, self.noise_std = jitter, noise_std
         self.gate = nn.Linear(dim, num_experts, bias=False)
         if bias:
             # fp32 and persistent: it is training state (saved in checkpoints), moved in steps of
-            # ~1e-3 that bf16 could not represent next to values ~1e-1.
+            # ~1e-3 that bf16 could not represent next to values ~1e-1. _apply keeps it fp32.
             self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
         else:
             self.expert_bias = None
@@ -83,6 +100,17 @@ class TopKRouter(nn.Module):
         nn.init.normal_(self.gate.weight, std=self.init_std)
         if self.expert_bias is not None:
             self.expert_bias.zero_()
+
+    def _apply(self, fn, recurse: bool = True):
+        # Module casts (``model.to(torch.bfloat16)``, ``.half()``) convert every floating buffer.
+        # The selection bias stays fp32: in bf16 its ~1e-3 steps vanish next to values ~1e-1 and
+        # biased scores tie. Device moves apply to it; its values come from the fp32 original,
+        # so a cast there and back loses nothing.
+        bias = self.expert_bias
+        super()._apply(fn, recurse=recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = bias.to(device=self.expert_bias.device)
+        return self
 
     def _logits(self, x_TD: torch.Tensor) -> torch.Tensor:
         # Routing runs in fp32 whatever the compute dtype: in bf16 nearby scores collapse to
@@ -121,11 +149,17 @@ class TopKRouter(nn.Module):
             if self.expert_bias is not None:
                 select_TE = select_TE + self.expert_bias
             if self.num_groups > 1:
-                select_TE = limit_to_groups(select_TE, num_groups=self.num_groups, top_groups=self.top_groups)
+                select_TE = limit_to_groups(select_TE, num_groups=self.num_groups, top_groups=self.top_groups,
+                                            score=self.group_score)
             idx_TK = torch.sort(select_TE, dim=-1, descending=True, stable=True).indices[:, : self.top_k]
             weights_TK = scores_TE.gather(1, idx_TK)
         if self.renormalize and self.top_k > 1:
-            weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+            total_T1 = weights_TK.sum(dim=-1, keepdim=True)
+            if self.score_func == "sigmoid":
+                total_T1 = total_T1 + SIGMOID_RENORM_EPS
+            weights_TK = weights_TK / total_T1
+        if self.scaling_factor != 1.0:
+            weights_TK = weights_TK * self.scaling_factor
         return RouterOutput(weights_TK=weights_TK, idx_TK=idx_TK, probs_TE=probs_TE, logits_TE=logits_TE)
 
     @torch.no_grad()
@@ -180,16 +214,21 @@ def top_k_lowest_id_first(scores_TE: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(key_TE, k, dim=-1).indices
 
 
-def limit_to_groups(select_TE: torch.Tensor, *, num_groups: int, top_groups: int) -> torch.Tensor:
+def limit_to_groups(select_TE: torch.Tensor, *, num_groups: int, top_groups: int,
+                    score: str = "top2_sum") -> torch.Tensor:
     """Two-level routing: -inf for every expert outside the token's ``top_groups`` best groups.
 
-    A group's score is the sum of its two best selection scores (one when the group has a single
-    expert), DeepSeek-V3's rule: a group with two good experts beats one with a single outlier.
+    ``score="top2_sum"``: a group's score is the sum of its two best selection scores (one when
+    the group has a single expert), DeepSeek-V3's rule: a group with two good experts beats one
+    with a single outlier. ``"max"``: its best score, DeepSeek-V2's group_limited_greedy.
     Equal group scores go to the lower group id (stable sort), as equal expert scores do.
     """
     T, E = select_TE.shape
     select_TGX = select_TE.view(T, num_groups, E // num_groups)
-    group_score_TG = select_TGX.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
+    if score == "max":
+        group_score_TG = select_TGX.amax(dim=-1)
+    else:
+        group_score_TG = select_TGX.topk(min(2, E // num_groups), dim=-1).values.sum(dim=-1)
     top_group_TG = torch.sort(group_score_TG, dim=-1, descending=True, stable=True).indices[:, :top_groups]
     keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=select_TE.device).scatter_(1, top_group_TG, True)
     return select_TGX.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, E)
