@@ -1,15 +1,25 @@
 """`moetrain` command line: train, demo, config, data, report.
 
     moetrain train --config tiny --nproc 2 --train.steps=100   (a shipped config's name, or a YAML path)
+    moetrain train --init-from-hf HF_DIR --nproc 2 ...         (start from a Hugging Face MoE checkpoint)
     torchrun --nnodes 2 --nproc-per-node 8 ... -m moetrain.cli train --config X     (multi-node)
     moetrain demo
     moetrain config show --config X [--nproc N] [--deepspeed DS.json] [--section.field=value ...]
     moetrain data list | moetrain data fetch shakespeare
     moetrain report RUN_DIR
+    moetrain eval RUN_DIR [--split test|val] [--checkpoint PATH] [--nproc N]   (metrics of a saved run)
+    moetrain compare RUN_A RUN_B [...] [--out DIR]    (side-by-side plots, final figures, config differences)
     moetrain plan --config X --nproc N [--nodes M] [--device-memory 80GiB] [--json]
     moetrain export RUN_DIR --to DIR                 (consolidated safetensors + config.yaml)
-    moetrain convert RUN_DIR --to-hf DIR             (Hugging Face Mixtral: config.json + safetensors)
-    moetrain convert --from-hf DIR --to DIR          (a Hugging Face Mixtral as a moetrain export)
+    moetrain convert RUN_DIR --to-hf DIR [--family F] [--fused] [--dtype bf16] [--max-shard-size 5GB]
+                                                     (Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3)
+    moetrain convert --from-hf DIR --to DIR          (a Hugging Face model as a moetrain export)
+    moetrain experts grow RUN --num-experts 2E --to DIR [--top-k K] [--noise STD] [--seed S]
+                                                     (copies of a trained MoE's experts, as an export)
+    moetrain upcycle --from-hf DENSE_DIR --num-experts E --top-k K --to DIR [--granularity G] [--noise STD]
+                                                     (a dense Llama / Qwen3 as an MoE export, experts = its FFN)
+    moetrain generate RUN --prompt TEXT [--max-new-tokens N --temperature T --top-k K --top-p P --seed S
+                      --checkpoint PATH]             (continue a prompt, key/value cache, prints tokens/s)
 """
 
 from __future__ import annotations
@@ -73,6 +83,9 @@ def _load(args, overrides: list[str]):
     # A DeepSpeed config's batch sizes are per process: without a world size, one process.
     cfg = load_config(args.config, overrides, deepspeed=deepspeed, world_size=world or 1)
     check_corpus(cfg.data.corpus)
+    if getattr(args, "sample_tokens", 0) and cfg.parallel.pp > 1:
+        raise ValueError(f"--sample-tokens ({args.sample_tokens}) needs the whole model in each process, and "
+                         f"parallel.pp ({cfg.parallel.pp}) splits it: sample after training with `moetrain generate`")
     ep = cfg.parallel.ep
     from moetrain.distributed.parallel_dims import ParallelDims
 
@@ -94,7 +107,25 @@ def _load(args, overrides: list[str]):
     return cfg
 
 
+def _strip_init_from_hf(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--init-from-hf="):
+            skip = False
+            continue
+        skip = a == "--init-from-hf"
+        if not skip:
+            out.append(a)
+    return out
+
+
 def cmd_train(args, overrides: list[str], argv: list[str], *, demo: bool = False) -> int:
+    if args.init_from_hf is not None:
+        # Converted once here; the launched processes get the resulting overrides explicitly.
+        from moetrain.interop.hf.train_from import init_from_hf_overrides
+
+        extra = init_from_hf_overrides(args.init_from_hf, config=args.config, overrides=overrides)
+        overrides, argv = [*extra, *overrides], [*_strip_init_from_hf(argv), *extra]
     if demo and not any(o.lstrip("-").startswith("log.run_dir") for o in overrides):
         # Every `moetrain demo` is a fresh run (a fixed folder would resume the finished one and
         # train nothing). Chosen here, before the ranks start, so that they all agree on it.
@@ -138,7 +169,11 @@ def _train_and_report(args, cfg) -> tuple[int, int]:
     if trainer.is_main:
         pngs = write_report(trainer.run_dir)
         print()
-        if "val_loss" in final:
+        if "test_accuracy" in final:  # a classifier's last eval covers the test split
+            print(f"final test accuracy {final['test_accuracy']:.4f} (macro-F1 {final['test_macro_f1']:.4f}; val "
+                  f"accuracy {final['val_accuracy']:.4f}) after {trainer.step} steps; "
+                  f"{final['samples_per_s']:.0f} samples/s")
+        elif "val_loss" in final:
             print(f"final val loss {final['val_loss']:.4f} (perplexity {final['val_ppl']:.1f}) "
                   f"after {trainer.step} steps; {final['tokens_per_s']:.0f} tokens/s")
         if sample is not None:
@@ -170,37 +205,57 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_compare(args) -> int:
+    from moetrain.train.compare import compare_runs
+
+    for p in compare_runs(args.runs, args.out):
+        print(p)
+    return 0
+
+
+def cmd_eval(args, argv: list[str]) -> int:
+    """Evaluate a saved run's checkpoint at this job's process count; rank 0 prints the metrics and
+    writes them to RUN_DIR/eval-<split>-step<N>.json."""
+    if args.nproc and args.nproc > 1 and not _under_launcher():
+        return _launch(args.nproc, _strip_nproc(argv))
+    from moetrain.distributed import runtime
+    from moetrain.train.evaluate import evaluate_run
+
+    try:
+        result = evaluate_run(args.run_dir, split=args.split, checkpoint=args.checkpoint)
+    finally:
+        runtime.shutdown()
+    if result is not None:
+        split, where = result["split"], f"step {result['step']}, {result['world_size']} process(es)"
+        if f"{split}_accuracy" in result:
+            print(f"{split} accuracy {result[f'{split}_accuracy']:.4f}  macro-F1 {result[f'{split}_macro_f1']:.4f}  "
+                  f"loss {result[f'{split}_loss']:.4f}  ({result[f'{split}_examples']} examples; {where})")
+            names = _class_names(args.run_dir, len(result[f"{split}_per_class_f1"]))
+            for name, f1 in zip(names, result[f"{split}_per_class_f1"]):
+                print(f"  F1 {'-' if f1 is None else f'{f1:.4f}':>6s}  {name}")
+        else:
+            print(f"val loss {result['val_loss']:.4f}  perplexity {result['val_ppl']:.2f}  ({where})")
+        print(f"written to {args.run_dir}/eval-{split}-step{result['step']}.json")
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:
+        runtime.exit_process(0)  # as train: skip a finalisation where late gloo threads abort a rank
+    return 0
+
+
+def _class_names(run_dir: str, num_classes: int) -> list[str]:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(run_dir) / "classes.json").read_text(encoding="utf-8"))["classes"]
+    except (OSError, ValueError, KeyError):
+        return [f"class {i}" for i in range(num_classes)]
+
+
 def cmd_report(args) -> int:
     from moetrain.train.report import write_report
 
     for p in write_report(args.run_dir, args.out):
         print(p)
-    return 0
-
-
-def cmd_export(args) -> int:
-    from moetrain.interop.export import export_model
-
-    out = export_model(args.run_dir, args.to)
-    print(f"exported {args.run_dir} to {out} (model.safetensors, config.yaml)")
-    return 0
-
-
-def cmd_convert(args, parser: argparse.ArgumentParser) -> int:
-    from moetrain.interop.hf_mixtral import export_hf, import_hf
-
-    if args.from_hf is not None:
-        if args.source is not None or args.to_hf is not None or args.to is None:
-            parser.error("convert --from-hf HF_DIR takes --to DIR (a moetrain export) and no SOURCE or "
-                         "--to-hf")
-        out = import_hf(args.from_hf, args.to)
-        print(f"converted Hugging Face model {args.from_hf} to the moetrain export {out}")
-        return 0
-    if args.source is None or args.to_hf is None or args.to is not None:
-        parser.error("convert needs either SOURCE --to-hf DIR or --from-hf DIR --to DIR")
-    out = export_hf(args.source, args.to_hf)
-    print(f"converted {args.source} to the Hugging Face Mixtral folder {out} "
-          "(config.json, model.safetensors)")
     return 0
 
 
@@ -221,10 +276,14 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--prompt", default="ROMEO:", help="prompt of the sample printed at the end")
         sp.add_argument("--sample-tokens", type=int, default=0, help="tokens to sample at the end (0 = none)")
 
-    add_train_args(sub.add_parser("train", help="train a model"))
+    train = sub.add_parser("train", help="train a model")
+    add_train_args(train)
+    train.add_argument("--init-from-hf", default=None, metavar="HF_DIR",
+                       help="start from a Hugging Face checkpoint (mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v3): "
+                            "its model/moe config, weights and tokenizer.json")
     demo = sub.add_parser("demo", help="the default job: tiny MoE LM on Shakespeare, EP=2 on 2 processes")
     add_train_args(demo, default_config=DEMO_CONFIG)
-    demo.set_defaults(nproc=2, sample_tokens=120)
+    demo.set_defaults(nproc=2, sample_tokens=120, init_from_hf=None)
 
     cfg = sub.add_parser("config", help="show the resolved config")
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
@@ -242,21 +301,31 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--cache-dir", default=None)
     fetch.add_argument("--force", action="store_true")
 
+    cmp = sub.add_parser("compare", help="compare runs: plots per quantity, final figures, config differences")
+    cmp.add_argument("runs", nargs="+", metavar="RUN", help="run folders (two or more)")
+    cmp.add_argument("--out", default="compare", help="output folder (default ./compare)")
+
+    ev = sub.add_parser("eval", help="metrics of a saved run (classifier: accuracy, macro-F1, per-class F1; "
+                                     "LM: loss, perplexity) at any process count")
+    ev.add_argument("run_dir", help="run folder (its config.yaml and checkpoints)")
+    ev.add_argument("--split", choices=("test", "val"), default=None,
+                    help="classifier: test (default) or val; LM: val (the whole validation stream)")
+    ev.add_argument("--checkpoint", default=None, help="checkpoint folder (default: the run's newest)")
+    ev.add_argument("--nproc", type=int, default=None, help="evaluate in N local processes")
+
     rep = sub.add_parser("report", help="write PNG plots of a run")
     rep.add_argument("run_dir")
     rep.add_argument("--out", default=None, help="folder of the PNGs (default RUN_DIR/report)")
 
-    exp = sub.add_parser("export", help="write a run's model as one safetensors file plus its config")
-    exp.add_argument("run_dir",
-                     help="run folder (its latest checkpoint), folder of checkpoints or one checkpoint")
-    exp.add_argument("--to", required=True, help="output folder")
+    from moetrain.interop.convert_cli import add_convert_parsers
 
-    conv = sub.add_parser("convert", help="Hugging Face Mixtral <-> moetrain")
-    conv.add_argument("source", nargs="?", default=None,
-                      help="with --to-hf: a run folder, checkpoint or moetrain export")
-    conv.add_argument("--to-hf", default=None, help="write a Hugging Face Mixtral folder here")
-    conv.add_argument("--from-hf", default=None, help="read this Hugging Face Mixtral folder")
-    conv.add_argument("--to", default=None, help="with --from-hf: the moetrain export folder to write")
+    add_convert_parsers(sub)
+    from moetrain.interop.experts_cli import add_experts_parser
+
+    add_experts_parser(sub)
+    from moetrain.interop.generate_cli import add_generate_parser
+
+    add_generate_parser(sub)
     from moetrain.plan.cli import add_plan_parser
 
     add_plan_parser(sub)
@@ -284,12 +353,24 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognised arguments: {' '.join(overrides)}")
         if args.cmd == "data":
             return cmd_data(args)
+        if args.cmd == "compare":
+            return cmd_compare(args)
+        if args.cmd == "eval":
+            return cmd_eval(args, argv)
         if args.cmd == "report":
             return cmd_report(args)
-        if args.cmd == "export":
-            return cmd_export(args)
-        if args.cmd == "convert":
-            return cmd_convert(args, parser)
+        if args.cmd in ("export", "convert", "upcycle"):
+            from moetrain.interop.convert_cli import run_convert_command
+
+            return run_convert_command(args, parser)
+        if args.cmd == "experts":
+            from moetrain.interop.experts_cli import run_experts
+
+            return run_experts(args)
+        if args.cmd == "generate":
+            from moetrain.interop.generate_cli import run_generate
+
+            return run_generate(args)
     except ValueError as e:
         # Bad input: one clear line, no traceback (the config is validated before any work).
         print(f"moetrain: error: {e}", file=sys.stderr)

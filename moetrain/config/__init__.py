@@ -5,6 +5,7 @@
 """
 
 from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.classify import ClassifyConfig
 from moetrain.config.convert import SECTIONS, build_section, config_from_dict, config_to_dict
 from moetrain.config.data import DataConfig
 from moetrain.config.deepspeed import apply_deepspeed_config, load_deepspeed_config
@@ -31,6 +32,7 @@ __all__ = [
     "PRESETS",
     "SECTIONS",
     "CheckpointConfig",
+    "ClassifyConfig",
     "DataConfig",
     "DataParallelConfig",
     "JobConfig",

@@ -27,6 +27,15 @@ class CheckpointConfig:
     save_final: bool = True
     """Save a checkpoint after the last step."""
 
+    init_from: str | None = None
+    """A moetrain export folder (``moetrain export`` / ``moetrain convert --from-hf``: safetensors of
+    full tensors by moetrain name, one file or an index of shards) whose weights a fresh run
+    starts from, at any parallel layout: every parameter and persistent buffer of the model must
+    be in it with its shape, and nothing else. The optimizer, schedule and data start fresh. Ignored
+    when the run resumes from a checkpoint of its own (checkpoint.resume finds or names one): the
+    checkpoint's weights replace these. ``moetrain train --init-from-hf DIR`` sets it. None = the
+    weights are drawn from train.seed."""
+
     def __post_init__(self) -> None:
         require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint.dir",
                 self.dir, "must be None (<log.run_dir>/checkpoints) or a non-empty path")
@@ -36,3 +45,5 @@ class CheckpointConfig:
         ok = isinstance(self.resume, str) and self.resume.lower() not in ("", "none", "no", "false", "off")
         require(ok, "checkpoint.resume", self.resume, 'must be "auto", "never" or a checkpoint path')
         require_bool("checkpoint.save_final", self.save_final)
+        require(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
+                "checkpoint.init_from", self.init_from, "must be None or the path of a moetrain export folder")

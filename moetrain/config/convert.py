@@ -124,10 +124,20 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+    elif typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        if isinstance(value, (list, tuple)):  # tuple[T, ...]: a list of any length
+            return tuple(_coerce(f"{field}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
     elif typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         if isinstance(value, (list, tuple)) and len(value) == len(args):
             return tuple(_coerce(f"{field}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    elif dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if isinstance(value, Mapping):  # a mapping of the dataclass's fields, e.g. one of data.sources
+            for name in value:
+                field_type(tp, field, name, where=field)
+            return build_section(tp, field, value)
     else:
         raise AssertionError(f"unsupported config annotation {hint} of {field}")
     raise ValueError(f"{field} ({value!r}) must be {_type_name(hint)}")
@@ -148,7 +158,11 @@ def _as_float(value: Any) -> float | None:
 
 def _type_name(hint: Any) -> str:
     optional, tp = unwrap_optional(hint)
-    if typing.get_origin(tp) is tuple:
+    if typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
+        name = f"a list of {_type_name(typing.get_args(tp)[0])}"
+    elif dataclasses.is_dataclass(tp):
+        name = "a mapping of " + ", ".join(f.name for f in dataclasses.fields(tp))
+    elif typing.get_origin(tp) is tuple:
         name = "a list [" + ", ".join(_type_name(a) for a in typing.get_args(tp)) + "]"
     else:
         name = {bool: "true or false", int: "an int", float: "a number", str: "a string"}[tp]
@@ -156,4 +170,6 @@ def _type_name(hint: Any) -> str:
 
 
 def _plain(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return [_plain(v) for v in value] if isinstance(value, (tuple, list)) else value

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from moetrain.config.base import require
 from moetrain.config.checkpoint import CheckpointConfig
+from moetrain.config.classify import ClassifyConfig
 from moetrain.config.data import DataConfig
 from moetrain.config.dp import DataParallelConfig
+from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -40,8 +43,15 @@ class JobConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Steps, batch, precision, device, activation checkpointing."""
 
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
+    """Parameter-efficient fine-tuning: LoRA adapters on chosen projections, base weights frozen."""
+
     data: DataConfig = field(default_factory=DataConfig)
     """Corpus, tokenizer and loader."""
+
+    classify: ClassifyConfig = field(default_factory=ClassifyConfig)
+    """Text classification (model.head = "classifier"): labelled-data fields, the classifier's tokenizer,
+    class-balanced sampling, token dropout, label smoothing. Not read by a language model."""
 
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Checkpoint folder, cadence, retention and resume."""
@@ -55,7 +65,12 @@ class JobConfig:
         require(m.is_moe or par.ep == 1, "parallel.ep", par.ep, "must be 1 for a dense model (model.moe_every = 0)")
         require(self.data.seq_len <= m.max_seq_len, "data.seq_len", self.data.seq_len,
                 f"must be <= model.max_seq_len ({m.max_seq_len})")
-        if m.vocab_size is not None:
+        if m.head == "classifier" and self.data.tokenizer != DataConfig.tokenizer:
+            warnings.warn(f"data.tokenizer ({self.data.tokenizer!r}) is ignored by a classifier: it tokenises with "
+                          f"classify.tokenizer ({self.classify.tokenizer!r})", stacklevel=2)
+        # A classifier's vocabulary comes from classify.tokenizer, checked when the model is built.
+        # A Hugging Face tokenizer.json brings its own vocabulary: checked against the model when it is built.
+        if m.vocab_size is not None and m.head != "classifier" and not self.data.tokenizer.endswith(".json"):
             if self.data.tokenizer == "bytes":
                 tok_vocab, source = 256, 'data.tokenizer="bytes"'
             else:
@@ -74,6 +89,15 @@ class JobConfig:
         require(self.dp.grad_compression != "onebit" or par.zero_stage == 0, "dp.grad_compression",
                 self.dp.grad_compression, f"needs parallel.zero_stage = 0 (is {par.zero_stage}): 1-bit Adam keeps "
                 "the whole momentum and frozen variance on every replica")
+        if m.head == "classifier":
+            require(self.data.sources is None, "data.sources", "(set)",
+                    'needs model.head = "lm": a classifier reads one labelled corpus (data.corpus)')
+            require(not self.data.document_mask, "data.document_mask", self.data.document_mask,
+                    'needs model.head = "lm": a classifier\'s examples are not packed')
+        lora_experts = self.finetune.lora_rank > 0 and "experts" in self.finetune.lora_targets
+        require(not lora_experts or self.moe.expert_lr_scale_max == 1.0, "moe.expert_lr_scale_max",
+                self.moe.expert_lr_scale_max, "must be 1.0 with LoRA on the routed experts (finetune.lora_targets): "
+                "the per-expert learning rate scales the expert weights, which LoRA freezes")
         ckpt = self.train.activation_checkpointing
         require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
                 'cannot be "moe" for a dense model (model.moe_every = 0)')

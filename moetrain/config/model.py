@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 
-from moetrain.config._checks import require_bool, require_int
+from moetrain.config._checks import is_int, require_bool, require_int
 from moetrain.config.base import require, require_choice, require_positive
 
 
@@ -26,7 +26,8 @@ class ModelConfig:
     """Number of transformer blocks."""
 
     num_heads: int = 4
-    """Query heads. dim must be divisible by num_heads; the head dim must be even (rotary)."""
+    """Query heads. Without an explicit head_dim, dim must be divisible by num_heads and the head
+    dim dim / num_heads must be even (rotary)."""
 
     num_kv_heads: int | None = None
     """Key/value heads for grouped-query attention; None = num_heads (multi-head attention).
@@ -68,6 +69,71 @@ class ModelConfig:
     num_classes: int | None = None
     """Number of classes of the classifier head; required (>= 2) when head is "classifier"."""
 
+    head_dim: int | None = None
+    """Per-head dim A of q, k and v (even: rotary); None = dim // num_heads. Qwen3-MoE sets it apart
+    from dim / num_heads: the projections are then [H*A, D] and the output [D, H*A]. Read the value
+    in effect from ``resolved_head_dim``. Must stay None with attention "mla" (its own dims below)."""
+
+    qkv_bias: bool = False
+    """Bias on the q, k and v projections (Qwen2-MoE); the output projection has none. Not with "mla"."""
+
+    qk_norm: str = "none"
+    """RMSNorm of q and k before rotary (eps norm_eps): "none"; "head", over each head's A features
+    (Qwen3-MoE, weights [A]); "full", over the whole q projection [H*A] and k projection [G*A]
+    (OLMoE). Not with "mla"."""
+
+    clip_qkv: float | None = None
+    """Clamp q, k and v to [-clip_qkv, clip_qkv] after the q/k norm and before rotary (OLMoE);
+    None = no clamp. Not with "mla"."""
+
+    attention: str = "mha"
+    """"mha": multi-head attention with num_kv_heads grouped key/value heads; "mla": DeepSeek's
+    multi-head latent attention (q_lora_rank .. v_head_dim below; num_kv_heads, head_dim, qkv_bias,
+    qk_norm and clip_qkv must stay unset)."""
+
+    q_lora_rank: int | None = None
+    """MLA: rank of the query latent (wq_a [Q, D], q_norm, wq_b); None = one plain query projection
+    (DeepSeek-V2-Lite). Only with attention "mla"."""
+
+    kv_lora_rank: int = 64
+    """MLA: rank R of the key/value latent every head's no-rotary key part and value come from.
+    Only with attention "mla" (it must keep its default otherwise)."""
+
+    qk_nope_head_dim: int = 32
+    """MLA: per-head q/k features without rotary positions. Only with attention "mla"."""
+
+    qk_rope_head_dim: int = 16
+    """MLA: per-head q/k features with rotary positions (even); the key's are shared by all heads.
+    The scores are scaled by 1/sqrt(qk_nope_head_dim + qk_rope_head_dim). Only with attention "mla"."""
+
+    v_head_dim: int = 32
+    """MLA: per-head value dim; the output projection is [D, num_heads * v_head_dim]. Only with
+    attention "mla"."""
+
+    rope_interleave: bool = False
+    """Rotary pairs are adjacent features (2i, 2i+1), as DeepSeek's checkpoints and transformers'
+    rope_interleave; False = the (i, i + A/2) pairs of the "rotate half" layout (Llama, Mixtral,
+    Qwen, OLMoE). Applies to whatever gets rotary: q and k, or MLA's rotary parts."""
+
+    dense_layers: tuple[int, ...] = ()
+    """Block ids (0-based) with a dense FFN whatever moe_every and moe_layer_offset say (Qwen2-MoE's
+    mlp_only_layers). Each must be < num_layers, none twice."""
+
+    pooling: str = "last"
+    """Classifier pooling of the final hidden states: "last", the last real token (with causal
+    attention the only one that saw the whole sequence); "mean", the mean over the real tokens.
+    Only with head "classifier"."""
+
+    causal: bool = True
+    """Causal attention. False (only with head "classifier"): every real token attends to every
+    real token of its sequence; padded keys are masked out."""
+
+    document_separator: int | None = None
+    """Token id that ends each document of a packed LM sequence (the tokenizer's end-of-text id).
+    Set, attention is block-diagonal causal: a token sees only the earlier tokens of its own
+    document, the separator counting in the document it ends. Rotary positions stay those of the
+    packed sequence. None = plain causal attention across documents. Only with head "lm"."""
+
     def __post_init__(self) -> None:
         # The name is checked where it is applied (config_from_dict): the presets are built from
         # this class, so it cannot consult them.
@@ -77,14 +143,12 @@ class ModelConfig:
                     note=" (None = from the tokenizer)")
         for name in ("dim", "num_layers", "num_heads", "max_seq_len"):
             require_int(f"model.{name}", getattr(self, name), min_value=1)
-        require(self.dim % self.num_heads == 0, "model.dim", self.dim,
-                f"must be divisible by model.num_heads ({self.num_heads})")
-        require(self.head_dim % 2 == 0, "model.dim", self.dim,
-                f"/ model.num_heads ({self.num_heads}) = head dim {self.head_dim} must be even (rotary)")
-        require_int("model.num_kv_heads", self.num_kv_heads, min_value=1, none_ok=True)
-        if self.num_kv_heads is not None:
-            require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
-                    f"must divide model.num_heads ({self.num_heads})")
+        require_choice("model.attention", self.attention, ("mha", "mla"))
+        if self.attention == "mla":
+            self._check_mla()
+        else:
+            self._check_mha()
+        require_bool("model.rope_interleave", self.rope_interleave)
         require_int("model.moe_every", self.moe_every, note=" (0 = dense model)")
         require_int("model.moe_layer_offset", self.moe_layer_offset)
         require(self.moe_every == 0 or self.moe_layer_offset < self.num_layers, "model.moe_layer_offset",
@@ -101,10 +165,81 @@ class ModelConfig:
         if self.head == "classifier" or self.num_classes is not None:
             require_int("model.num_classes", self.num_classes, min_value=2,
                         note=' (required when model.head is "classifier")')
+        self._check_layers_and_heads()
+
+    def _check_mha(self) -> None:
+        require_int("model.head_dim", self.head_dim, min_value=2, none_ok=True, note=" (None = dim // num_heads)")
+        if self.head_dim is None:
+            require(self.dim % self.num_heads == 0, "model.dim", self.dim,
+                    f"must be divisible by model.num_heads ({self.num_heads})")
+            A = self.dim // self.num_heads
+            require(A % 2 == 0, "model.dim", self.dim,
+                    f"/ model.num_heads ({self.num_heads}) = head dim {A} must be even (rotary)")
+        else:
+            require(self.head_dim % 2 == 0, "model.head_dim", self.head_dim, "must be even (rotary)")
+        require_int("model.num_kv_heads", self.num_kv_heads, min_value=1, none_ok=True)
+        if self.num_kv_heads is not None:
+            require(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads", self.num_kv_heads,
+                    f"must divide model.num_heads ({self.num_heads})")
+        require_bool("model.qkv_bias", self.qkv_bias)
+        require_choice("model.qk_norm", self.qk_norm, ("none", "head", "full"))
+        require(self.clip_qkv is None or (isinstance(self.clip_qkv, (int, float))
+                                          and not isinstance(self.clip_qkv, bool) and self.clip_qkv > 0),
+                "model.clip_qkv", self.clip_qkv, "must be None or > 0")
+        for name in _MLA_FIELDS:
+            default = _DEFAULTS[name]
+            require(getattr(self, name) == default, f"model.{name}", getattr(self, name),
+                    f'acts only with model.attention "mla" (model.attention is "mha"): leave it at {default!r}')
+
+    def _check_mla(self) -> None:
+        for name in _MHA_FIELDS:
+            default = _DEFAULTS[name]
+            require(getattr(self, name) == default, f"model.{name}", getattr(self, name),
+                    f'must be {default!r} with model.attention "mla" (the latent attention has its own dims)')
+        require_int("model.q_lora_rank", self.q_lora_rank, min_value=1, none_ok=True,
+                    note=" (None = a plain query projection)")
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            require_int(f"model.{name}", getattr(self, name), min_value=1)
+        require(self.qk_rope_head_dim % 2 == 0, "model.qk_rope_head_dim", self.qk_rope_head_dim,
+                "must be even (rotary)")
+
+    def _check_layers_and_heads(self) -> None:
+        if isinstance(self.dense_layers, list):
+            self.dense_layers = tuple(self.dense_layers)  # YAML and Python callers write lists
+        ok = isinstance(self.dense_layers, tuple) and all(
+            is_int(i) and 0 <= i < self.num_layers for i in self.dense_layers)
+        require(ok, "model.dense_layers", self.dense_layers,
+                f"must be a list of block ids in [0, model.num_layers ({self.num_layers}))")
+        require(len(set(self.dense_layers)) == len(self.dense_layers), "model.dense_layers", self.dense_layers,
+                "must not name a block twice")
+        require_choice("model.pooling", self.pooling, ("last", "mean"))
+        require(self.pooling == "last" or self.head == "classifier", "model.pooling", self.pooling,
+                f'acts only with model.head "classifier" (model.head is {self.head!r})')
+        require_bool("model.causal", self.causal)
+        require(self.causal or self.head == "classifier", "model.causal", self.causal,
+                f'may be false only with model.head "classifier" (model.head is {self.head!r}): '
+                "a language model must not see the tokens it predicts")
+        require_int("model.document_separator", self.document_separator, none_ok=True,
+                    note=" (a token id; None = attention across documents)")
+        if self.document_separator is not None:
+            require(self.head == "lm", "model.document_separator", self.document_separator,
+                    f'acts only with model.head "lm" (model.head is {self.head!r})')
+            require(self.vocab_size is None or self.document_separator < self.vocab_size,
+                    "model.document_separator", self.document_separator,
+                    f"must be < model.vocab_size ({self.vocab_size})")
 
     @property
-    def head_dim(self) -> int:
-        return self.dim // self.num_heads
+    def resolved_head_dim(self) -> int:
+        """Per-head q.k dim A: head_dim, else dim // num_heads; with "mla",
+        qk_nope_head_dim + qk_rope_head_dim (values have v_head_dim)."""
+        if self.attention == "mla":
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
+        return self.dim // self.num_heads if self.head_dim is None else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """Features per head that get rotary positions: the whole head, or MLA's rotary part."""
+        return self.qk_rope_head_dim if self.attention == "mla" else self.resolved_head_dim
 
     @property
     def resolved_num_kv_heads(self) -> int:
@@ -117,7 +252,8 @@ class ModelConfig:
     def is_moe_layer(self, layer_id: int) -> bool:
         """Whether block ``layer_id`` (0-based) has an MoE FFN."""
         return (self.moe_every > 0 and layer_id >= self.moe_layer_offset
-                and (layer_id - self.moe_layer_offset) % self.moe_every == 0)
+                and (layer_id - self.moe_layer_offset) % self.moe_every == 0
+                and layer_id not in self.dense_layers)
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -136,3 +272,10 @@ class ModelConfig:
                 f"must be >= the tokenizer's vocabulary ({tokenizer_vocab_size})")
         return self
 
+
+
+_DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+_MHA_FIELDS = ("head_dim", "num_kv_heads", "qkv_bias", "qk_norm", "clip_qkv")
+"""Fields of multi-head attention that latent attention has no use for."""
+_MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+"""Fields that only latent attention reads."""

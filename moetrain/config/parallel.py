@@ -12,11 +12,12 @@ from moetrain.config.base import require, require_choice, require_positive
 @dataclass
 class ParallelConfig:
     dp: int = -1
-    """Data-parallel degree of the non-expert parameters. -1 = the whole world (world / tp / pp)."""
+    """Data-parallel degree of the dense parameters. -1 = world / (tp * pp)."""
 
     ep: int = 1
     """Expert-parallel degree: each EP group of `ep` consecutive ranks splits the experts among
-    itself. Must divide the world size and moe.num_experts (checked by ``ParallelDims``, with the
+    itself. Must divide dp * tp (the ranks of a pipeline stage, over which the MoE layers fold)
+    and moe.num_experts (checked by ``ParallelDims``, with the
     world size: `moetrain train`, `moetrain config show --nproc N`)."""
 
     ep_hierarchical: bool = False
@@ -31,10 +32,38 @@ class ParallelConfig:
     exchange runs, and the log says so."""
 
     tp: int = 1
-    """Tensor-parallel degree (reserved; only 1 is supported)."""
+    """Tensor-parallel degree of the dense part (attention heads, dense FFN hidden dim, embedding
+    and LM-head vocabulary split over groups of `tp` consecutive ranks, norms sequence-parallel;
+    the MoE layers take the sequence shard of their rank). Must divide the attention heads, the
+    key/value heads and the dense hidden dim; keep it within a node. The tp ranks of one
+    data-parallel index read the same batch."""
 
     pp: int = 1
-    """Pipeline-parallel degree (reserved; only 1 is supported)."""
+    """Pipeline-parallel degree: stages of world / pp consecutive ranks (outermost in the rank
+    order, so stages may span nodes)."""
+
+    etp: int = 1
+    """Expert tensor-parallel degree. Only 1: routed experts keep their hidden dim whole, and the
+    ep groups fold over the dp x tp ranks of a stage instead (`ep` may borrow the tp ranks)."""
+
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule at parallel.pp > 1 (``torch.distributed.pipelining``): "gpipe" (all
+    forwards, then all backwards: every micro-batch's activations held at once), "1f1b" (one
+    forward, one backward: at most pp micro-batches in flight on the first stage) or
+    "interleaved_1f1b" (parallel.pp_virtual_stages stages per rank: a smaller bubble for more
+    point-to-point messages). The micro-batches are the gradient-accumulation steps
+    (train.global_batch_size / (train.micro_batch_size * data-parallel size)); see the bubble
+    fraction and per-stage memory in ``moetrain plan``."""
+
+    pp_virtual_stages: int = 1
+    """Pipeline stages per rank: 1 for "gpipe" and "1f1b"; >= 2 for "interleaved_1f1b", where rank
+    r holds stages r, r + pp, r + 2 pp, ... (model.num_layers must be at least pp * this)."""
+
+    pp_split: str = "layers"
+    """How the blocks are cut into pipeline stages (contiguous runs of blocks): "layers" (equal
+    block counts, the first stages taking one more when they do not divide), "params" or "flops"
+    (the cut that minimises the largest stage's parameters, or training FLOPs per token, counting
+    the embedding on the first stage and the final norm and head on the last)."""
 
     zero_stage: int = 0
     """0 = replicated (DDP); 1 = optimizer states sharded over the data-parallel ranks (experts'
@@ -57,8 +86,24 @@ class ParallelConfig:
         require_bool("parallel.ep_hierarchical", self.ep_hierarchical)
         require(not self.ep_hierarchical or self.ep > 1, "parallel.ep_hierarchical", self.ep_hierarchical,
                 f"needs parallel.ep > 1 (is {self.ep}): without expert parallelism nothing is exchanged")
-        require(self.tp == 1, "parallel.tp", self.tp, "must be 1 (tensor parallelism is not supported yet)")
-        require(self.pp == 1, "parallel.pp", self.pp, "must be 1 (pipeline parallelism is not supported yet)")
+        for name in ("tp", "pp"):
+            value = getattr(self, name)
+            require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"parallel.{name}", value,
+                    "must be an int >= 1")
+        require(self.etp == 1, "parallel.etp", self.etp,
+                "must be 1: experts are not split by hidden dim (ep folds over the tp ranks instead)")
+        require_choice("parallel.pp_schedule", self.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
+        require(isinstance(self.pp_virtual_stages, int) and not isinstance(self.pp_virtual_stages, bool)
+                and self.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", self.pp_virtual_stages,
+                "must be an int >= 1")
+        if self.pp_schedule == "interleaved_1f1b":
+            require(self.pp_virtual_stages >= 2, "parallel.pp_virtual_stages", self.pp_virtual_stages,
+                    "must be >= 2 with parallel.pp_schedule 'interleaved_1f1b' (stages per rank)")
+        else:
+            require(self.pp_virtual_stages == 1, "parallel.pp_virtual_stages", self.pp_virtual_stages,
+                    f"must be 1 with parallel.pp_schedule {self.pp_schedule!r} (one stage per rank); "
+                    "virtual stages need 'interleaved_1f1b'")
+        require_choice("parallel.pp_split", self.pp_split, ("layers", "params", "flops"))
         require_choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
         require(isinstance(self.hsdp_replicate, int) and not isinstance(self.hsdp_replicate, bool)
                 and self.hsdp_replicate >= 1, "parallel.hsdp_replicate", self.hsdp_replicate, "must be an int >= 1")

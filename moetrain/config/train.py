@@ -34,10 +34,13 @@ class TrainConfig:
     precision with loss scaling). bf16 is about 100x slower than fp32 on CPUs without bf16 kernels."""
 
     eval_every: int = 100
-    """Evaluate on the validation split every n steps (and at the end); 0 = never."""
+    """Evaluate on the validation split every n steps (and at the end); 0 = never. A classifier
+    (model.head="classifier") evaluates every validation example, and at the end also every test
+    example (the test_* metrics of the last record)."""
 
     eval_steps: int = 10
-    """Micro-batches per evaluation."""
+    """Micro-batches per evaluation of a language model. A classifier evaluates whole splits, exactly
+    (its metrics are computed from confusion matrices summed over the ranks), so it does not read this."""
 
     device: str = "auto"
     """"auto" (CUDA if available, else CPU), "cpu" or "cuda". Never picks CUDA when it is not available."""

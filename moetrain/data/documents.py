@@ -50,13 +50,17 @@ class Documents:
     Args:
         files: ``.txt`` / ``.jsonl`` files, in the order their documents appear.
         label: what the documents are, for messages (e.g. "corpus 'shakespeare'").
+        max_chars: a sample: stop after the document that brings the characters yielded to at
+            least this many (None = every document). Reads only the files it needs.
     """
 
-    def __init__(self, files: list[Path], *, label: str) -> None:
+    def __init__(self, files: list[Path], *, label: str, max_chars: int | None = None) -> None:
         self.files = [Path(f) for f in files]
         self.label = label
+        self.max_chars = max_chars
 
     def __iter__(self) -> Iterator[str]:
+        num_chars = 0
         for path in self.files:
             if path.suffix == ".jsonl":
                 texts = _jsonl_texts(path)
@@ -65,6 +69,9 @@ class Documents:
             for text in texts:
                 if text:  # an empty document would only add a lone end-of-text token
                     yield text
+                    num_chars += len(text)
+                    if self.max_chars is not None and num_chars >= self.max_chars:
+                        return
 
     @cached_property
     def fingerprint(self) -> str:
@@ -78,14 +85,35 @@ class Documents:
         return digest.hexdigest()
 
 
-def scan_user_path(path: str | os.PathLike) -> tuple[str, list[Path]]:
-    """Classify ``data.path``: ("text", [.txt/.jsonl files]) or ("tokens", [one .bin file]).
+class ChainedDocuments:
+    """The documents of several `Documents` one after the other (what a tokeniser shared by several
+    sources is trained on), with a fingerprint over theirs."""
 
-    ``path`` is a folder (searched recursively, hidden entries skipped) or a single file.
+    def __init__(self, parts: list[Documents], *, label: str) -> None:
+        self.parts = list(parts)
+        self.label = label
+
+    def __iter__(self) -> Iterator[str]:
+        for part in self.parts:
+            yield from part
+
+    @cached_property
+    def fingerprint(self) -> str:
+        digest = hashlib.sha256(b"moetrain-chained-documents-v1")
+        for part in self.parts:
+            digest.update(part.fingerprint.encode("ascii"))
+        return digest.hexdigest()
+
+
+def scan_user_path(path: str | os.PathLike, *, field: str = "data.path") -> tuple[str, list[Path]]:
+    """Classify user data: ("text", [.txt/.jsonl files]) or ("tokens", [.bin files]), in path order.
+
+    ``path`` is a folder (searched recursively, hidden entries skipped) or a single file; ``field``
+    names it in messages (``data.path``, ``data.sources[1].path``).
     """
     root = Path(path).expanduser()
     if not root.exists():
-        raise ValueError(f"data.path ({str(path)!r}) does not exist")
+        raise ValueError(f"{field} ({str(path)!r}) does not exist")
     if root.is_file():
         candidates = [root]
     else:
@@ -96,14 +124,23 @@ def scan_user_path(path: str | os.PathLike) -> tuple[str, list[Path]]:
     texts = [p for p in candidates if p.suffix in TEXT_SUFFIXES]
     tokens = [p for p in candidates if p.suffix == TOKEN_SUFFIX]
     if texts and tokens:
-        raise ValueError(f"data.path ({str(path)!r}) mixes text files ({texts[0].name}, ...) and token "
+        raise ValueError(f"{field} ({str(path)!r}) mixes text files ({texts[0].name}, ...) and token "
                          f"files ({tokens[0].name}, ...); point it at one kind")
     if tokens:
-        if len(tokens) > 1:
-            names = ", ".join(p.name for p in tokens[:4])
-            raise ValueError(f"data.path ({str(path)!r}) holds {len(tokens)} .bin files ({names}); only "
-                             "one token file is supported: concatenate them (same dtype) or pass one file")
         return "tokens", tokens
     if not texts:
-        raise ValueError(f"data.path ({str(path)!r}) has no .txt, .jsonl or .bin files")
+        raise ValueError(f"{field} ({str(path)!r}) has no .txt, .jsonl or .bin files")
     return "text", texts
+
+
+def document_separator(document_mask: bool, eos_id: int | None, *, what: str) -> int | None:
+    """``model.document_separator`` for ``data.document_mask``: the end-of-text id that ends every
+    packed document, or None when the mask is off. ``what`` names the data in the error raised
+    when the mask is on and the data has no end-of-text id (no way to find document boundaries)."""
+    if not document_mask:
+        return None
+    if eos_id is None:
+        raise ValueError(f"data.document_mask (True) needs an end-of-text id to find where documents end, and "
+                         f"{what} has none: use data.tokenizer=bpe (or a tokenizer.json with an end-of-text "
+                         "token), or .bin files whose .bin.json names eos_id")
+    return eos_id

@@ -24,6 +24,22 @@ import numpy as np
 import torch
 
 
+def check_batch_geometry(*, seq_len: int, global_batch_size: int, micro_steps: int, dp_rank: int, dp_size: int,
+                         seed: int) -> None:
+    """The loader arguments' rules (shared by every loader), as ValueErrors naming the argument."""
+    for field, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size),
+                         ("micro_steps", micro_steps), ("dp_size", dp_size)):
+        if not (isinstance(value, int) and value >= 1):
+            raise ValueError(f"{field} ({value!r}) must be an int >= 1")
+    if global_batch_size % (micro_steps * dp_size):
+        raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by "
+                         f"micro_steps * dp_size ({micro_steps} * {dp_size})")
+    if not (isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
+        raise ValueError(f"dp_rank ({dp_rank!r}) must be in [0, dp_size={dp_size})")
+    if not (isinstance(seed, int) and seed >= 0):
+        raise ValueError(f"seed ({seed!r}) must be an int >= 0")
+
+
 class TokenLoader:
     """Batches of (input_ids, labels), int64 tensors [B, S], from ``tokens``.
 
@@ -41,17 +57,8 @@ class TokenLoader:
     def __init__(self, tokens: np.ndarray, *, seq_len: int, global_batch_size: int, micro_steps: int = 1,
                  dp_rank: int = 0, dp_size: int = 1, seed: int = 0, shuffle: bool = True,
                  name: str = "train") -> None:
-        for field, value in (("seq_len", seq_len), ("global_batch_size", global_batch_size),
-                             ("micro_steps", micro_steps), ("dp_size", dp_size)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{field} ({value!r}) must be an int >= 1")
-        if global_batch_size % (micro_steps * dp_size):
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by "
-                             f"micro_steps * dp_size ({micro_steps} * {dp_size})")
-        if not (isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
-            raise ValueError(f"dp_rank ({dp_rank!r}) must be in [0, dp_size={dp_size})")
-        if not (isinstance(seed, int) and seed >= 0):
-            raise ValueError(f"seed ({seed!r}) must be an int >= 0")
+        check_batch_geometry(seq_len=seq_len, global_batch_size=global_batch_size, micro_steps=micro_steps,
+                             dp_rank=dp_rank, dp_size=dp_size, seed=seed)
         self.tokens = tokens
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
@@ -136,6 +143,11 @@ class TokenLoader:
         total = self.steps_per_epoch * self.micro_steps
         for i in range(total if max_batches is None else min(max_batches, total)):
             yield self._batch(epoch, i // self.micro_steps, i % self.micro_steps)
+
+    def metrics(self) -> dict:
+        """Loader figures for the metrics log: none for a single stream (a mixture reports the
+        tokens drawn from each source)."""
+        return {}
 
     def state_dict(self) -> dict:
         """The global position plus what must match on resume (plain ints/bools)."""

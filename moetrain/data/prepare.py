@@ -1,5 +1,11 @@
 """From a `DataConfig` to memory-mapped train/val token streams and their loaders.
 
+One stream (a registered corpus, a text folder or one .bin file in ``data.path``) gives a
+`PreparedData` batched by `TokenLoader`; several sources (``data.sources``, or a ``data.path``
+folder of several .bin shards) give a `MixedData` batched by `MixtureLoader`
+(moetrain.data.sources). Both have the same interface: ``train_loader``, ``val_loader``,
+``vocab_size``, ``eos_id``, ``tokenizer``, ``seq_len`` and ``document_separator``.
+
 ``prepare_data`` is idempotent and safe to call from every rank at once (all cache writes are atomic
 renames), but only the first call does work: fetch the corpus, train the BPE, tokenise. A trainer that
 wants that work done once calls it on rank 0, barriers, then calls it everywhere (pure cache hits).
@@ -13,13 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-from moetrain.config.data import DataConfig
+from moetrain.config.data import DataConfig, DataSource
 from moetrain.data.cache import cached_corpus_files, fetch_corpus
-from moetrain.data.documents import Documents, scan_user_path
+from moetrain.data.documents import Documents, document_separator, scan_user_path
 from moetrain.data.loader import TokenLoader
 from moetrain.data.registry import check_corpus
+from moetrain.data.sources import MixedData, prepare_sources
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
-from moetrain.data.tokens import load_or_build_tokens, open_token_file
+from moetrain.data.tokens import load_or_build_tokens, open_token_file, split_tokens
 
 
 @dataclass
@@ -45,6 +52,9 @@ class PreparedData:
     token_file: Path
     """The memory-mapped file behind both splits."""
 
+    document_separator: int | None = None
+    """``model.document_separator`` for ``data.document_mask``: the eos id, or None (mask off)."""
+
     def train_loader(self, *, global_batch_size: int, micro_steps: int = 1, dp_rank: int = 0, dp_size: int = 1,
                      seed: int = 0) -> TokenLoader:
         """Shuffled, endless, resumable micro-batches of this rank's share of each global batch."""
@@ -56,12 +66,6 @@ class PreparedData:
         """Val windows in stream order; evaluate with ``loader.epoch_batches(max_batches)``."""
         return TokenLoader(self.val_tokens, seq_len=self.seq_len, global_batch_size=global_batch_size,
                            dp_rank=dp_rank, dp_size=dp_size, shuffle=False, name="val")
-
-
-def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(train, val): val is the last round(N * val_fraction) tokens, so no window spans both."""
-    num_val = round(len(tokens) * val_fraction)
-    return tokens[:len(tokens) - num_val], tokens[len(tokens) - num_val:]
 
 
 def load_documents(cfg: DataConfig, *, download: bool = True) -> Documents:
@@ -80,10 +84,14 @@ def load_documents(cfg: DataConfig, *, download: bool = True) -> Documents:
     return Documents(cached_corpus_files(cfg.corpus, cfg.cache_dir), label=f"corpus {cfg.corpus!r}")
 
 
-def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData:
+def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData | MixedData:
     """Fetch, tokenise (cached) and split the data of `cfg`; see the module docstring."""
     check_corpus(cfg.corpus)  # before any work, whichever kind of data follows
+    if cfg.sources is not None:
+        return prepare_sources(cfg, list(cfg.sources))
     kind, files = scan_user_path(cfg.path) if cfg.corpus == "path" else ("corpus", [])
+    if kind == "tokens" and len(files) > 1:  # shards of one source
+        return prepare_sources(cfg, [DataSource(path=cfg.path)], field="data.path")
     if kind == "tokens":
         token_file = files[0]
         tokens, meta = open_token_file(token_file)
@@ -97,6 +105,9 @@ def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData:
                                     cache_dir=cfg.cache_dir)
         tokens, meta, token_file = load_or_build_tokens(documents, tokenizer, cache_dir=cfg.cache_dir)
         vocab_size, eos_id = tokenizer.vocab_size, tokenizer.eos_id
+    separator = document_separator(cfg.document_mask, eos_id,
+                                   what=f"data.path {cfg.path!r}" if cfg.corpus == "path" else f"corpus {cfg.corpus!r}")
     train_tokens, val_tokens = split_tokens(tokens, cfg.val_fraction)
     return PreparedData(train_tokens=train_tokens, val_tokens=val_tokens, vocab_size=vocab_size,
-                        eos_id=eos_id, tokenizer=tokenizer, seq_len=cfg.seq_len, token_file=Path(token_file))
+                        eos_id=eos_id, tokenizer=tokenizer, seq_len=cfg.seq_len, token_file=Path(token_file),
+                        document_separator=separator)

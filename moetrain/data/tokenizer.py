@@ -1,4 +1,5 @@
-"""Tokenisers: raw UTF-8 bytes, or a byte-level BPE trained on the corpus with `tokenizers` and cached.
+"""Tokenisers: raw UTF-8 bytes, a byte-level BPE trained on the corpus with `tokenizers` and cached,
+or a pretrained model's own ``tokenizer.json`` (``data.tokenizer`` = its path), read with `tokenizers`.
 
 Both have the same small interface (`Tokenizer`): ``encode(str) -> list[int]``, ``decode(ids) -> str``,
 ``vocab_size``, ``eos_id`` and ``key`` (a string that identifies the exact vocabulary, used to key the
@@ -6,11 +7,15 @@ token-file cache).
 
 End of text: the BPE reserves id 0 for ``<|endoftext|>`` (hence data.vocab_size >= 257: 256 byte
 tokens + eos), and the token stream puts it after every document. The byte tokeniser has no spare id
-(vocab 256), so ``eos_id`` is None and documents are separated by a newline instead.
+(vocab 256), so ``eos_id`` is None and documents are separated by a newline instead. A pretrained
+``tokenizer.json`` takes its end-of-text token from the files beside it, as ``transformers`` does
+(``PretrainedTokenizer``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import warnings
 from collections.abc import Iterable, Sequence
@@ -86,6 +91,94 @@ class BPETokenizer:
         return cls(HFTokenizer.from_file(str(path)), key=key or Path(path).stem)
 
 
+class PretrainedTokenizer(BPETokenizer):
+    """A Hugging Face ``tokenizer.json`` (any model the `tokenizers` library reads: byte-level BPE,
+    SentencePiece-style BPE, ...); plain JSON, no code runs.
+
+    ``vocab_size`` counts the added special tokens. The end-of-text id comes from the folder of
+    the file: ``tokenizer_config.json``'s ``eos_token``, else ``generation_config.json``'s, else
+    ``config.json``'s ``eos_token_id`` (the first of a list); where several name one they must
+    agree, and it must be in the vocabulary (ValueError naming the file otherwise). None when no
+    file names one. Texts are encoded without the post-processor's special tokens (no BOS per
+    document): the token stream separates documents with eos. ``key`` is a hash of the file, so
+    the token cache follows the exact vocabulary.
+    """
+
+    def __init__(self, tokenizer, *, key: str, eos_id: int | None, path: Path) -> None:
+        super().__init__(tokenizer, key=key)
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.eos_id = eos_id
+        self.path = path
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, *, key: str | None = None) -> PretrainedTokenizer:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"data.tokenizer ({str(path)!r}) must be an existing tokenizer.json")
+        try:
+            tokenizer = HFTokenizer.from_file(str(path))
+        except Exception as e:  # the library raises its own exception type for a malformed file
+            raise ValueError(f"data.tokenizer ({str(path)!r}) is not a tokenizer.json the tokenizers library reads: "
+                             f"{e}") from e
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        return cls(tokenizer, key=key or f"hf-{digest}", eos_id=_pretrained_eos_id(tokenizer, path), path=path)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _first_id(value) -> int | None:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _pretrained_eos_id(tokenizer, path: Path) -> int | None:
+    """The end-of-text id of a tokenizer.json from the files beside it (see PretrainedTokenizer)."""
+    found: dict[str, int] = {}
+    for name in ("tokenizer_config.json", "generation_config.json", "config.json"):
+        file = path.parent / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text())
+        except ValueError as e:
+            raise ValueError(f"{str(file)!r} is not JSON: {e}") from e
+        if name == "tokenizer_config.json":
+            text = _token_text(data.get("eos_token"))
+            if text is None:
+                continue
+            eos = tokenizer.token_to_id(text)
+            if eos is None:
+                raise ValueError(f"{str(file)!r} eos_token ({text!r}) is not in the vocabulary of {str(path)!r}")
+        else:
+            eos = _first_id(data.get("eos_token_id"))
+            if eos is None:
+                continue
+        found[name] = eos
+    if len(set(found.values())) > 1:
+        raise ValueError(f"the end-of-text token of {str(path)!r} is ambiguous: "
+                         + ", ".join(f"{n} says {i}" for n, i in found.items()))
+    eos = next(iter(found.values()), None)
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    if eos is not None and not 0 <= eos < vocab:
+        raise ValueError(f"eos_token_id ({eos}, from {next(iter(found))}) must be in [0, {vocab}): the vocabulary "
+                         f"of {str(path)!r}")
+    return eos
+
+
 def train_bpe(documents: Iterable[str], *, vocab_size: int, key: str = "bpe") -> BPETokenizer:
     """Train a byte-level BPE of at most ``vocab_size`` tokens (eos + 256 bytes + merges).
 
@@ -132,11 +225,14 @@ def load_or_train_bpe(documents, *, vocab_size: int, cache_dir: str | os.PathLik
 
 def build_tokenizer(kind: str, documents=None, *, vocab_size: int = 4096,
                     cache_dir: str | os.PathLike | None = None) -> Tokenizer:
-    """Tokeniser by `data.tokenizer` name: "bytes", or "bpe" (needs ``documents`` to train on)."""
+    """Tokeniser by `data.tokenizer` name: "bytes", "bpe" (needs ``documents`` to train on), or the
+    path of a pretrained ``tokenizer.json`` (ends in ".json")."""
+    if kind.endswith(".json"):
+        return PretrainedTokenizer.from_file(kind)
     if kind == "bytes":
         return ByteTokenizer()
     if kind == "bpe":
         if documents is None:
             raise ValueError('data.tokenizer ("bpe") needs the corpus documents to train on')
         return load_or_train_bpe(documents, vocab_size=vocab_size, cache_dir=cache_dir)
-    raise ValueError(f"data.tokenizer ({kind!r}) must be one of 'bpe', 'bytes'")
+    raise ValueError(f"data.tokenizer ({kind!r}) must be one of 'bpe', 'bytes' or the path of a tokenizer.json")

@@ -6,7 +6,12 @@ Format (also what a user supplies as pre-tokenised data, `data.corpus=path data.
   ``uint16`` when vocab_size <= 65536, else ``uint32`` (`token_dtype`). Writing one from numpy:
   ``np.asarray(ids, dtype="<u2").tofile("NAME.bin")``.
 - ``NAME.bin.json`` (the sidecar, required): ``{"dtype": "uint16", "vocab_size": 50257}`` and,
-  optionally, ``"num_tokens"`` (checked against the file size) and ``"eos_id"``.
+  optionally, ``"num_tokens"`` (checked against the file size), ``"eos_id"`` (the end-of-text id
+  after each document: what ``data.document_mask`` needs) and ``"tokenizer"`` (the key of the
+  tokeniser that wrote it: checked against the other sources of a mixture).
+
+A data source may hold many such files (shards, read in path order); ``write_token_shards`` writes
+them from documents, cut between documents, every document followed by the end-of-text id.
 
 Ids in a user's file are not range-checked when it is opened (that would read the whole file); the
 embedding lookup fails on an id >= vocab_size.
@@ -98,16 +103,17 @@ def open_token_file(path: str | os.PathLike) -> tuple[np.ndarray, dict]:
     return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), meta
 
 
-def _encoded_documents(documents: Iterable[str], tokenizer) -> Iterable[np.ndarray]:
-    """Token ids of every document, each followed by eos (BPE) or ending in a newline (bytes)."""
+def _encoded_batches(documents: Iterable[str], tokenizer) -> Iterable[list[list[int]]]:
+    """Token ids of every document, a batch of documents at a time, each followed by eos (BPE) or
+    ending in a newline (bytes)."""
     batch: list[str] = []
     batch_chars = 0
 
-    def flush():
+    def flush() -> list[list[int]]:
         encoded = tokenizer.encode_batch(batch)
         if tokenizer.eos_id is not None:
             encoded = [ids + [tokenizer.eos_id] for ids in encoded]
-        return np.fromiter((i for ids in encoded for i in ids), dtype=np.int64)
+        return encoded
 
     for text in documents:
         if tokenizer.eos_id is None and not text.endswith("\n"):
@@ -119,6 +125,54 @@ def _encoded_documents(documents: Iterable[str], tokenizer) -> Iterable[np.ndarr
             batch, batch_chars = [], 0
     if batch:
         yield flush()
+
+
+def _encoded_documents(documents: Iterable[str], tokenizer) -> Iterable[np.ndarray]:
+    """The token stream of ``documents``, one flat array per batch of documents."""
+    for encoded in _encoded_batches(documents, tokenizer):
+        yield np.fromiter((i for ids in encoded for i in ids), dtype=np.int64)
+
+
+def write_token_shards(documents: Iterable[str], tokenizer, out_dir: str | os.PathLike, *,
+                       shard_tokens: int = 1 << 26, prefix: str = "shard") -> list[Path]:
+    """Tokenise ``documents`` into ``out_dir/PREFIX-00000.bin``, ``-00001.bin``, ... (a data source of
+    .bin shards), each with its sidecar naming ``eos_id`` and the tokeniser's ``key``.
+
+    A shard is cut at the first document boundary at or after ``shard_tokens`` tokens, so no
+    document is split over two shards, and every document is followed by the end-of-text id (BPE),
+    as in the token cache. At most one shard is held in memory. Returns the shard paths in order.
+    """
+    if not (isinstance(shard_tokens, int) and shard_tokens >= 1):
+        raise ValueError(f"shard_tokens ({shard_tokens!r}) must be an int >= 1")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    paths: list[Path] = []
+    pending: list[np.ndarray] = []
+    num_pending = 0
+
+    def write() -> None:
+        path = out_dir / f"{prefix}-{len(paths):05d}.bin"
+        write_token_file(path, [np.concatenate(pending)], vocab_size=tokenizer.vocab_size,
+                         eos_id=tokenizer.eos_id, tokenizer=tokenizer.key)
+        paths.append(path)
+
+    for encoded in _encoded_batches(documents, tokenizer):
+        for ids in encoded:
+            pending.append(np.asarray(ids, dtype=dtype))
+            num_pending += len(ids)
+            if num_pending >= shard_tokens:
+                write()
+                pending, num_pending = [], 0
+    if pending:
+        write()
+    return paths
+
+
+def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): val is the last round(N * val_fraction) tokens, so no window spans both."""
+    num_val = round(len(tokens) * val_fraction)
+    return tokens[:len(tokens) - num_val], tokens[len(tokens) - num_val:]
 
 
 def load_or_build_tokens(documents, tokenizer, *, cache_dir: str | os.PathLike | None = None

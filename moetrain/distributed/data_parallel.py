@@ -57,6 +57,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.config.job import JobConfig
 from moetrain.distributed.comm_timer import CommTimer
+from moetrain.distributed.ddp_compression import CompressionStateMixin
 from moetrain.distributed.expert_parallel import is_expert_shard
 from moetrain.distributed.grad_compression import Bf16AllReduce, OneBitReducer, fp32_bytes
 from moetrain.distributed.parallel_dims import ParallelDims
@@ -66,7 +67,7 @@ log = logging.getLogger("moetrain")
 _DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
 
 
-class MoEDataParallel(DistributedDataParallel):
+class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
     """DDP over the ``dp`` group for the replicated parameters, plus the expert-shard reduction
     over ``edp`` with the 1/W scale (see the module docstring).
 
@@ -90,6 +91,7 @@ class MoEDataParallel(DistributedDataParallel):
         super().__init__(module, process_group=dims.dp_group, bucket_cap_mb=bucket_cap_mb,
                          gradient_as_bucket_view=True, **no_buffer_sync)
         params = dict(module.named_parameters())
+        expert_names = [n for n in expert_names if params[n].requires_grad]  # frozen shards (LoRA) get no gradient
         self._expert_params = [params[n] for n in expert_names]
         self._edp_group = dims.edp_group if dims.edp > 1 else None
         self._expert_grad_scale = 1.0 / dims.dp
@@ -194,97 +196,6 @@ class MoEDataParallel(DistributedDataParallel):
         assert not on or self.grad_compression == "onebit", f"local gradients under {self.grad_compression!r}"
         self._local_gradients = on
 
-    def has_replicas(self, p: torch.Tensor) -> bool:
-        """Whether parameter ``p`` has copies on other ranks to average with: every replicated
-        parameter (dp > 1 here), an expert shard only when edp > 1."""
-        return not is_expert_shard(p) or self._edp_group is not None
-
-    @torch.no_grad()
-    def onebit_average_(self, params: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
-        """Replace each of ``tensors`` (this rank's local tensor belonging to ``params[i]``, shaped
-        like its local shard) by its 1-bit compressed mean over the parameter's replicas.
-        Collective over dp, then edp; taken in the model's parameter order whatever order the
-        lists come in, so every rank runs the same exchanges with the same residuals."""
-        by_id = {id(p): t for p, t in zip(params, tensors)}
-        assert len(by_id) == len(params), "a parameter was passed twice"
-        moved = 0
-        # 1. Replicated parameters over dp.
-        dense = [(n, by_id[id(p)]) for n, p in self._dense_params if id(p) in by_id]
-        if dense:
-            with self.timer.span("grad_reduce"):
-                moved += self._dense_reducer.all_reduce_sum([t for _, t in dense], [n for n, _ in dense])
-            for _, t in dense:
-                t.div_(self.process_group.size())
-        # 2. Expert shards over edp.
-        experts = [(n, by_id[id(p)]) for n, p in zip(self._expert_names, self._expert_params) if id(p) in by_id]
-        if experts and self._expert_reducer is not None:
-            with self.timer.span("grad_reduce"):
-                moved += self._expert_reducer.all_reduce_sum([t for _, t in experts], [n for n, _ in experts])
-            edp = dist.get_world_size(self._edp_group)
-            for _, t in experts:
-                t.div_(edp)
-        assert len(dense) + (len(experts) if self._expert_reducer is not None else 0) == len(params), \
-            "onebit_average_ got a parameter without replicas"
-        self._bytes_sent += moved
-        self._onebit_bytes += moved
-        self._num_onebit += 1
-
-    def grad_comm_stats(self) -> dict[str, float]:
-        """Bytes this rank moved per synced step since the last call to bring the replicas
-        together (gradients; for "onebit", fp32 gradients in its warmup, then 1-bit momenta), and
-        their ratio to fp32 gradient all-reduces of the same tensors; for "onebit" steps of the
-        compression stage in the window, also their own bytes per step and ratio. Resets the
-        counters. Host-only numbers."""
-        steps = max(self._num_synced, 1)
-        sent = self._bytes_sent if self.grad_compression != "none" else self._bytes_fp32
-        out = {"grad_bytes": sent / steps,
-               "grad_bytes_ratio_vs_fp32": sent / self._bytes_fp32 if self._bytes_fp32 else 1.0}
-        if self._num_onebit:
-            per_step = self._onebit_bytes / self._num_onebit
-            out.update(grad_bytes_compressed_step=per_step,
-                       grad_bytes_ratio_vs_fp32_compressed_step=per_step / self._fp32_bytes_per_step)
-        self._bytes_sent, self._bytes_fp32, self._num_synced = 0, 0, 0
-        self._onebit_bytes, self._num_onebit = 0, 0
-        return out
-
-    def compression_state_dict(self) -> dict[str, torch.Tensor]:
-        """The 1-bit residuals of this rank (tensors only) and the layout they belong to; empty
-        unless ``grad_compression`` is "onebit"."""
-        if self._dense_reducer is None:
-            return {}
-        state = {"layout": self._layout.clone(), **self._dense_reducer.state_dict()}
-        if self._expert_reducer is not None:
-            state.update({f"expert.{k}": v for k, v in self._expert_reducer.state_dict().items()})
-        return {k: v.clone() for k, v in state.items()}
-
-    def load_compression_state_dict(self, state: dict[str, torch.Tensor] | None) -> None:
-        """Restore the residuals saved at the same layout exactly; otherwise (another world size or
-        ep, or none saved) start them from zero with a warning: they are per-rank chunk state,
-        which has no meaning at another layout."""
-        if self._dense_reducer is None:
-            return
-        live = self.compression_state_dict()
-        reducers = [self._dense_reducer] + ([self._expert_reducer] if self._expert_reducer is not None else [])
-        problem = None
-        if not state:
-            problem = "the checkpoint holds none"
-        elif not torch.equal(state.get("layout", torch.empty(0)).cpu(), self._layout):
-            saved = state.get("layout", torch.empty(0)).tolist()
-            problem = f"saved at layout [world, ep, dp, edp, rank] = {saved}, now {self._layout.tolist()}"
-        elif set(state) != set(live) or any(state[k].shape != v.shape for k, v in live.items()):
-            problem = "the saved residuals do not match this model's parameters"
-        if problem is not None:
-            log.warning("dp.grad_compression onebit: error-feedback residuals reset to zero (%s)", problem)
-            for r in reducers:
-                r.reset()
-            return
-        for prefix, r in (("", self._dense_reducer), ("expert.", self._expert_reducer)):
-            if r is None:
-                continue
-            for k in r.worker:
-                r.worker[k].copy_(state[f"{prefix}worker.{k}"])
-                r.server[k].copy_(state[f"{prefix}server.{k}"])
-
     def forward(self, *args, **kwargs):
         # Decided at forward time, like DDP itself: a backward belongs to the forward before it.
         self._sync_experts = torch.is_grad_enabled() and self.require_backward_grad_sync
@@ -346,7 +257,8 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
                         hsdp_replicate: int = 1, grad_compression: str = "none") -> nn.Module:
     """Wrap ``model`` for data parallelism at ZeRO stage ``zero_stage``.
 
-    Stages 0 and 1: ``MoEDataParallel`` (DDP) when ``dims.dp > 1``, else ``model`` unchanged;
+    Stages 0 and 1: ``MoEDataParallel`` (DDP) when ``dims.dp > 1``, else ``model`` unchanged; with
+    tensor parallelism (``dims.tp > 1``) a ``TensorParallelDataParallel`` instead;
     stage 1 also needs its optimizer passed through ``wrap_optimizer``. Stages 2 and 3: FSDP2
     units over ``blocks`` and the root (see ``moetrain.distributed.fsdp``), returning ``model``
     itself, now an ``FSDPModule``. ``mixed_precision`` ("fp32", "bf16", "fp16") is FSDP's
@@ -371,6 +283,9 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
                          "rejects ZeRO too)")
     if offload_optimizer and zero_stage == 0:
         raise ValueError("zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)")
+    if dims.tp > 1 and grad_compression != "none":
+        raise ValueError(f"dp.grad_compression ({grad_compression!r}) needs parallel.tp = 1 (is {dims.tp}): "
+                         "tensor-parallel gradients are reduced uncompressed")
     if zero_stage >= 2:
         from moetrain.distributed.fsdp import apply_fsdp
 
@@ -379,6 +294,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
         return apply_fsdp(model, dims, zero_stage=zero_stage, blocks=blocks, mixed_precision=mixed_precision,
                           offload_params=offload_params, offload_optimizer=offload_optimizer,
                           pin_memory=pin_memory, hsdp_replicate=hsdp_replicate)
+    if dims.tp > 1:
+        from moetrain.distributed.tp_data_parallel import TensorParallelDataParallel
+
+        return TensorParallelDataParallel(model, dims)
     if dims.dp == 1:
         return model
     return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb, grad_compression=grad_compression)
@@ -440,7 +359,9 @@ def no_sync(model: nn.Module):
     """Context that skips the gradient reduction (non-final micro-steps of gradient accumulation),
     for DDP (stages 0/1) and FSDP2 (stages 2/3) alike. A no-op for a model that is not
     data-parallel, so the trainer calls it unconditionally."""
-    if isinstance(model, DistributedDataParallel):
+    from moetrain.distributed.tp_data_parallel import TensorParallelDataParallel
+
+    if isinstance(model, (DistributedDataParallel, TensorParallelDataParallel)):
         return model.no_sync()
     from moetrain.distributed.fsdp import fsdp_no_sync, is_fsdp
 

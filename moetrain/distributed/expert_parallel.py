@@ -39,26 +39,30 @@ def build_dispatcher(dims: ParallelDims, moe: MoEConfig) -> Dispatcher:
     if dims.ep == 1 and moe.dispatch_chunks > 1:
         warnings.warn(f"moe.dispatch_chunks ({moe.dispatch_chunks}) is ignored at parallel.ep = 1: no token "
                       f"all-to-all to pipeline", stacklevel=2)
-    if dims.ep > 1 or (dims.dp > 1 and moe.capacity_factor is not None):
+    # Drops are decided over every rank of the stage holding other tokens: dp x tp (parallel
+    # folding: the MoE layer takes each tp rank's sequence shard).
+    if dims.ep > 1 or (dims.dp_tp > 1 and moe.capacity_factor is not None):
         return AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group if dims.ep > 1 else None,
-                                  dp_group=dims.dp_group if dims.dp > 1 else None, dedup=moe.dispatch_dedup,
+                                  dp_group=dims.dp_tp_group if dims.dp_tp > 1 else None, dedup=moe.dispatch_dedup,
                                   dispatch_dtype=moe.dispatch_dtype, num_chunks=moe.dispatch_chunks,
                                   ep_nodes=dims.ep_rank_nodes() if dims.ep > 1 else None,
-                                  dp_nodes=dims.dp_rank_nodes() if dims.dp > 1 else None)
+                                  dp_nodes=dims.dp_rank_nodes() if dims.dp_tp > 1 else None)
     return LocalDispatcher(moe.num_experts)
 
 
 def shard_experts(experts: GroupedExperts, dims: ParallelDims) -> None:
-    """Replace the full ``[E, ...]`` expert weights by DTensors sharded ``Shard(0)`` over ``ep``.
+    """Replace the full ``[E, ...]`` expert weights, and their LoRA adapters when fine-tuning
+    (``lora_a_w1 [E, D, R]``, ...), by DTensors sharded ``Shard(0)`` over ``ep``: an expert's
+    adapters live on the rank of its weights.
 
-    The model was built full-size with the same seed on every rank (experts initialised by global
-    index), so each rank slices its own experts out: no communication, and the global model is
-    the same for any ep. As DTensors, the shards carry their global shape and offsets into
-    checkpoints, which therefore reshard across ep degrees.
+    The model was built full-size with the same seed on every rank (experts and adapters
+    initialised by global index), so each rank slices its own experts out: no communication, and
+    the global model is the same for any ep. As DTensors, the shards carry their global shape and
+    offsets into checkpoints, which therefore reshard across ep degrees. Frozen weights stay
+    frozen (``requires_grad`` is kept).
     """
-    for name in ("w1", "w2", "w3"):
-        w = getattr(experts, name)
-        if w is None or isinstance(w, DTensor):
+    for name, w in list(experts.named_parameters(recurse=False)):
+        if isinstance(w, DTensor):
             continue
         num_local = w.shape[0] // dims.ep
         lo = dims.ep_rank * num_local
@@ -75,8 +79,9 @@ def is_expert_shard(p: torch.Tensor) -> bool:
 
 def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """For each ``MoELayer``: swap in the dispatcher the layout needs, shard the experts over ``ep``,
-    and sum the load-balancing counts over all data-parallel ranks (so the mean of the per-rank
-    aux losses is the single-process aux loss). In place; returns ``model``."""
+    and sum the load-balancing counts over the ranks of the stage that hold other tokens (dp x tp,
+    so the mean of the per-rank aux losses is the single-process aux loss). In place; returns
+    ``model``."""
     for name, layer in model.named_modules():
         if not isinstance(layer, MoELayer):
             continue
@@ -84,8 +89,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         layer.dispatcher = build_dispatcher(dims, layer.config)
         if dims.ep > 1:
             shard_experts(layer.experts, dims)
-        if dims.dp > 1:
-            layer.balance_group = dims.dp_group
+        if dims.dp_tp > 1:
+            layer.balance_group = dims.dp_tp_group
     return model
 
 

@@ -6,7 +6,8 @@
              (``reshard_after_forward=True``)
 
 The units, torchtitan's: every transformer block, then the root (embedding, final norm, head).
-Dense parameters shard over the ``dp`` mesh axis (all ranks). Under expert parallelism the expert
+Dense parameters shard over the ``dp`` mesh axis (all ranks; with tensor parallelism the dp axis
+of the (dp, tp) mesh, FSDP sharding the tp DTensors again: 2-D). Under expert parallelism the expert
 weights are already DTensors ``Shard(0)`` over ``ep``; their ``GroupedExperts`` module is its own
 unit, sharded again over ``edp`` (the ranks that hold copies of the same experts), so EP and
 ZeRO-3 stack: each rank keeps 1/edp of 1/ep of the experts. Under bf16/fp16 each router is a
@@ -46,7 +47,9 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import Shard
 
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.models.attention import Attention
 from moetrain.models.moe.experts import GroupedExperts
+from moetrain.models.moe.layer import MoELayer
 from moetrain.models.moe.router import TopKRouter
 
 _DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,14 +120,44 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
         router_common = {**common, "mp_policy": mixed_precision_policy("fp32")}
         for module in model.modules():
             if isinstance(module, TopKRouter):
-                fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard, **router_common)
-    # 3. Transformer blocks.
+                _shard_unit(module, dims, dense_mesh, reshard=reshard, **router_common)
+    # 3. With tensor parallelism: the modules whose plain parameters see only this tp rank's
+    #    tokens or heads (MoE layers, per-head q/k norms), over dp x tp (tp_data_parallel's table).
+    if dims.tp > 1:
+        for module in tp_partial_modules(model):
+            _shard_unit(module, dims, dense_mesh, reshard=reshard, **common)
+    # 4. Transformer blocks.
     for block in blocks:
         fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, **common)
-    # 4. Root: embedding, final norm, head (and a tied head). FSDP keeps the root gathered after
+    # 5. Root: embedding, final norm, head (and a tied head). FSDP keeps the root gathered after
     #    forward at any stage, since backward needs it at once.
     fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard, **common)
     return model
+
+
+def _shard_unit(module: nn.Module, dims: ParallelDims, dense_mesh: DeviceMesh, *, reshard: bool, **common) -> None:
+    """A unit over the dense mesh, or at tp > 1 over the stage's dp x tp ranks with the 1/dp
+    gradient scale: its tp ranks hold partial gradients (different tokens or heads) to be summed.
+    Plain sums on the wire (gloo has no PREMUL_SUM for a factor other than the mesh size)."""
+    if dims.tp == 1:
+        fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard, **common)
+        return
+    fully_shard(module, mesh=dims.dp_tp_mesh, reshard_after_forward=reshard, **common)
+    module.set_gradient_divide_factor(float(dims.dp))
+    module.set_force_sum_reduction_for_comms(True)
+
+
+def tp_partial_modules(model: nn.Module) -> list[nn.Module]:
+    """Under tensor parallelism, the modules whose plain parameters get a partial gradient on each
+    tp rank: every MoE layer (router, shared experts, experts at ep = 1; experts at ep > 1 are
+    units of their own already) and the per-head q/k norms of attention."""
+    out = []
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            out.append(module)
+        elif isinstance(module, Attention) and module.qk_norm == "head":
+            out += [module.q_norm, module.k_norm]
+    return out
 
 
 def expert_shard_dim(shape: tuple[int, ...], ep: int, edp: int) -> int:

@@ -2,19 +2,37 @@
 
 Rank order (topology-aware, fixed):
 
-    rank = edp_index * ep + ep_index
+    rank = (pp_index * dp + dp_index) * tp + tp_index
 
-The ``ep`` ranks of one expert-parallel group are consecutive. Launchers (torchrun, SLURM) number
-the processes of one node consecutively, so while ``ep`` divides the processes per node every
-all-to-all stays inside a node; data parallelism (the all-reduces, which tolerate the slower
-link) spans nodes. Example with 4 ranks, ep=2:
+The ``tp`` ranks of one tensor-parallel group are consecutive, then come the data-parallel
+copies, and the pipeline stages are outermost. Launchers (torchrun, SLURM) number the processes
+of one node consecutively, so while ``tp`` divides the processes per node every tensor-parallel
+collective (several per layer, on the critical path) stays inside a node; stage-to-stage
+point-to-point sends tolerate the slower link and may cross nodes.
 
-    ep groups  (share out the experts):          [0, 1]  [2, 3]
-    edp groups (hold copies of the same experts): [0, 2]  [1, 3]
-    dp group   (non-expert data parallelism):     [0, 1, 2, 3]
+The MoE layers fold over the same ranks (Megatron-Core's "parallel folding"): the ``dp * tp``
+ranks of one pipeline stage hold different tokens at the MoE layer (its input is sharded along
+the sequence over tp), and re-factor as ``edp x ep`` with ``ep`` consecutive:
 
-Mesh axes: ``ep`` (inner, consecutive ranks), ``edp`` = world / ep (outer), and ``dp``, the two
-flattened (all ranks, for the non-expert parameters).
+    rank = pp_index * dp * tp + edp_index * ep + ep_index
+
+so ``ep`` may borrow from ``dp x tp`` (``ep`` must divide ``dp * tp``) and the all-to-alls stay
+inside a node while ``ep`` divides the processes per node. Example with 8 ranks, pp=2, tp=2, ep=2
+(so dp = 2 and edp = 2):
+
+    pp groups  (pipeline stages, p2p):             [0, 4]  [1, 5]  [2, 6]  [3, 7]
+    tp groups  (split attention/FFN weights):      [0, 1]  [2, 3]  [4, 5]  [6, 7]
+    dp groups  (copies of the dense weights):      [0, 2]  [1, 3]  [4, 6]  [5, 7]
+    ep groups  (share out the experts):            [0, 1]  [2, 3]  [4, 5]  [6, 7]
+    edp groups (copies of the same experts):       [0, 2]  [1, 3]  [4, 6]  [5, 7]
+    dp_tp groups (distinct tokens at the MoE):     [0, 1, 2, 3]  [4, 5, 6, 7]
+
+With pp = tp = 1 this is the expert layout alone: 4 ranks, ep=2 give ep groups [0, 1] [2, 3],
+edp groups [0, 2] [1, 3] and one dp group [0, 1, 2, 3].
+
+Meshes: one 1-D root over all ranks, unflattened twice so that FSDP and DTensor see one root:
+``mesh`` = (pp, dp, tp) for the dense part and ``moe_mesh`` = (pp, edp, ep) for the experts;
+``dp_tp`` is the (dp, tp) part of ``mesh`` flattened (the dp axis itself when tp = 1).
 
 Nodes hold ``ranks_per_node`` consecutive ranks each (torchrun's LOCAL_WORLD_SIZE, which
 ``moetrain train --nproc N`` sets too). An ep group larger than a node spans whole nodes; with
@@ -28,28 +46,17 @@ mesh (``moetrain.distributed.hierarchical``). Example with 8 ranks on 2 nodes of
 
 from __future__ import annotations
 
-import logging
-import os
-import warnings
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moetrain.config.parallel import ParallelConfig
+from moetrain.distributed.launcher_nodes import check_launcher_nodes, launcher_ranks_per_node, report_ep_nodes
 
-log = logging.getLogger("moetrain")
 
-
-def launcher_ranks_per_node(world_size: int) -> int | None:
-    """Processes per node as the launcher started them: torchrun's LOCAL_WORLD_SIZE (``moetrain
-    train --nproc N`` runs torchrun as well), when this process belongs to a world of
-    ``world_size`` (WORLD_SIZE); None otherwise (a plan or config check for another world size)."""
-    local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
-    if local is None or world is None or int(world) != world_size:
-        return None
-    return int(local)
+def _is_degree(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass
@@ -57,17 +64,22 @@ class ParallelDims:
     """Degrees of the parallel layout, validated against the world size and the model.
 
     Build with :meth:`from_config` (or directly), then call :meth:`build_mesh` once the process
-    group exists. ``tp`` and ``pp`` are placeholders that must be 1 for now.
+    group exists. See the module docstring for the rank order.
     """
 
     world_size: int
     """Number of processes."""
     ep: int = 1
-    """Expert-parallel degree: experts are split over groups of ``ep`` consecutive ranks."""
+    """Expert-parallel degree: experts are split over groups of ``ep`` consecutive ranks of a stage."""
     dp: int = -1
-    """Data-parallel degree of the non-expert parameters; -1 = world / (tp * pp)."""
+    """Data-parallel degree of the dense (non-expert) parameters; -1 = world / (tp * pp)."""
     tp: int = 1
+    """Tensor-parallel degree of the dense part: groups of ``tp`` consecutive ranks."""
     pp: int = 1
+    """Pipeline-parallel degree: stages of ``world / pp`` consecutive ranks."""
+    etp: int = 1
+    """Expert tensor-parallel degree; 1 (experts are never split by hidden dim: ep borrows the tp
+    ranks instead)."""
     num_experts: int | None = None
     """Routed experts per MoE layer; ``ep`` must divide it. None skips that check (dense model)."""
     ranks_per_node: int | None = None
@@ -76,39 +88,53 @@ class ParallelDims:
     ep_hierarchical: bool = False
     """parallel.ep_hierarchical: the two-stage exchange where the ep group spans nodes."""
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _dp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """The dense mesh (pp, dp, tp), after :meth:`build_mesh`."""
+    moe_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """The expert mesh (pp, edp, ep) over the same ranks, after :meth:`build_mesh`."""
+    _dp_tp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _hsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _ep_node_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.dp == -1 and isinstance(self.world_size, int) and self.world_size > 0:
+        if self.dp == -1 and all(_is_degree(v) for v in (self.world_size, self.tp, self.pp)):
+            if self.world_size % (self.tp * self.pp) != 0:
+                raise ValueError(f"parallel.tp ({self.tp}) * parallel.pp ({self.pp}) must divide the world size "
+                                 f"({self.world_size})")
             self.dp = self.world_size // (self.tp * self.pp)
         if self.ranks_per_node is None and isinstance(self.world_size, int):
             self.ranks_per_node = launcher_ranks_per_node(self.world_size) or self.world_size
         # Every violated rule is reported at once, so a bad layout needs one restart to fix.
-        errors = []
-        for name, value in (("world size", self.world_size), ("parallel.ep", self.ep),
-                            ("parallel.dp", self.dp)):
-            if not isinstance(value, int) or value < 1:
-                errors.append(f"{name} ({value!r}) must be an integer >= 1")
-        if self.tp != 1:
-            errors.append(f"parallel.tp ({self.tp}) must be 1 (tensor parallelism is not supported yet)")
-        if self.pp != 1:
-            errors.append(f"parallel.pp ({self.pp}) must be 1 (pipeline parallelism is not supported yet)")
+        errors = [f"{name} ({value!r}) must be an integer >= 1"
+                  for name, value in (("world size", self.world_size), ("parallel.ep", self.ep),
+                                      ("parallel.dp", self.dp), ("parallel.tp", self.tp), ("parallel.pp", self.pp),
+                                      ("parallel.etp", self.etp))
+                  if not _is_degree(value)]
         if errors:
             raise ValueError("; ".join(errors))
-        if self.dp * self.tp * self.pp != self.world_size:
-            errors.append(f"parallel.dp ({self.dp}) * parallel.tp ({self.tp}) * parallel.pp ({self.pp}) "
-                          f"must equal the world size ({self.world_size})")
-        if self.world_size % self.ep != 0:
-            errors.append(f"parallel.ep ({self.ep}) must divide the world size ({self.world_size})")
-        elif self.dp % self.ep != 0:
-            errors.append(f"parallel.ep ({self.ep}) must divide parallel.dp ({self.dp})")
+        errors = self._degree_errors()
         if self.num_experts is not None and self.num_experts % self.ep != 0:
             errors.append(self._experts_rule(self.num_experts))
         errors += self._node_errors()
         if errors:
             raise ValueError("; ".join(errors))
+
+    def _degree_errors(self) -> list[str]:
+        errors = []
+        if self.dp * self.tp * self.pp != self.world_size:
+            errors.append(f"parallel.dp ({self.dp}) * parallel.tp ({self.tp}) * parallel.pp ({self.pp}) "
+                          f"must equal the world size ({self.world_size})")
+        if self.world_size % self.ep != 0:
+            errors.append(f"parallel.ep ({self.ep}) must divide the world size ({self.world_size})")
+        elif self.dp_tp % self.ep != 0:
+            errors.append(f"parallel.ep ({self.ep}) must divide parallel.dp * parallel.tp ({self.dp_tp}): "
+                          "expert parallelism folds over the ranks of one pipeline stage")
+        if self.etp != 1:
+            errors.append(f"parallel.etp ({self.etp}) must be 1: experts are not split by hidden dim "
+                          "(ep borrows the tp ranks instead)")
+        if self.ep_hierarchical and (self.tp > 1 or self.pp > 1):
+            errors.append(f"parallel.ep_hierarchical needs parallel.tp = 1 and parallel.pp = 1 (are {self.tp}, "
+                          f"{self.pp}): its node mesh is laid out for one stage without tensor parallelism")
+        return errors
 
     def _node_errors(self) -> list[str]:
         rpn = self.ranks_per_node
@@ -126,15 +152,21 @@ class ParallelDims:
     def from_config(cls, parallel: ParallelConfig, *, world_size: int, num_experts: int | None = None,
                     ranks_per_node: int | None = None) -> ParallelDims:
         return cls(world_size=world_size, ep=parallel.ep, dp=parallel.dp, tp=parallel.tp, pp=parallel.pp,
-                   num_experts=num_experts, ranks_per_node=ranks_per_node,
+                   etp=parallel.etp, num_experts=num_experts, ranks_per_node=ranks_per_node,
                    ep_hierarchical=parallel.ep_hierarchical)
 
     # ----- degrees -------------------------------------------------------------------------------
 
     @property
+    def dp_tp(self) -> int:
+        """Ranks of one pipeline stage (dp * tp): each holds different tokens at the MoE layers."""
+        return self.dp * self.tp
+
+    @property
     def edp(self) -> int:
-        """Data-parallel degree of the expert parameters: ranks holding copies of the same experts."""
-        return self.dp // self.ep
+        """Data-parallel degree of the expert parameters: ranks of a stage holding copies of the
+        same experts (dp * tp / ep)."""
+        return self.dp_tp // (self.ep * self.etp)
 
     @property
     def ep_enabled(self) -> bool:
@@ -143,6 +175,14 @@ class ParallelDims:
     @property
     def dp_enabled(self) -> bool:
         return self.dp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
 
     def check_experts(self, num_experts: int, *, layer: str | None = None) -> None:
         """``parallel.ep`` must divide the routed experts of every MoE layer (of ``layer``, named in
@@ -156,13 +196,34 @@ class ParallelDims:
 
     # ----- rank layout (pure arithmetic, no process group needed) --------------------------------
 
+    def rank_of(self, *, pp: int = 0, dp: int = 0, tp: int = 0) -> int:
+        """Global rank of coordinates (pp, dp, tp): ``(pp * dp_degree + dp) * tp_degree + tp``."""
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def pp_group_ranks(self) -> list[list[int]]:
+        """Ranks of each pipeline group (one rank per stage, stride dp * tp)."""
+        return [list(range(j, self.world_size, self.dp_tp)) for j in range(self.dp_tp)]
+
+    def tp_group_ranks(self) -> list[list[int]]:
+        """Ranks of each tensor-parallel group: consecutive blocks of ``tp``."""
+        return [list(range(g * self.tp, (g + 1) * self.tp)) for g in range(self.world_size // self.tp)]
+
+    def dp_group_ranks(self) -> list[list[int]]:
+        """Ranks of each data-parallel group of the dense part: stride ``tp`` inside a stage."""
+        return [[self.rank_of(pp=p, dp=d, tp=t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+
+    def dp_tp_group_ranks(self) -> list[list[int]]:
+        """Ranks of each stage: the dp x tp ranks with different tokens at the MoE layers."""
+        return [list(range(p * self.dp_tp, (p + 1) * self.dp_tp)) for p in range(self.pp)]
+
     def ep_group_ranks(self) -> list[list[int]]:
-        """Ranks of each expert-parallel group: consecutive blocks of ``ep``."""
-        return [list(range(g * self.ep, (g + 1) * self.ep)) for g in range(self.edp)]
+        """Ranks of each expert-parallel group: consecutive blocks of ``ep`` (stage by stage)."""
+        return [list(range(g * self.ep, (g + 1) * self.ep)) for g in range(self.world_size // self.ep)]
 
     def edp_group_ranks(self) -> list[list[int]]:
-        """Ranks of each expert-data-parallel group: one rank from every ep group, stride ``ep``."""
-        return [list(range(j, self.world_size, self.ep)) for j in range(self.ep)]
+        """Ranks of each expert-data-parallel group: one rank from every ep group of a stage, stride ``ep``."""
+        return [list(range(p * self.dp_tp + j, (p + 1) * self.dp_tp, self.ep))
+                for p in range(self.pp) for j in range(self.ep)]
 
     # ----- nodes (pure arithmetic) ----------------------------------------------------------------
 
@@ -187,7 +248,9 @@ class ParallelDims:
     def ep_rank_nodes(self, group: int | None = None) -> list[int]:
         """Node of each rank of ep group ``group`` (in ep-rank order); None: this rank's group
         (after build_mesh)."""
-        return [self.node_of(r) for r in self.ep_group_ranks()[self.edp_rank if group is None else group]]
+        if group is None:
+            group = self.pp_rank * self.edp + self.edp_rank
+        return [self.node_of(r) for r in self.ep_group_ranks()[group]]
 
     def ep_node_ranks(self, group: int = 0) -> list[list[int]]:
         """The ep ranks (indices inside ep group ``group``) that share a node, node by node: with
@@ -196,8 +259,10 @@ class ParallelDims:
         return [[j for j, n in enumerate(nodes) if n == node] for node in dict.fromkeys(nodes)]
 
     def dp_rank_nodes(self) -> list[int]:
-        """Node of each rank of the dp group (all ranks, in order)."""
-        return [self.node_of(r) for r in range(self.world_size)]
+        """Node of each rank of this rank's dp_tp group (its stage, in rank order; stage 0 before
+        build_mesh): the group the MoE layers decide capacity drops over."""
+        stage = self.pp_rank if self.mesh is not None else 0
+        return [self.node_of(r) for r in self.dp_tp_group_ranks()[stage]]
 
     # ----- mesh ----------------------------------------------------------------------------------
 
@@ -214,70 +279,58 @@ class ParallelDims:
                              f"process group's ({dist.get_world_size()})")
         if device_type is None:
             device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-        self._check_launcher_nodes(device_type)
-        self._report_ep_nodes()
-        # Row-major (edp, ep): consecutive ranks share the ep axis, see the module docstring.
-        mesh = init_device_mesh(device_type, (self.edp, self.ep), mesh_dim_names=("edp", "ep"))
-        # Kept here: slicing a flattened axis from the root mesh is deprecated.
-        self._dp_mesh = mesh[("edp", "ep")]._flatten("dp")
+        check_launcher_nodes(self.world_size, device_type)
+        report_ep_nodes(self)
+        # One 1-D root, unflattened twice: FSDP and DTensor need every mesh a parameter lives on
+        # to share a root, and the dense and expert axes overlap (parallel folding). Row-major
+        # (pp, dp, tp) and (pp, edp, ep) give the rank order of the module docstring.
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        mesh = world._unflatten(0, (self.pp, self.dp, self.tp), ("pp", "dp", "tp"))
+        self.moe_mesh = world._unflatten(0, (self.pp, self.edp, self.ep), ("pp", "edp", "ep"))
+        # At tp = 1 the stage's ranks are the dp axis itself: no second group over them.
+        self._dp_tp_mesh = mesh[("dp", "tp")]._flatten("dp_tp") if self.tp > 1 else mesh["dp"]
         if self.hierarchical_ep:
             # A separate root mesh, like HSDP's: the expert DTensors live on the main one's ep axis.
-            # Row-major (edp, nodes of the group, ranks per node) is the rank order above.
+            # Row-major (edp, nodes of the group, ranks per node) is the rank order above (pp = 1:
+            # the hierarchical exchange is for one stage of whole nodes).
             shape = (self.edp, self.ep // self.ranks_per_node, self.ranks_per_node)
             self._ep_node_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep_inter", "ep_intra"))
         self.mesh = mesh
         return mesh
 
-    def _check_launcher_nodes(self, device_type: str) -> None:
-        """Every rank's LOCAL_WORLD_SIZE must be the same and the ranks of a node consecutive
-        (GROUP_RANK, torchrun's node rank): each rank checked its own count against the world
-        size when this object was built, but only the gathered counts find nodes of different
-        sizes, and every rank then raises the same error instead of some of them hanging. Only
-        when the launcher spread the job over several nodes (one collective at setup)."""
-        local = launcher_ranks_per_node(self.world_size)
-        if local is None or local == self.world_size:
-            return
-        node = int(os.environ.get("GROUP_RANK", dist.get_rank() // local))
-        mine = torch.tensor([local, node], dtype=torch.int64, device=device_type)
-        every = torch.empty(self.world_size * 2, dtype=torch.int64, device=device_type)
-        dist.all_gather_into_tensor(every, mine)
-        sizes, nodes = every.view(-1, 2).T.tolist()
-        errors = []
-        if len(set(sizes)) > 1:
-            errors.append(f"every node must run the same number of processes; LOCAL_WORLD_SIZE by rank: {sizes}")
-        elif nodes != [r // local for r in range(self.world_size)]:
-            errors.append(f"the ranks of a node must be consecutive; node (GROUP_RANK) by rank: {nodes}")
-        if errors:
-            raise ValueError("; ".join(errors))
-
-    def _report_ep_nodes(self) -> None:
-        if self.ep > 1 and self.ep_spans_nodes and not self.hierarchical_ep:
-            warnings.warn(f"parallel.ep ({self.ep}) does not divide the processes per node "
-                          f"(LOCAL_WORLD_SIZE={self.ranks_per_node}): expert all-to-alls cross nodes", stacklevel=3)
-        if self.ep_hierarchical and not self.ep_spans_nodes:
-            # Not an error: one config serves jobs of one node and of many.
-            log.warning("parallel.ep_hierarchical: each ep group of %d ranks lies inside a node of %d, so no "
-                     "all-to-all crosses nodes; the flat exchange runs", self.ep, self.ranks_per_node)
-
-    def _sub_mesh(self, axis: str) -> DeviceMesh:
+    def _sub_mesh(self, axis: str, *, moe: bool = False) -> DeviceMesh:
         if self.mesh is None:
             raise RuntimeError("call ParallelDims.build_mesh() first")
-        return self.mesh[axis]
+        return (self.moe_mesh if moe else self.mesh)[axis]
 
     @property
     def ep_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("ep")
+        return self._sub_mesh("ep", moe=True)
 
     @property
     def edp_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("edp")
+        return self._sub_mesh("edp", moe=True)
 
     @property
     def dp_mesh(self) -> DeviceMesh:
-        """All ranks (edp x ep flattened), for the non-expert parameters."""
+        """The data-parallel axis of the dense parameters (all ranks when tp = pp = 1)."""
+        return self._sub_mesh("dp")
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self._sub_mesh("tp")
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        return self._sub_mesh("pp")
+
+    @property
+    def dp_tp_mesh(self) -> DeviceMesh:
+        """The ranks of this rank's stage (dp x tp flattened; the dp axis when tp = 1): each holds
+        different tokens at the MoE layers, so routing counts and capacity drops are global over it."""
         if self.mesh is None:
             raise RuntimeError("call ParallelDims.build_mesh() first")
-        return self._dp_mesh
+        return self._dp_tp_mesh
 
     def hsdp_mesh(self, replicate: int) -> DeviceMesh:
         """The (dp_replicate, dp_shard) mesh of HSDP with ``replicate`` replicas: shard groups of
@@ -286,6 +339,10 @@ class ParallelDims:
         if not isinstance(replicate, int) or replicate < 1 or self.dp % replicate != 0:
             raise ValueError(f"parallel.hsdp_replicate ({replicate!r}) must be an int >= 1 that divides "
                              f"parallel.dp ({self.dp})")
+        if replicate > 1 and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"parallel.hsdp_replicate ({replicate}) needs parallel.tp = 1 and parallel.pp = 1 "
+                             f"(are {self.tp}, {self.pp}): its mesh is a root of its own, which tensor-parallel "
+                             "DTensors and pipeline stages cannot share")
         if self.mesh is None:
             raise RuntimeError("call ParallelDims.build_mesh() first")
         shape = (replicate, self.dp // replicate)
@@ -325,6 +382,18 @@ class ParallelDims:
         return self.dp_mesh.get_group()
 
     @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.tp_mesh.get_group()
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.pp_mesh.get_group()
+
+    @property
+    def dp_tp_group(self) -> dist.ProcessGroup:
+        return self.dp_tp_mesh.get_group()
+
+    @property
     def ep_rank(self) -> int:
         return self.ep_mesh.get_local_rank()
 
@@ -334,4 +403,18 @@ class ParallelDims:
 
     @property
     def dp_rank(self) -> int:
+        """This rank's data-parallel index: the tp ranks of one dp index read the same batch."""
         return self.dp_mesh.get_local_rank()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.tp_mesh.get_local_rank()
+
+    @property
+    def pp_rank(self) -> int:
+        return self.pp_mesh.get_local_rank()
+
+    @property
+    def dp_tp_rank(self) -> int:
+        """This rank's index among the ranks of its stage (dp_index * tp + tp_index)."""
+        return self.dp_tp_mesh.get_local_rank()

@@ -1,14 +1,18 @@
 """One call that parallelises a model, always in the same order:
 
-    1. expert parallelism   (dispatcher swap, experts sharded over ``ep``)
-    2. activation checkpointing
-    3. torch.compile
-    4. data parallelism      (ZeRO stage 0/1: DDP over ``dp``, expert shards over ``edp``;
+    1. tensor parallelism   (dense part split over ``tp``, sequence-parallel norms; the MoE layers
+                             take their rank's sequence shard)
+    2. expert parallelism   (dispatcher swap, experts sharded over ``ep``)
+    3. activation checkpointing
+    4. torch.compile
+    5. data parallelism      (ZeRO stage 0/1: DDP over ``dp``, expert shards over ``edp``, or with
+                              tp the per-parameter reductions of ``tp_data_parallel``;
                               stage 2/3: FSDP2 units, dense over ``dp``, experts over ``edp``)
 
-The order matters: checkpointing must wrap the layers that already communicate (so a recompute
-repeats the all-to-all on every rank alike), compile must see the checkpointed layers, and DDP or
-FSDP must wrap the final modules so their hooks see every parameter in its final form.
+The order matters: tensor parallelism replaces the weights by DTensors before anything holds
+them, checkpointing must wrap the layers that already communicate (so a recompute repeats the
+all-to-all on every rank alike), compile must see the checkpointed layers, and DDP or FSDP must
+wrap the final modules so their hooks see every parameter in its final form.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from moetrain.distributed.expert_parallel import apply_expert_parallel
 from moetrain.distributed.expert_parallel import collect_comm_times as collect_dispatch_times
 from moetrain.distributed.expert_parallel import enable_comm_timing as enable_dispatch_timing
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.distributed.zero import ZeroShardedOptimizer
 from moetrain.models.moe.layer import MoELayer
 
@@ -91,20 +96,22 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
 
     ``model`` must have been built full-size with the same seed on every rank.
     """
-    # 1. Expert parallelism.
+    # 1. Tensor parallelism.
+    apply_tensor_parallel(model, dims)
+    # 2. Expert parallelism.
     apply_expert_parallel(model, dims)
-    # 2. Activation checkpointing.
+    # 3. Activation checkpointing.
     if isinstance(activation_checkpointing, str):
         apply_activation_checkpointing(checkpoint_blocks(model, activation_checkpointing,
                                                          every=activation_checkpointing_every))
     elif activation_checkpointing:
         apply_activation_checkpointing(blocks(model))
-    # 3. Compile, per block (the all-to-all's host sync would split a whole-model graph anyway).
+    # 4. Compile, per block (the all-to-all's host sync would split a whole-model graph anyway).
     #    Off by default: on CPU, fp32 torch._grouped_mm cannot be traced yet.
     if compile:
         for block in default_blocks(model):
             block.compile()
-    # 4. Data parallelism.
+    # 5. Data parallelism.
     return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb, zero_stage=zero_stage,
                                blocks=default_blocks(model), mixed_precision=mixed_precision,
                                offload_params=offload_params, offload_optimizer=offload_optimizer,

@@ -40,8 +40,10 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
 
     Plain (replicated) gradients are identical on every rank after the gradient sync, so their
     local norm is already global. A DTensor gradient holds only this rank's shard (experts over
-    ep, ZeRO-2/3 shards over dp, expert shards over edp as well): its squared norm is summed over
-    every mesh axis it is not replicated on (HSDP's replicate axis is skipped).
+    ep, tensor-parallel weights over tp, ZeRO-2/3 shards over dp, expert shards over edp as well):
+    its squared norm is summed over every mesh axis it is not replicated on, so a tp-replicated
+    gradient (a sequence-parallel norm weight) counts once and an expert shard once per ep rank
+    (HSDP's replicate axis is skipped).
 
     Collective over those axes: every rank must call it with the same parameters in the same order.
     """

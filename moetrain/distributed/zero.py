@@ -17,7 +17,8 @@ elements, through views into the parameters, so its states (AdamW: exp_avg, exp_
 1/G size. Then one all-gather per bucket puts every rank's updated elements back into every
 replica. AdamW is element-wise, so the sharded step gives exactly the replicated one.
 
-Groups: dense (replicated) parameters shard over ``dp`` (W ranks); expert shards (DTensors over
+Groups: dense (replicated) parameters shard over ``dp`` (W ranks; with tensor parallelism over
+the dp x tp ranks of a stage, and the tp-split weights over ``dp``); expert shards (DTensors over
 ``ep``) over ``edp``, the ranks that hold the same experts.
 
 Cost against stage 0: one extra all-gather of the parameters per step (DDP still all-reduces
@@ -65,7 +66,7 @@ class _Shard:
     master: torch.Tensor
     """What the inner optimizer steps: ``flat[lo:hi]`` itself, or a host copy when offloading."""
     group: str
-    """"dense" (over dp) or "expert" (over edp)."""
+    """"dense" (over dp x tp), "tensor" (tp-split, over dp) or "expert" (over edp)."""
 
 
 class ZeroShardedOptimizer(torch.optim.Optimizer):
@@ -81,7 +82,11 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, dims: ParallelDims, *, offload: bool = False,
                  bucket_numel: int = 500_000_000) -> None:
-        self._groups = {"dense": (dims.dp_group if dims.dp > 1 else None, dims.dp, dims.dp_rank),
+        # Each parameter's slices go over the ranks holding a copy of it (tp_data_parallel's
+        # table): plain and tp-replicated over dp x tp (dp at tp = 1), tp-split over dp, experts
+        # over edp.
+        self._groups = {"dense": (dims.dp_tp_group if dims.dp_tp > 1 else None, dims.dp_tp, dims.dp_tp_rank),
+                        "tensor": (dims.dp_group if dims.dp > 1 else None, dims.dp, dims.dp_rank),
                         "expert": (dims.edp_group if dims.edp > 1 else None, dims.edp, dims.edp_rank)}
         self.offload = offload
         self.bucket_numel = bucket_numel
@@ -114,7 +119,12 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         return tuple(self._shards)
 
     def _make_shard(self, p: torch.Tensor) -> torch.Tensor:
-        group = "expert" if is_expert_shard(p) else "dense"
+        if is_expert_shard(p):
+            group = "expert"
+        elif isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements):
+            group = "tensor"
+        else:
+            group = "dense"
         _, world, rank = self._groups[group]
         local = local_tensor(p)
         flat = local.detach().view(-1)  # a view of the parameter's storage (checked below)

@@ -1,14 +1,16 @@
-"""Consolidated exports: one safetensors file of full tensors plus the config that builds the model.
+"""Consolidated exports: safetensors of full tensors plus the config that builds the model.
 
     DIR/model.safetensors   every parameter and persistent buffer under its moetrain name, at full
                             size (stacked expert weights ``[E, ...]`` in global expert order);
-                            header metadata: format, source, step
+                            header metadata: format, source, step. A large export is sharded:
+                            model-0000i-of-0000n.safetensors + model.safetensors.index.json
     DIR/config.yaml         the run's resolved job config (model.vocab_size filled in); for a model
                             imported from Hugging Face, only its ``model`` and ``moe`` sections
 
-Sources (``load_source``): an export folder, a run folder (its latest checkpoint), a folder of
+Sources (``open_source``): an export folder, a run folder (its latest checkpoint), a folder of
 checkpoints (its latest) or one checkpoint. Reading a sharded checkpoint needs one process and no
-process group: DCP assembles every tensor from the shards, whatever layout wrote them.
+process group: DCP assembles every tensor from the shards, whatever layout wrote them. Exports
+stream: one tensor in memory at a time (``moetrain.interop.sources``).
 """
 
 from __future__ import annotations
@@ -23,19 +25,21 @@ import torch
 import yaml
 
 from moetrain.config.convert import build_section
+from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.train.checkpoint import MANIFEST, CheckpointError, load_model_weights, resolve_checkpoint
-from moetrain.utils.files import atomic_write_text, atomic_write_with
+from moetrain.interop.sources import CheckpointTensors, ExportTensors, MergedLoRATensors
+from moetrain.train.checkpoint import MANIFEST, CheckpointError, resolve_checkpoint
+from moetrain.utils.files import atomic_write_text
+from moetrain.utils.safetensors_io import INDEX, WEIGHTS, ShardedWriter, TensorSpec
 
 EXPORT_FORMAT = "moetrain-export/1"
-WEIGHTS = "model.safetensors"
 CONFIG = "config.yaml"
 
 
 def is_export(path: str | os.PathLike) -> bool:
     path = Path(path)
-    return (path / WEIGHTS).is_file() and (path / CONFIG).is_file()
+    return ((path / WEIGHTS).is_file() or (path / INDEX).is_file()) and (path / CONFIG).is_file()
 
 
 def _checkpoint_of(path: Path) -> Path:
@@ -54,59 +58,87 @@ def _checkpoint_of(path: Path) -> Path:
     return resolve_checkpoint(path)
 
 
-def load_source(source: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """``(config, state_dict, info)`` of ``source``: the config as nested plain values, full
-    tensors by moetrain name, and ``info`` (``source``, ``step``)."""
+def open_source(source: str | os.PathLike) -> tuple[dict, ExportTensors | CheckpointTensors, dict]:
+    """``(config, tensors, info)`` of ``source``: the config as nested plain values, a lazy
+    source of full tensors by moetrain name, and ``info`` (``source``, ``step``)."""
     path = Path(source)
     if not path.exists():
         raise ValueError(f"source {str(path)!r} does not exist")
     if is_export(path):
-        return read_export(path)
+        return _merged(*_open_export(path))
     ckpt = _checkpoint_of(path)
-    tensors, trainer_state = load_model_weights(ckpt)
-    if "config" not in trainer_state:
+    tensors = CheckpointTensors(ckpt)
+    state = tensors.trainer_state
+    if "config" not in state:
         raise CheckpointError(f"checkpoint {str(ckpt)!r} holds no config (saved by an older moetrain?)")
-    return trainer_state["config"], tensors, {"source": str(ckpt), "step": int(trainer_state["step"])}
+    return _merged(state["config"], tensors, {"source": str(ckpt), "step": int(state["step"])})
 
 
-def write_export(out_dir: str | os.PathLike, *, config: dict, state_dict: dict[str, torch.Tensor],
-                 info: dict | None = None) -> Path:
-    """Write ``state_dict`` (full tensors) and ``config`` into ``out_dir``, each file atomically."""
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    # safetensors refuses tensors that share storage (a tied embedding and LM head): one copy each.
-    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state_dict.items()}
-    meta = {"format": EXPORT_FORMAT, **{k: str(v) for k, v in (info or {}).items()}}
-    # Durable, and readable by others: safetensors creates its files 0600, exports are for sharing.
-    atomic_write_with(out / WEIGHTS, lambda p: save_file(tensors, str(p), metadata=meta), shared=True)
-    header = (f"# moetrain export ({EXPORT_FORMAT}) of {meta.get('source', 'a model')}"
-              + (f" at step {meta['step']}" if "step" in meta else "") + "\n")
-    text = header + yaml.safe_dump(config, sort_keys=False)
-    atomic_write_text(out / CONFIG, text, durable=True)
-    return out
+def _merged(config: dict, tensors, info: dict):
+    """A LoRA fine-tuning run as the plain model it trained (merge on export): the adapters folded
+    into their base weights and the finetune section reset, so what is written builds without
+    adapters, here and in Hugging Face."""
+    finetune = build_section(FinetuneConfig, "finetune", dict(config.get("finetune") or {}))
+    if not finetune.enabled:
+        return config, tensors, info
+    return without_adapters(config), MergedLoRATensors(tensors, finetune), {**info, "merged_lora": finetune.lora_rank}
 
 
-def read_export(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict]:
-    """``(config, state_dict, info)`` of an export folder."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+def without_adapters(config: dict) -> dict:
+    """``config`` with its finetune section at the defaults (no adapters)."""
+    plain = {"lora_rank": 0, "lora_alpha": FinetuneConfig.lora_alpha,
+             "lora_targets": list(FinetuneConfig.lora_targets)}
+    return {**config, "finetune": plain} if "finetune" in config else dict(config)
 
-    path = Path(path)
-    for name in (WEIGHTS, CONFIG):
+
+def load_source(source: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """``open_source`` with every tensor read: ``(config, state_dict, info)``."""
+    config, tensors, info = open_source(source)
+    return config, {name: tensors.get(name).clone() for name in tensors.names()}, info
+
+
+def _open_export(path: Path) -> tuple[dict, ExportTensors, dict]:
+    for name in (CONFIG,):
         if not (path / name).is_file():
             raise ValueError(f"{str(path)!r} is not a moetrain export: {name} is missing")
-    with safe_open(str(path / WEIGHTS), "pt") as f:
-        meta = f.metadata() or {}
+    tensors = ExportTensors(path)
+    meta = tensors.metadata
     if meta.get("format") != EXPORT_FORMAT:
-        raise ValueError(f"{str(path / WEIGHTS)!r} is not a {EXPORT_FORMAT} file "
-                         f"(format {meta.get('format')!r})")
+        raise ValueError(f"{str(path)!r} is not a {EXPORT_FORMAT} export (format {meta.get('format')!r})")
     config = yaml.safe_load((path / CONFIG).read_text()) or {}
     info = {k: v for k, v in meta.items() if k != "format"}
     if "step" in info:
         info["step"] = int(info["step"])
-    return config, load_file(str(path / WEIGHTS)), info
+    return config, tensors, info
+
+
+def read_export(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor], dict]:
+    """``(config, state_dict, info)`` of an export folder, every tensor read."""
+    config, tensors, info = _open_export(Path(path))
+    return config, {name: tensors.get(name) for name in tensors.names()}, info
+
+
+def write_config_yaml(out: Path, config: dict, info: dict) -> None:
+    header = (f"# moetrain export ({EXPORT_FORMAT}) of {info.get('source', 'a model')}"
+              + (f" at step {info['step']}" if "step" in info else "") + "\n")
+    atomic_write_text(out / CONFIG, header + yaml.safe_dump(config, sort_keys=False), durable=True)
+
+
+def export_metadata(info: dict | None) -> dict[str, str]:
+    return {"format": EXPORT_FORMAT, **{k: str(v) for k, v in (info or {}).items()}}
+
+
+def write_export(out_dir: str | os.PathLike, *, config: dict, state_dict: dict[str, torch.Tensor],
+                 info: dict | None = None, max_shard_bytes: int | None = None) -> Path:
+    """Write ``state_dict`` (full tensors) and ``config`` into ``out_dir``, each file atomically."""
+    out = Path(out_dir)
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in state_dict.items()]
+    with ShardedWriter(out, specs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes) as w:
+        for k, v in state_dict.items():
+            w.write(k, v)
+        w.close()
+    write_config_yaml(out, config, info or {})
+    return out
 
 
 def _section(cls: type, name: str, values: dict[str, Any] | None) -> Any:
@@ -141,8 +173,17 @@ def build_model(config: dict, state_dict: dict[str, torch.Tensor] | None = None)
     return model
 
 
-def export_model(source: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
+def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
+                 max_shard_bytes: int | None = None) -> Path:
     """``moetrain export``: the model of ``source`` (a run folder, a checkpoint, ...) as full
-    tensors in ``out_dir``."""
-    config, state_dict, info = load_source(source)
-    return write_export(out_dir, config=config, state_dict=state_dict, info=info)
+    tensors in ``out_dir``, streamed one tensor at a time."""
+    config, tensors, info = open_source(source)
+    names = tensors.names()
+    specs = [TensorSpec(n, tensors.shape(n), tensors.dtype(n)) for n in names]
+    out = Path(out_dir)
+    with ShardedWriter(out, specs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes) as w:
+        for n in names:
+            w.write(n, tensors.get(n))
+        w.close()
+    write_config_yaml(out, config, info)
+    return out

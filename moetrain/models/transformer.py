@@ -1,12 +1,17 @@
 """Decoder-only transformer with MoE feed-forward blocks, written for one device.
 
 Block: ``x + attn(norm(x))`` then ``h + ffn(norm(h))``; the FFN is an ``MoELayer`` in the blocks
-``ModelConfig.is_moe_layer`` selects and a dense ``FeedForward`` elsewhere. Attention is causal
-with rotary positions (the Hugging Face "rotate half" layout) and optional grouped-query heads.
+``ModelConfig.is_moe_layer`` selects and a dense ``FeedForward`` elsewhere. Attention
+(``moetrain.models.attention``: grouped-query with rotary positions; ``moetrain.models.mla``:
+DeepSeek's latent attention) is causal, block-diagonal causal over packed documents
+(``document_separator``), or bidirectional over the real tokens for a classifier (``causal``).
 Parallelism is applied from outside (``moetrain.distributed``); nothing here knows about it.
+Decoding with a cache (``Transformer.new_cache``, ``moetrain.models.kv_cache``) runs the same
+blocks over the new tokens only.
 
-Shape legend: B batch, S sequence, D model dim, V vocabulary, C classes, H query heads,
-G key/value heads, A head dim.
+Shape legend: B batch, S sequence, K keys (= S; with a ``DecodeCache``, every cached position), D
+model dim, V vocabulary, C classes, H query heads, G key/value heads, A head dim, P rotary dims per
+head.
 """
 
 from __future__ import annotations
@@ -22,10 +27,20 @@ from torch import nn
 from moetrain.config.base import require
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.models.attention import Attention, RMSNorm, apply_rope, attention_mask, rope_table
 from moetrain.models.feedforward import FeedForward
+from moetrain.models.kv_cache import DecodeCache
+from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.layer import MoEAux, MoELayer
 from moetrain.models.moe.router import TopKRouter
+
+# Attention, MultiHeadLatentAttention, RMSNorm, apply_rope and rope_table live in their own
+# modules; importing them from here keeps working.
+__all__ = ["IGNORE_INDEX", "Attention", "DecodeCache", "MultiHeadLatentAttention", "ParamCounts", "RMSNorm",
+           "Transformer",
+           "TransformerBlock", "TransformerOutput", "apply_rope", "attention_params", "build_attention",
+           "count_params", "flops_per_token", "rope_table"]
 
 IGNORE_INDEX = -100
 """Label value excluded from the loss (as in ``F.cross_entropy``)."""
@@ -65,55 +80,18 @@ class ParamCounts:
     """The token-embedding table (V * D)."""
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, *, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32: the mean of squares of bf16 activations loses the small entries.
-        x32_BSD = x_BSD.float()
-        normed_BSD = x32_BSD * torch.rsqrt(x32_BSD.pow(2).mean(-1, keepdim=True) + self.eps)
-        return normed_BSD.type_as(x_BSD) * self.weight
-
-
-def rope_table(head_dim: int, max_seq_len: int, *, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 ``(cos_SA, sin_SA)`` for positions ``0..max_seq_len-1``; each frequency is repeated in
-    both halves of the head dim (rotate-half layout)."""
-    inv_freq_A2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles_SA2 = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq_A2)
-    angles_SA = torch.cat([angles_SA2, angles_SA2], dim=-1)
-    return angles_SA.cos().float(), angles_SA.sin().float()
-
-
-def apply_rope(x_BHSA: torch.Tensor, cos_SA: torch.Tensor, sin_SA: torch.Tensor) -> torch.Tensor:
-    """Rotate each (i, i + A/2) pair of features by its position's angle, in fp32."""
-    x1, x2 = x_BHSA.float().chunk(2, dim=-1)
-    rotated_BHSA = torch.cat([-x2, x1], dim=-1)
-    return (x_BHSA.float() * cos_SA + rotated_BHSA * sin_SA).type_as(x_BHSA)
-
-
-class Attention(nn.Module):
-    """Causal self-attention; G < H key/value heads is grouped-query attention."""
-
-    def __init__(self, dim: int, *, num_heads: int, num_kv_heads: int) -> None:
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, dim // num_heads
-        self.wq = nn.Linear(dim, num_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(dim, num_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(num_heads * self.head_dim, dim, bias=False)
-
-    def forward(self, x_BSD: torch.Tensor, cos_SA: torch.Tensor, sin_SA: torch.Tensor) -> torch.Tensor:
-        B, S, _ = x_BSD.shape
-        H, G, A = self.num_heads, self.num_kv_heads, self.head_dim
-        q_BHSA = self.wq(x_BSD).view(B, S, H, A).transpose(1, 2)
-        k_BGSA = self.wk(x_BSD).view(B, S, G, A).transpose(1, 2)
-        v_BGSA = self.wv(x_BSD).view(B, S, G, A).transpose(1, 2)
-        q_BHSA, k_BGSA = apply_rope(q_BHSA, cos_SA, sin_SA), apply_rope(k_BGSA, cos_SA, sin_SA)
-        o_BHSA = F.scaled_dot_product_attention(q_BHSA, k_BGSA, v_BGSA, is_causal=True, enable_gqa=G != H)
-        return self.wo(o_BHSA.transpose(1, 2).reshape(B, S, H * A))
+def build_attention(config: ModelConfig) -> nn.Module:
+    """The attention module ``config.attention`` names, with its fields."""
+    if config.attention == "mla":
+        return MultiHeadLatentAttention(
+            config.dim, num_heads=config.num_heads, q_lora_rank=config.q_lora_rank,
+            kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
+            qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
+            rope_interleave=config.rope_interleave, causal=config.causal)
+    return Attention(config.dim, num_heads=config.num_heads, num_kv_heads=config.resolved_num_kv_heads,
+                     head_dim=config.resolved_head_dim, qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+                     clip_qkv=config.clip_qkv, norm_eps=config.norm_eps, rope_interleave=config.rope_interleave,
+                     causal=config.causal)
 
 
 class TransformerBlock(nn.Module):
@@ -122,17 +100,18 @@ class TransformerBlock(nn.Module):
         self.layer_id = layer_id
         self.is_moe = config.is_moe_layer(layer_id)
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
-        self.attention = Attention(config.dim, num_heads=config.num_heads,
-                                   num_kv_heads=config.resolved_num_kv_heads)
+        self.attention = build_attention(config)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.feed_forward: nn.Module = (
             MoELayer(config.dim, moe) if self.is_moe
             else FeedForward(config.dim, config.resolved_dense_hidden_dim, activation=config.activation,
                              init_std=config.init_std))
 
-    def forward(self, x_BSD: torch.Tensor, cos_SA: torch.Tensor,
-                sin_SA: torch.Tensor) -> tuple[torch.Tensor, MoEAux | None]:
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SA, sin_SA)
+    def forward(self, x_BSD: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
+                mask_B1SK: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, MoEAux | None]:
+        """``cos_SP, sin_SP``: the rotary angles of the S positions; ``mask_B1SK``: the forward's
+        ``attention_mask``; ``cache``: this block's entry of a ``DecodeCache``, or None."""
+        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SP, sin_SP, mask_B1SK, cache)
         if self.is_moe:
             y_BSD, aux = self.feed_forward(self.ffn_norm(h_BSD))
             return h_BSD + y_BSD, aux
@@ -140,7 +119,11 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """``forward(input_ids_BS, labels=None) -> TransformerOutput``.
+    """``forward(input_ids_BS, labels=None, *, padding_mask_BS=None, cache=None) -> TransformerOutput``.
+
+    Decoding: ``cache = model.new_cache(batch_size)``, then ``model(prompt_BS, cache=cache)`` (the
+    prefill, one forward) and ``model(next_B1, cache=cache)`` per new token; each forward's logits
+    are those of its own tokens at the positions after the cached ones.
 
     ``config.vocab_size`` must be set (``ModelConfig.with_vocab_size(tokenizer.vocab_size)``).
     The weights are initialised at construction from ``seed`` (see ``init_weights``), except
@@ -163,34 +146,58 @@ class Transformer(nn.Module):
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
             if config.tie_embeddings:
                 self.output.weight = self.tok_embeddings.weight
-        # Rotary tables: derived from the config, so not saved in checkpoints.
-        cos_SA, sin_SA = rope_table(config.head_dim, config.max_seq_len, theta=config.rope_theta)
-        self.register_buffer("rope_cos_SA", cos_SA, persistent=False)
-        self.register_buffer("rope_sin_SA", sin_SA, persistent=False)
+        # Rotary tables (for the rotary part of each head): derived from the config, so not saved
+        # in checkpoints.
+        cos_SP, sin_SP = rope_table(config.rope_dim, config.max_seq_len, theta=config.rope_theta)
+        self.register_buffer("rope_cos_SA", cos_SP, persistent=False)
+        self.register_buffer("rope_sin_SA", sin_SP, persistent=False)
         if not self.tok_embeddings.weight.is_meta:
             self.init_weights(seed)
 
     # --- forward ----------------------------------------------------------------------------------
 
-    def forward(self, input_ids_BS: torch.Tensor, labels: torch.Tensor | None = None) -> TransformerOutput:
+    def forward(self, input_ids_BS: torch.Tensor, labels: torch.Tensor | None = None, *,
+                padding_mask_BS: torch.Tensor | None = None, cache: DecodeCache | None = None) -> TransformerOutput:
         """``labels``: for the lm head ``[B, S]`` next-token ids already shifted by the loader
         (``labels[b, s]`` follows ``input_ids[b, s]``; ``IGNORE_INDEX`` = not scored); for the
-        classifier head ``[B]`` class ids of each sequence (read at its last position)."""
-        S = input_ids_BS.shape[1]
-        require(S <= self.config.max_seq_len, "sequence length", S,
-                f"must be <= model.max_seq_len ({self.config.max_seq_len})")
-        cos_SA, sin_SA = self.rope_cos_SA[:S], self.rope_sin_SA[:S]
+        classifier head ``[B]`` class ids of each sequence.
+
+        ``padding_mask_BS``: bool ``[B, S]``, True = a real token; sequences are right-padded and
+        hold at least one real token. None = every token is real. The classifier pools over it
+        (``model.pooling``) and, with ``model.causal`` false, attention hides padded keys. The lm
+        head ignores it: its labels carry ``IGNORE_INDEX`` at padded positions.
+
+        ``cache``: a ``DecodeCache`` from ``new_cache``; the tokens continue the cached ones (rotary
+        angles from ``cache.num_cached`` on) and their keys are appended to it. No padding with it.
+        """
+        B, S = input_ids_BS.shape
+        if cache is None:
+            require(S <= self.config.max_seq_len, "sequence length", S,
+                    f"must be <= model.max_seq_len ({self.config.max_seq_len})")
+            if padding_mask_BS is not None:
+                require(padding_mask_BS.dtype == torch.bool and tuple(padding_mask_BS.shape) == (B, S),
+                        "padding_mask_BS", f"{padding_mask_BS.dtype} {list(padding_mask_BS.shape)}",
+                        f"must be a bool tensor of the input's shape [{B}, {S}]")
+            cos_SP, sin_SP = self.rope_cos_SA[:S], self.rope_sin_SA[:S]
+            # One mask for every layer; None keeps SDPA's fused causal kernels.
+            mask_B1SK = attention_mask(input_ids_BS, causal=self.config.causal,
+                                       document_separator=self.config.document_separator,
+                                       padding_mask_BS=padding_mask_BS)
+        else:
+            require(padding_mask_BS is None, "padding_mask_BS", "a tensor",
+                    "must be None with a cache (decode sequences of one length)")
+            start, mask_B1SK = cache.begin(input_ids_BS)
+            cos_SP, sin_SP = self.rope_cos_SA[start:start + S], self.rope_sin_SA[start:start + S]
         h_BSD = self.tok_embeddings(input_ids_BS)
         moe_aux: list[MoEAux] = []
-        for layer in self.layers:
-            h_BSD, aux = layer(h_BSD, cos_SA, sin_SA)
+        for i, layer in enumerate(self.layers):
+            h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK, None if cache is None else cache.layers[i])
             if aux is not None:
                 moe_aux.append(aux)
         h_BSD = self.norm(h_BSD)
 
         if self.config.head == "classifier":
-            # Pool the last position: the only one that has attended to the whole sequence.
-            logits = self.output(h_BSD[:, -1])  # [B, C]
+            logits = self.output(self._pool(h_BSD, padding_mask_BS))  # [B, C]
         else:
             logits = self.output(h_BSD)  # [B, S, V]
         loss = None
@@ -204,6 +211,57 @@ class Transformer(nn.Module):
             aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
         return TransformerOutput(logits=logits, loss=loss, aux_loss=aux_loss, moe_aux=moe_aux)
 
+    def check_generative(self) -> None:
+        """ValueError, with the reason, where token-by-token decoding cannot reproduce the model: a
+        classifier head (the only one that may attend bidirectionally, ``model.causal``), and MoE
+        routing that looks at the whole batch.
+        Token-choice routing without a capacity is per token, so cached decoding computes what a
+        full forward computes; a capacity factor drops copies by their rank among all tokens of the
+        forward (later positions included), and expert choice picks each expert's tokens from them."""
+        cfg, moe = self.config, self.moe_config
+        require(cfg.head == "lm", "model.head", cfg.head,
+                'must be "lm" to generate (a classifier scores whole sequences and has no next-token logits)')
+        if cfg.is_moe:
+            require(not moe.is_expert_choice, "moe.router", moe.router,
+                    "must be a token-choice router to decode with a cache (expert choice picks tokens from the "
+                    "whole batch, later positions included)")
+            require(moe.capacity_factor is None, "moe.capacity_factor", moe.capacity_factor,
+                    "must be None (dropless) to decode with a cache: capacity drops depend on every token of "
+                    "the forward, later positions included, so no token-by-token decoding reproduces them")
+
+    def new_cache(self, batch_size: int, *, max_len: int | None = None, dtype: torch.dtype | None = None
+                  ) -> DecodeCache:
+        """An empty ``DecodeCache`` for ``batch_size`` sequences of up to ``max_len`` positions
+        (default ``model.max_seq_len``, the rotary table's length), on the parameters' device, in
+        ``dtype`` (default: the autocast dtype when autocast is on there, else the embedding's).
+        Refused where ``check_generative`` refuses."""
+        self.check_generative()
+        cfg = self.config
+        max_len = cfg.max_seq_len if max_len is None else max_len
+        require(1 <= max_len <= cfg.max_seq_len, "max_len", max_len,
+                f"must be in [1, model.max_seq_len ({cfg.max_seq_len})]: the rotary table's length")
+        device = self.tok_embeddings.weight.device
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else self.tok_embeddings.weight.dtype
+        layers = [layer.attention.new_cache(batch_size, max_len=max_len, dtype=dtype, device=device)
+                  for layer in self.layers]
+        return DecodeCache(layers, batch_size=batch_size, max_len=max_len,
+                           document_separator=cfg.document_separator, device=device)
+
+    def _pool(self, h_BSD: torch.Tensor, padding_mask_BS: torch.Tensor | None) -> torch.Tensor:
+        """``[B, D]``: the last real token's hidden state (with causal attention the only one that
+        saw the whole sequence) or the mean over the real tokens (``model.pooling``)."""
+        if self.config.pooling == "mean":
+            if padding_mask_BS is None:
+                return h_BSD.mean(dim=1)
+            real_BS1 = padding_mask_BS[..., None].to(h_BSD.dtype)
+            return (h_BSD * real_BS1).sum(dim=1) / real_BS1.sum(dim=1)
+        if padding_mask_BS is None:
+            return h_BSD[:, -1]
+        last_B = padding_mask_BS.sum(dim=1) - 1  # right padding: the real tokens come first
+        return h_BSD[torch.arange(h_BSD.shape[0], device=h_BSD.device), last_B]
+
     # --- init -------------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -216,17 +274,23 @@ class Transformer(nn.Module):
         ``[E, ...]`` are drawn in global expert order, so expert e is the same whatever expert-
         parallel layout later holds it. Weights are normal(init_std), the residual output
         projections (attention out, FFN/expert down) normal(init_std / sqrt(2 * num_layers)) as
-        GPT-2/Megatron, routers normal(moe.router_init_std), norm scales 1.
+        GPT-2/Megatron, routers normal(moe.router_init_std), norm scales (q/k and latent norms too)
+        1, q/k/v biases 0.
         """
         cfg = self.config
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        std_of: dict[int, float | None] = {}  # id(param) -> std; None = ones
+        std_of: dict[int, float | str] = {}  # id(param) -> std, or "ones" / "zeros"
         for module in self.modules():
             if isinstance(module, RMSNorm):
-                std_of[id(module.weight)] = None
+                std_of[id(module.weight)] = "ones"
             elif isinstance(module, TopKRouter):
                 std_of[id(module.gate.weight)] = module.init_std
             elif isinstance(module, Attention):
+                std_of[id(module.wo.weight)] = out_std
+                for bias in (module.wq.bias, module.wk.bias, module.wv.bias):
+                    if bias is not None:
+                        std_of[id(bias)] = "zeros"
+            elif isinstance(module, MultiHeadLatentAttention):
                 std_of[id(module.wo.weight)] = out_std
             elif isinstance(module, FeedForward):
                 std_of[id(module.w2.weight)] = out_std
@@ -234,14 +298,16 @@ class Transformer(nn.Module):
                 std_of[id(module.w2)] = out_std
         for name, param in self.named_parameters():
             p_std = std_of.get(id(param), std)
-            if p_std is None:
+            if p_std == "ones":
                 full = torch.ones(param.shape)
+            elif p_std == "zeros":
+                full = torch.zeros(param.shape)
             else:
                 full = torch.empty(param.shape).normal_(0.0, p_std, generator=_generator(seed, name))
             _copy_full(param, full)
-        cos_SA, sin_SA = rope_table(cfg.head_dim, cfg.max_seq_len, theta=cfg.rope_theta)
-        self.rope_cos_SA.copy_(cos_SA)
-        self.rope_sin_SA.copy_(sin_SA)
+        cos_SP, sin_SP = rope_table(cfg.rope_dim, cfg.max_seq_len, theta=cfg.rope_theta)
+        self.rope_cos_SA.copy_(cos_SP)
+        self.rope_sin_SA.copy_(sin_SP)
 
     # --- counting ---------------------------------------------------------------------------------
 
@@ -267,8 +333,8 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
     ``vocab_size`` replaces ``config.vocab_size`` when that is None."""
     V = config.vocab_size if config.vocab_size is not None else vocab_size
     require(V is not None, "model.vocab_size", V, "must be set (or vocab_size given) to count parameters")
-    D, L, A = config.dim, config.num_layers, config.head_dim
-    attention = D * config.num_heads * A * 2 + D * config.resolved_num_kv_heads * A * 2  # wq, wo; wk, wv
+    D, L = config.dim, config.num_layers
+    attention = attention_params(config)
     norms = 2 * D
     mats = {"gelu": 2, "swiglu": 3}
     dense_ffn = mats[config.activation] * D * config.resolved_dense_hidden_dim
@@ -287,20 +353,39 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
                        embedding=embedding)
 
 
+def attention_params(config: ModelConfig) -> int:
+    """Parameters of one attention module."""
+    D, H = config.dim, config.num_heads
+    if config.attention == "mla":
+        Q, R, P = config.q_lora_rank, config.kv_lora_rank, config.qk_rope_head_dim
+        qk, U = config.resolved_head_dim, config.v_head_dim
+        q = D * H * qk if Q is None else D * Q + Q + Q * H * qk  # wq, or wq_a, q_norm, wq_b
+        kv = D * (R + P) + R + R * H * (config.qk_nope_head_dim + U)  # wkv_a, kv_norm, wkv_b
+        return q + kv + H * U * D  # wo
+    A, G = config.resolved_head_dim, config.resolved_num_kv_heads
+    projections = D * H * A * 2 + D * G * A * 2  # wq, wo; wk, wv
+    biases = (H + 2 * G) * A if config.qkv_bias else 0
+    qk_norms = {"none": 0, "head": 2 * A, "full": (H + G) * A}[config.qk_norm]
+    return projections + biases + qk_norms
+
+
 def flops_per_token(config: ModelConfig, moe: MoEConfig, *, seq_len: int | None = None,
                     vocab_size: int | None = None) -> int:
-    """Training FLOPs per token, forward + backward, for MFU: ``6 * N + 12 * L * D * S``.
+    """Training FLOPs per token, forward + backward, for MFU: ``6 * N + 6 * L * H * (A + U) * S``.
 
     N is the active parameters that do matmul work (the embedding lookup does none, unless the
-    table is tied to the LM head); the second term is attention scores and values (QK^T and AV,
-    2 * 2 * S * D per layer forward, x3 for backward) at sequence length S (default
-    ``max_seq_len``), counted without the causal half as PaLM and torchtitan do.
+    table is tied to the LM head); the second term is attention scores and values (QK^T over
+    the q.k head dim A and AV over the value head dim U, A = U outside MLA: 2 * S * H * (A + U)
+    per layer forward, x3 for backward) at sequence length S (default ``max_seq_len``), counted
+    without the causal half as PaLM and torchtitan do.
     """
     counts = count_params(config, moe, vocab_size=vocab_size)
     tied_lm = config.head == "lm" and config.tie_embeddings
     matmul_params = counts.active - (0 if tied_lm else counts.embedding)
     S = config.max_seq_len if seq_len is None else seq_len
-    return 6 * matmul_params + 12 * config.num_layers * config.num_heads * config.head_dim * S
+    A = config.resolved_head_dim
+    U = config.v_head_dim if config.attention == "mla" else A
+    return 6 * matmul_params + 6 * config.num_layers * config.num_heads * (A + U) * S
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -70,7 +70,7 @@ def estimate_activations(model: ModelConfig, moe: MoEConfig, *, micro_batch_size
     if V is None:
         raise ValueError("model.vocab_size (None) must be set to estimate activations")
     T, D, H = micro_batch_size * seq_len, model.dim, model.num_heads
-    G, A = model.resolved_num_kv_heads, model.head_dim
+    G, A = model.resolved_num_kv_heads, model.resolved_head_dim
     b = 4 if dtype == "fp32" else 2  # compute dtype of matmul outputs
     f32 = 4
     E, K = moe.num_experts, moe.top_k

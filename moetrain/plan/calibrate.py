@@ -82,7 +82,7 @@ def _gemm_rates(cfg, procs: int, *, repeats: int, barrier) -> dict:
 
     model, moe = resolve_vocab(cfg), cfg.moe
     micro, _, _ = planned_micro_batch(cfg.train, procs)
-    T, D, S, A = micro * cfg.data.seq_len, model.dim, cfg.data.seq_len, model.head_dim
+    T, D, S, A = micro * cfg.data.seq_len, model.dim, cfg.data.seq_len, model.resolved_head_dim
     shapes = [(D, model.num_heads * A), (D, model.resolved_num_kv_heads * A), (D, model.resolved_num_kv_heads * A),
               (model.num_heads * A, D), (D, model.vocab_size)]
     if any(not model.is_moe_layer(i) for i in range(model.num_layers)):

@@ -22,11 +22,14 @@ from moetrain.plan.activations import estimate_activations
 from moetrain.plan.comm import comm_per_step
 from moetrain.plan.model_states import (
     Layout,
+    _meta_model,
     param_specs,
     state_bytes_per_rank,
     transient_state_bytes,
     unsharded_param_peak_bytes,
 )
+from moetrain.plan.pipeline import PipelineChoice, format_pipeline_choices, pipeline_choices
+from moetrain.plan.tensor_parallel import TpChoice, format_tp, tp_advice, tp_choices
 
 OFFLOADS = ("none", "optimizer", "params")
 """none; optimizer: optimizer states (and, through FSDP2 at stages 2/3, the sharded parameters
@@ -95,6 +98,10 @@ class Plan:
     """Sequences per micro-batch the plan assumes (see ``planned_micro_batch``)."""
     batch_note: str | None = None
     """Why the plan assumes another micro-batch than the config's (None when it does not)."""
+    tp_rows: list[TpChoice] = field(default_factory=list)
+    """The tensor-parallel choices (``moetrain.plan.tensor_parallel``), tp = 1 first."""
+    pp_rows: list[PipelineChoice] = field(default_factory=list)
+    """The pipeline-parallel choices (``moetrain.plan.pipeline``): pp > 1 under each schedule."""
 
     @property
     def ranked(self) -> list[PlanRow]:
@@ -120,6 +127,9 @@ class Plan:
             "params": self.counts,
             "ranked": [_row_dict(r) for r in self.ranked],
             "choices": [_row_dict(r) for r in self.rows],
+            "tensor_parallel": [{**asdict(c), "total_bytes": c.total_bytes} for c in self.tp_rows],
+            "tp_advice": tp_advice(self.tp_rows),
+            "pipeline_parallel": [asdict(c) for c in self.pp_rows],
         }
 
 
@@ -216,8 +226,30 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
         rows.append(row)
     counts = {"total": sum(s.numel for s in specs), "expert": sum(s.numel for s in specs if s.expert)}
     counts["non_expert"] = counts["total"] - counts["expert"]
+    tp_rows = tp_choices(specs, model, per_node=per_node, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+                         grad_accum=grad_accum, compute_bytes=compute_bytes, device_memory=device_memory,
+                         full_recompute=cfg.train.activation_checkpointing == "full")
     return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
-                grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note)
+                grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note,
+                tp_rows=tp_rows, pp_rows=_pipeline_rows(cfg, model, nproc=nproc, micro=micro,
+                                                         compute_bytes=compute_bytes, device_memory=device_memory))
+
+
+def _pipeline_rows(cfg: JobConfig, model: ModelConfig, *, nproc: int, micro: int, compute_bytes: int,
+                   device_memory: int | None) -> list[PipelineChoice]:
+    """The pipeline choices, each with the micro-batch count its data-parallel size gives."""
+    act = estimate_activations(model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+                               ac=cfg.train.activation_checkpointing, ac_every=cfg.train.activation_checkpointing_every,
+                               dtype=cfg.train.dtype)
+
+    def microbatches_of(pp: int) -> int | None:
+        dp = nproc // pp
+        return cfg.train.global_batch_size // (dp * micro) if cfg.train.global_batch_size % (dp * micro) == 0 else None
+
+    return pipeline_choices(_meta_model(model, cfg.moe), world=nproc, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+                            split=cfg.parallel.pp_split, microbatches_of=microbatches_of,
+                            saved_bytes_per_microbatch=act.saved_bytes, head_bytes_per_microbatch=act.terms["head"],
+                            compute_bytes=compute_bytes, device_memory=device_memory)
 
 
 def _invalid(c: Choice, model: ModelConfig, moe, world: int, *, per_node: int, hierarchical: bool) -> str | None:
@@ -388,4 +420,15 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
             lines += [f"  {n:3d} choice(s): {reason}" for reason, n in reasons.items()]
     for advice in stage3_advice(plan):
         lines.append("advice: " + advice)
+    if len(plan.tp_rows) > 1:
+        lines += format_tp(plan.tp_rows)
+    if plan.pp_rows:
+        lines += format_pipeline_choices(plan.pp_rows)
+        if plan.device_memory is not None and not any(r.fits for r in plan.rows if r.valid):
+            fitting = [c for c in plan.pp_rows if c.fits and c.reason is None]
+            if fitting:
+                best = min(fitting, key=lambda c: (c.bubble_fraction, c.pp))
+                lines.append(f"advice: no layout without pipelining fits; pp={best.pp} with {best.schedule} fits "
+                             f"(bubble {best.bubble_fraction:.3f}): parallel.pp={best.pp} "
+                             f"parallel.pp_schedule={best.schedule}")
     return "\n".join(lines)

@@ -54,6 +54,7 @@ from pathlib import Path
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.models.transformer import attention_params
 from moetrain.plan.activations import estimate_activations
 from moetrain.plan.comm import comm_per_step
 from moetrain.plan.model_states import ADAM_STATE_BYTES, Layout, ParamSpec, param_specs, state_bytes_per_rank
@@ -217,7 +218,7 @@ def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_
     """FLOPs and elementwise bytes of one rank's optimizer step (see the module docstring)."""
     T, D, S = micro_batch_size * seq_len, model.dim, seq_len
     mats = {"gelu": 2, "swiglu": 3}
-    attn_proj = 2 * D * model.head_dim * (model.num_heads + model.resolved_num_kv_heads)  # wq, wo; wk, wv
+    attn_proj = attention_params(model)  # wq, wk, wv, wo (or the MLA projections), biases, q/k norms
     dense_ffn = mats[model.activation] * D * model.resolved_dense_hidden_dim
     shared = mats[moe.activation] * D * moe.resolved_shared_hidden_dim if moe.num_shared_experts > 0 else 0
     moe_dense = shared + D * moe.num_experts  # shared experts + router

@@ -80,7 +80,8 @@ class Balancer:
                  capacity_fn: Callable[[torch.Tensor], float] | None = None) -> None:
         self.named_layers = [(name, m) for name, m in unwrap(model).named_modules() if isinstance(m, MoELayer)]
         self.layers = [m for _, m in self.named_layers]
-        self.dp_group = dims.dp_group if dims is not None and dims.dp > 1 else None
+        # The tp ranks of a dp index see different tokens at the MoE layers (sequence slices).
+        self.dp_group = dims.dp_tp_group if dims is not None and dims.dp_tp > 1 else None
         self.capacity_fn = capacity_fn
         num_layers = len(self.layers)
         num_experts = self.layers[0].config.num_experts if self.layers else 0

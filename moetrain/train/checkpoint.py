@@ -274,12 +274,15 @@ def _mismatch(path: Path, problems: list[str]) -> CheckpointError:
                            + "; ".join(problems) + ". Was it saved with another model config?")
 
 
-def _check_against_metadata(path: Path, expected: dict[str, torch.Tensor], metadata: Metadata) -> None:
+def _check_against_metadata(path: Path, expected: dict[str, torch.Tensor], metadata: Metadata, *,
+                            held_elsewhere: frozenset[str] = frozenset()) -> None:
     """Compare the entries we are about to read with the checkpoint's index; one error naming
-    every missing, unexpected and mis-shaped entry (rather than DCP's first failure)."""
+    every missing, unexpected and mis-shaped entry (rather than DCP's first failure).
+    ``held_elsewhere``: entries other pipeline stages read (not unexpected here)."""
     saved = metadata.state_dict_metadata
     missing = [k for k in expected if k not in saved]
-    unexpected = [k for k in saved if k.startswith(("model.", "optim.state.")) and k not in expected]
+    unexpected = [k for k in saved if k.startswith(("model.", "optim.state.")) and k not in expected
+                  and k not in held_elsewhere]
     mismatched = [f"{k} (saved {tuple(saved[k].size)}, this model {tuple(v.shape)})"
                   for k, v in expected.items() if k in saved and tuple(saved[k].size) != tuple(v.shape)]
     problems = (_listed(missing, "missing entries") + _listed(unexpected, "entries this model does not have")
@@ -307,17 +310,21 @@ def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
     groups, missing = [], []
     for i, (mine, theirs) in enumerate(zip(live, saved)):
         missing += [f"optim.param_groups.{i}.{k}" for k in mine if k not in theirs]
-        groups.append({k: tuple(theirs[k]) if isinstance(v, tuple) and isinstance(theirs.get(k), list)
-                       else theirs.get(k) for k, v in mine.items()})
+        # The parameters of a group are this optimizer's own (a pipeline stage holds some of the
+        # model's); the saved values are its hyperparameters.
+        groups.append({k: v if k == "params" else tuple(theirs[k])
+                       if isinstance(v, tuple) and isinstance(theirs.get(k), list) else theirs.get(k)
+                       for k, v in mine.items()})
     if missing:
         raise _mismatch(path, _listed(missing, "missing entries"))
     return groups
 
 
 def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Module,
-                optimizer: torch.optim.Optimizer, rank: int) -> tuple[dict, list[dict]]:
+                optimizer: torch.optim.Optimizer, rank: int, pipeline_group=None) -> tuple[dict, list[dict]]:
     """This rank's part of the checkpoint, read into fresh tensors; also the live optimizer's
-    param groups (the shape the saved ones must take)."""
+    param groups (the shape the saved ones must take). With ``pipeline_group`` the model is one
+    stage's share: the entries the other stages read are expected too (a collective over it)."""
     # get_state_dict gives a fresh optimizer its state with one zero-learning-rate step.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     prefix = f"rng.rank{rank}."
@@ -334,7 +341,14 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
                  if k.startswith(prefix)}
     if residuals:
         state["grad_compression"] = {f"rank{rank}": residuals}
-    _check_against_metadata(path, flatten_state_dict(state)[0], metadata)
+    expected = flatten_state_dict(state)[0]
+    held_elsewhere: frozenset[str] = frozenset()
+    if pipeline_group is not None:
+        mine = sorted(k for k in expected if k.startswith(("model.", "optim.state.")))
+        every: list = [None] * dist.get_world_size(pipeline_group)
+        dist.all_gather_object(every, mine, group=pipeline_group)
+        held_elsewhere = frozenset(k for keys in every for k in keys)
+    _check_against_metadata(path, expected, metadata, held_elsewhere=held_elsewhere)
     # Every rank reads its own shards, resharded from whatever layout saved them.
     try:
         dcp.load(state, storage_reader=reader)
@@ -345,9 +359,10 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
 
 
 def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    verify: bool = True) -> LoadedCheckpoint:
+                    verify: bool = True, pipeline_group=None) -> LoadedCheckpoint:
     """Load checkpoint ``path`` into ``model`` (unwrapped) and ``optimizer``, whatever layout
-    (world size, ep) saved it. Collective.
+    (world size, ep, pp) saved it. Collective. ``pipeline_group``: the model is this rank's
+    pipeline stages (the pp group over which the stages together hold the whole model).
 
     All or nothing: the files are checked against the manifest, the entries against the index,
     and DCP reads into fresh tensors; only when all of that succeeded are the values copied into
@@ -371,7 +386,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         del optimizer.state[p]
     fresh_optimizer = not optimizer.state
     try:
-        state, live_groups = _read_state(path, reader, metadata, model, optimizer, rank)
+        state, live_groups = _read_state(path, reader, metadata, model, optimizer, rank, pipeline_group)
         # 3. The JSON and RNG entries must decode before anything goes live.
         groups = _param_groups(path, live_groups, _json_entry(path, state, "optim.param_groups"))
         trainer_state = _json_entry(path, state, "trainer")

@@ -1,13 +1,24 @@
-"""Text sampling from a trained model: top-k sampling with temperature, seeded.
+"""Text generation from a trained model: temperature, top-k and top-p (nucleus) sampling, seeded,
+with or without a key/value cache (``Transformer.new_cache``).
 
-Every rank runs the same computation with the same generator: the experts of an
-expert-parallel model need all ranks in every forward.
+``generate`` runs one process's model (the ``moetrain generate`` command, a single-device model).
+``sample_text`` is the trainer's end-of-run sample: every rank runs the same computation with the
+same generator, since the experts of an expert-parallel model need all ranks in every forward; it
+re-reads a sliding window of ``context`` tokens per step, without a cache.
+
+Shape legend: B batch, S sequence, V vocabulary, N new tokens.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+from moetrain.config.base import require
+from moetrain.models.transformer import Transformer
 
 
 @torch.no_grad()
@@ -25,3 +36,128 @@ def sample_text(model: nn.Module, tokenizer, prompt: str, *, context: int, devic
         v, i = torch.topk(logits, min(top_k, logits.numel()))
         ids.append(i[torch.multinomial(torch.softmax(v, -1), 1, generator=gen)].item())
     return tokenizer.decode(ids)
+
+
+def check_sampling(*, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """ValueError naming the first setting out of range."""
+    require(temperature >= 0, "temperature", temperature, "must be >= 0 (0 = greedy)")
+    require(top_k is None or (isinstance(top_k, int) and top_k >= 1), "top_k", top_k, "must be None or an int >= 1")
+    require(top_p is None or 0 < top_p <= 1, "top_p", top_p, "must be None or in (0, 1]")
+
+
+def filter_logits(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                  top_p: float | None = None) -> torch.Tensor:
+    """fp32 logits divided by ``temperature`` with -inf outside the tokens sampling may draw, in
+    the order transformers applies them: temperature, then the ``top_k`` most likely tokens, then
+    of those the smallest most-likely-first set whose probability reaches ``top_p`` (a token is
+    kept when the mass of the tokens before it is below ``top_p``; the most likely one always).
+    Ties keep the lower token id. ``softmax`` of the result is the sampling distribution.
+    ``temperature`` must be > 0 here (0 is greedy: ``sample_next`` takes the argmax)."""
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    require(temperature > 0, "temperature", temperature, "must be > 0 to filter (0 = greedy, no distribution)")
+    logits_BV = logits_BV.float() / temperature
+    V = logits_BV.shape[-1]
+    if top_k is not None and top_k < V:
+        # Stable sort, not topk: ties at the cut must keep the lower ids on every device.
+        order_BV = torch.sort(logits_BV, dim=-1, descending=True, stable=True).indices
+        drop_BV = torch.zeros_like(logits_BV, dtype=torch.bool).scatter_(-1, order_BV[..., top_k:], True)
+        logits_BV = logits_BV.masked_fill(drop_BV, float("-inf"))
+    if top_p is not None and top_p < 1:
+        sorted_BV, order_BV = torch.sort(torch.softmax(logits_BV, dim=-1), dim=-1, descending=True, stable=True)
+        drop_sorted_BV = sorted_BV.cumsum(dim=-1) - sorted_BV >= top_p  # mass strictly before each token
+        drop_sorted_BV[..., 0] = False
+        drop_BV = torch.zeros_like(drop_sorted_BV).scatter_(-1, order_BV, drop_sorted_BV)
+        logits_BV = logits_BV.masked_fill(drop_BV, float("-inf"))
+    return logits_BV
+
+
+def sample_next(logits_BV: torch.Tensor, *, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token id per row (int64 ``[B]``, on the logits' device): the argmax when ``temperature``
+    is 0, else a draw from ``softmax(filter_logits(...))`` with ``generator`` (on that device)."""
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    if temperature == 0:
+        return logits_BV.argmax(dim=-1)
+    probs_BV = torch.softmax(filter_logits(logits_BV, temperature=temperature, top_k=top_k, top_p=top_p), dim=-1)
+    return torch.multinomial(probs_BV, 1, generator=generator).squeeze(-1)
+
+
+@dataclass
+class Generation:
+    """The output of ``generate`` and how long it took."""
+
+    ids_BS: torch.Tensor
+    """Prompt and new tokens, ``[B, num_prompt + num_new]`` (int64, on the model's device); after a
+    row's ``stop_id`` its later tokens are ``stop_id`` too."""
+    num_prompt: int
+    num_new: int
+    """New tokens per row: ``max_new_tokens``, or fewer when every row stopped."""
+    prefill_s: float
+    """Seconds from the start to the first new token: the prompt's forward and one draw."""
+    decode_s: float
+    """Seconds of the other ``num_new - 1`` steps."""
+
+    @property
+    def new_ids_BN(self) -> torch.Tensor:
+        return self.ids_BS[:, self.num_prompt:]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens (all rows) per second of the whole generation, prefill included."""
+        return self.ids_BS.shape[0] * self.num_new / max(self.prefill_s + self.decode_s, 1e-9)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens (all rows) per second of the steps after the first: the decoding rate."""
+        return self.ids_BS.shape[0] * (self.num_new - 1) / max(self.decode_s, 1e-9)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt_ids_BS: torch.Tensor, *, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0, use_cache: bool = True,
+             stop_id: int | None = None) -> Generation:
+    """Continue each row of ``prompt_ids_BS`` (on the model's device) by up to ``max_new_tokens``.
+
+    ``use_cache``: one forward over the prompt (prefill) fills a ``DecodeCache``, then one forward
+    per token over that token alone; else each step is a full forward over everything so far (the
+    reference the cache must reproduce: the same logits up to rounding, so the same greedy tokens).
+    Sampling draws from a generator on the model's device seeded with ``seed``. ``stop_id``: a row
+    ends at that token; generation stops when every row has (a host sync per step). The model is
+    put in eval mode (no router jitter or forced balance).
+    """
+    check_sampling(temperature=temperature, top_k=top_k, top_p=top_p)
+    B, num_prompt = prompt_ids_BS.shape
+    limit = model.config.max_seq_len
+    require(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
+    require(num_prompt >= 1 and num_prompt + max_new_tokens <= limit, "prompt tokens + max_new_tokens",
+            f"{num_prompt} + {max_new_tokens}", f"must be <= model.max_seq_len ({limit}), with a prompt of >= 1 token")
+    model.eval()
+    device = prompt_ids_BS.device
+    gen = torch.Generator(device=device).manual_seed(seed)
+    sample = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": gen}
+    done_B = torch.zeros(B, dtype=torch.bool, device=device)
+    start = time.perf_counter()
+    cache = model.new_cache(B, max_len=num_prompt + max_new_tokens) if use_cache else None
+    next_B = sample_next(model(prompt_ids_BS, cache=cache).logits[:, -1], **sample)
+    ids = [prompt_ids_BS, next_B[:, None]]
+    _synchronize(device)
+    prefill_s, decode_start = time.perf_counter() - start, time.perf_counter()
+    for _ in range(max_new_tokens - 1):
+        if stop_id is not None:
+            done_B |= next_B == stop_id
+            if bool(done_B.all()):  # a host sync
+                break
+        step_ids_BS = next_B[:, None] if use_cache else torch.cat(ids, dim=1)
+        next_B = sample_next(model(step_ids_BS, cache=cache).logits[:, -1], **sample)
+        if stop_id is not None:
+            next_B = next_B.masked_fill(done_B, stop_id)
+        ids.append(next_B[:, None])
+    _synchronize(device)
+    return Generation(ids_BS=torch.cat(ids, dim=1), num_prompt=num_prompt, num_new=len(ids) - 1,
+                      prefill_s=prefill_s, decode_s=time.perf_counter() - decode_start)
+
+
+def _synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels, so that a time measured after it is their time."""
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)

@@ -82,7 +82,7 @@ class MetricsWindow(StepSums):
 
 class ProgressBar:
     """The tqdm bar of the training steps, showing the last logged loss, tokens/s and validation
-    loss; does nothing when not ``enabled`` (on every rank but the main one)."""
+    loss (and a classifier's validation accuracy); does nothing when not ``enabled`` (on every rank but the main one)."""
 
     def __init__(self, *, enabled: bool, total: int, initial: int) -> None:
         self._bar = None
@@ -94,6 +94,8 @@ class ProgressBar:
     def show(self, metrics: dict) -> None:
         if self._bar is not None:
             val = {"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics else {}
+            if "val_accuracy" in metrics:  # a classifier
+                val["val_acc"] = f"{metrics['val_accuracy']:.4f}"
             self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", **val)
 
     def update(self) -> None:
@@ -118,6 +120,10 @@ PER_EXPERT_KEYS = ("expert_share", "expert_bias", "expert_lr_scale")
 """Metrics that are [layer][expert] tables of numbers (TensorBoard histograms per layer). Other
 nested lists (``unused_experts``: expert ids per layer) are kept in metrics.jsonl only; their
 counts (``num_unused_experts``) go to TensorBoard as per-layer scalars."""
+
+PER_CLASS_SUFFIX = "_per_class_f1"
+"""A classifier's per-class lists (``val_per_class_f1``): one TensorBoard scalar per class. Its confusion
+matrices (``val_confusion``, [true][predicted] counts) stay in metrics.jsonl; the report draws them."""
 
 
 class MetricsLogger:
@@ -163,6 +169,11 @@ class MetricsLogger:
         if isinstance(value, (int, float)):
             if math.isfinite(value):
                 self._tb.add_scalar(key, value, step)
+        elif key.endswith(PER_CLASS_SUFFIX) and isinstance(value, list):
+            # A classifier's per-class F1 (None for a class neither present nor predicted).
+            for i, v in enumerate(value):
+                if v is not None:
+                    self._tb.add_scalar(f"{key}/class{i}", v, step)
         elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
             # Per-layer lists (load_cv, dropped_fraction, ...) become one scalar per layer.
             for i, v in enumerate(value):

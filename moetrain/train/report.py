@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -128,10 +129,67 @@ def plot_dropped(records, out: Path) -> Path | None:
     return _save(fig, out / "dropped.png")
 
 
+def plot_accuracy(records, out: Path) -> Path | None:
+    """A classifier's validation accuracy and macro-F1 per evaluation (and the final test figures)."""
+    s, v = _series(records, "val_accuracy")
+    if not s:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(s, v, "o-", label="val accuracy", lw=1.5)
+    ax.plot(*_series(records, "val_macro_f1"), "s--", label="val macro-F1", lw=1.0)
+    for key, marker in (("test_accuracy", "*"), ("test_macro_f1", "P")):
+        ts, tv = _series(records, key)
+        if ts:
+            ax.plot(ts, tv, marker, ms=11, label=f"{key.replace('_', ' ')} {tv[-1]:.4f}")
+    ax.set_xlabel("step")
+    ax.set_title("Classification")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out / "accuracy.png")
+
+
+def plot_confusion(records, out: Path, class_names: list[str] | None) -> Path | None:
+    """The last evaluation's confusion matrix (the test split's when the run evaluated it): rows the
+    true class, columns the prediction, colour the row's share (recall), cells the counts."""
+    key = next((k for k in ("test_confusion", "val_confusion") if _series(records, k)[0]), None)
+    if key is None:
+        return None
+    steps, matrices = _series(records, key)
+    counts = np.asarray(matrices[-1], dtype=np.int64)
+    num_classes = counts.shape[0]
+    names = class_names if class_names and len(class_names) == num_classes else [str(i) for i in range(num_classes)]
+    share = counts / np.maximum(counts.sum(axis=1, keepdims=True), 1)
+    size = 2.5 + 0.45 * num_classes
+    fig, ax = plt.subplots(figsize=(size + 1.2, size))
+    im = ax.imshow(share, cmap="Blues", vmin=0.0, vmax=1.0)
+    if num_classes <= 25:  # beyond that the numbers no longer fit in their cells
+        for i in range(num_classes):
+            for j in range(num_classes):
+                ax.text(j, i, str(counts[i, j]), ha="center", va="center", fontsize=7,
+                        color="white" if share[i, j] > 0.5 else "black")
+    ax.set_xticks(range(num_classes), names, rotation=60, ha="right", fontsize=7)
+    ax.set_yticks(range(num_classes), names, fontsize=7)
+    ax.set_xlabel("predicted")
+    ax.set_ylabel("true")
+    accuracy = np.trace(counts) / max(counts.sum(), 1)
+    ax.set_title(f"{key.split('_')[0]} confusion, step {steps[-1]} (accuracy {accuracy:.4f})")
+    fig.colorbar(im, ax=ax, label="share of the true class")
+    return _save(fig, out / "confusion.png")
+
+
+def _class_names(run_dir: Path) -> list[str] | None:
+    """The class names a classifier run wrote (``RUN/classes.json``), if any."""
+    try:
+        return json.loads((run_dir / "classes.json").read_text(encoding="utf-8"))["classes"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
     records = read_metrics(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     made = [plot_loss(records, out), plot_throughput(records, out), plot_expert_load(records, out),
-            plot_expert_health(records, out), plot_dropped(records, out)]
+            plot_expert_health(records, out), plot_dropped(records, out), plot_accuracy(records, out),
+            plot_confusion(records, out, _class_names(Path(run_dir)))]
     return [p for p in made if p is not None]

@@ -13,54 +13,50 @@ One optimizer step, from data to update: ``train_step`` -> for each micro-batch 
 Runs standalone (one process) or under torchrun (one or many nodes); the parallel layout comes
 from ``cfg.parallel`` through ``ParallelDims``, and the model code never knows about it. The
 process group and its timeouts live in ``moetrain.distributed.runtime``; non-finite steps,
-SIGTERM and failed collectives in ``moetrain.train.faults``.
+SIGTERM and failed collectives in ``moetrain.train.faults``. The task (language model or classifier)
+decides the data, the loss and the evaluation (``moetrain.train.task``, ``.classification``, ``.evaluate``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
-import math
 import time
 from pathlib import Path
 
 import torch
 
 from moetrain.config import JobConfig
-from moetrain.config.loader import config_to_dict, save_config
-from moetrain.data import prepare_data
+from moetrain.config.loader import save_config
 from moetrain.distributed import data_parallel, runtime
 from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
 from moetrain.distributed.expert_parallel import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing, parallelize
 from moetrain.distributed.utils import clip_global_grad_norm_, mean_over_dp
-from moetrain.models.transformer import Transformer
 from moetrain.train.balancing import install_balancing
 from moetrain.train.checkpoint import (
-    CheckpointError,
-    capture_rng_state,
-    clean_stale_tmp,
-    latest_checkpoint,
-    load_checkpoint,
-    resolve_checkpoint,
     restore_rng_state,
-    save_checkpoint,
     step_dir_name,
 )
-from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
+from moetrain.train.classification import classification_loss, describe_classes
+from moetrain.train.evaluate import evaluate_classifier, evaluate_lm
+from moetrain.train.faults import Phase, StopRequest, agree_on_step
 from moetrain.train.flops import peak_flops
 from moetrain.train.generation import sample_text
+from moetrain.train.init_from import load_initial_weights
 from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums, run_tags
 from moetrain.train.optim import build_optimizer, build_scheduler
+from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step_batch
 from moetrain.train.precision import DynamicLossScaler, autocast_context
+from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
+from moetrain.train.trainer_checkpoint import CheckpointingMixin
 from moetrain.utils.memory import MemoryTracker
 
 log = logging.getLogger("moetrain")
 
 
-class Trainer:
+class Trainer(CheckpointingMixin):
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.setup_distributed()
@@ -104,35 +100,35 @@ class Trainer:
         self.barrier()
 
     def build_data(self) -> None:
-        # Rank 0 fetches and tokenises (once, then cached); the others wait and read the cache.
-        if self.is_main:
-            self.data = prepare_data(self.cfg.data)
-        self.barrier()
-        if not self.is_main:
-            self.data = prepare_data(self.cfg.data, download=False)
-        t = self.cfg.train
-        # The loader's position counts optimizer steps of the global batch, so a checkpoint
-        # resumes at another data-parallel size with the same batches (the accumulation adapts).
-        self.train_loader = self.data.train_loader(global_batch_size=t.global_batch_size, micro_steps=self.grad_accum,
-                                                   dp_rank=self.dp_rank, dp_size=self.dp_size, seed=t.seed)
-        self.val_loader = self.data.val_loader(global_batch_size=t.micro_batch_size * self.dp_size,
-                                               dp_rank=self.dp_rank, dp_size=self.dp_size)
+        self.classifier = is_classifier(self.cfg)
+        self.data = build_task_data(self.cfg, is_main=self.is_main)
+        self.train_loader, self.val_loader = build_loaders(self.cfg, self.data, grad_accum=self.grad_accum,
+                                                           dp_rank=self.dp_rank, dp_size=self.dp_size)
+        if self.classifier:
+            describe_classes(self.data, num_classes=self.cfg.model.num_classes,
+                             run_dir=self.run_dir if self.is_main else None)
 
     def build_model(self) -> None:
         cfg = self.cfg
-        self.model_config = cfg.model.with_vocab_size(self.data.vocab_size)
-        # Every rank builds the full model from the same seed; parallelize then shards it, so
-        # the global weights are the same for every layout.
-        self.model = Transformer(self.model_config, moe=cfg.moe if self.model_config.is_moe else None,
-                                 seed=cfg.train.seed)
+        # The full model on every rank (same seed, same global weights); parallelize shards it.
+        self.model_config, self.model = build_model(cfg, self.data)
         self.model.to(self.device)
         self.param_counts = self.model.param_counts()
         self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
         t = cfg.train
-        self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=t.activation_checkpointing,
-                                          activation_checkpointing_every=t.activation_checkpointing_every,
-                                          compile=t.compile, grad_compression=cfg.dp.grad_compression,
-                                          **zero_settings(cfg))
+        self.pipeline: PipelineStep | None = None
+        if self.dims.pp > 1:  # this rank's stages, under a schedule (train/pipeline_step.py)
+            self.model, self.pipeline = build_pipeline(self.model, self.dims, cfg, grad_accum=self.grad_accum,
+                                                       device=self.device)
+            self.parallel_model = self.model
+        else:
+            self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=t.activation_checkpointing,
+                                              activation_checkpointing_every=t.activation_checkpointing_every,
+                                              compile=t.compile, grad_compression=cfg.dp.grad_compression,
+                                              **zero_settings(cfg))
+        if cfg.checkpoint.init_from is not None:
+            # A fresh run starts from an export's weights; a resume replaces them afterwards.
+            load_initial_weights(self.model, cfg.checkpoint.init_from)
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
@@ -154,68 +150,6 @@ class Trainer:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_norm: torch.Tensor | None = None
 
-    def build_checkpointing(self) -> None:
-        """Where checkpoints go, and the resume: ``checkpoint.resume`` "auto" continues from the
-        newest complete checkpoint of ``checkpoint.dir``, a path loads that checkpoint."""
-        c = self.cfg.checkpoint
-        self.ckpt_dir = Path(c.dir) if c.dir is not None else self.run_dir / "checkpoints"
-        self.step = 0
-        self.skips = SkipCounter(max_consecutive=self.cfg.train.max_consecutive_skips)
-        self.interrupted = False
-        self.resumed_from: Path | None = None
-        self._last_saved_step: int | None = None
-        self._resumed_rng = None
-        self.layout_change: dict | None = None
-        # Rank 0 decides what to resume from and tells the others (they must all load the same one).
-        choice = runtime.broadcast_from_main(self._resume_choice() if self.is_main else None)
-        if isinstance(choice, Exception):
-            raise choice
-        if choice is not None:
-            self.resume(Path(choice))
-
-    def _resume_choice(self) -> str | CheckpointError | None:
-        """Rank 0: remove what killed saves left behind, then pick the checkpoint to resume from."""
-        for p in clean_stale_tmp(self.ckpt_dir):
-            log.warning("removed %s, left by a checkpoint save that did not finish", p)
-        resume = self.cfg.checkpoint.resume
-        try:
-            found = latest_checkpoint(self.ckpt_dir) if resume == "auto" else (
-                None if resume == "never" else resolve_checkpoint(resume))
-        except CheckpointError as e:
-            return e
-        return str(found) if found is not None else None
-
-    def resume(self, path: Path) -> None:
-        """Load checkpoint ``path`` (saved at any layout) and continue exactly where it stopped."""
-        with self.phase(f"loading checkpoint {path}"):
-            loaded = load_checkpoint(path, model=self.model, optimizer=self.optimizer)
-        data_parallel.load_grad_compression_state(self.parallel_model, loaded.grad_compression_state)
-        state = loaded.trainer_state
-        self.train_loader.load_state_dict(state["data"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step = loaded.step
-        self.skips.total = int(state.get("skipped_total", 0))
-        if self.balancer is not None and "balancer" in state:
-            self.balancer.load_state_dict(state["balancer"])
-        if loaded.rng_state is not None:
-            self._resumed_rng = loaded.rng_state  # restored at the end of __init__
-        else:  # a rank the saving run did not have
-            log.warning("checkpoint %s has no RNG state for rank %d (saved by %s ranks): RNG not restored",
-                        path, self.rank, loaded.manifest.get("world_size"))
-        self.resumed_from = path
-        self._last_saved_step = self.step
-        saved_world = loaded.manifest.get("world_size")
-        if saved_world != self.world_size:
-            # An elastic restart (or a reshard by hand): same global batch, another accumulation.
-            self.layout_change = {"event": "world_size_changed", "world_size_before": saved_world,
-                                  "world_size": self.world_size, "grad_accum": self.grad_accum}
-        log.info("resumed from %s at step %d (saved at world %s, layout %s)", path, self.step,
-                 loaded.manifest.get("world_size"), loaded.manifest.get("layout"))
-        if self.step >= self.cfg.train.steps:
-            log.info("step %d >= train.steps (%d): nothing left to train (raise train.steps to continue, "
-                     "or --checkpoint.resume=never to start over)", self.step, self.cfg.train.steps)
-
     def build_logging(self) -> None:
         lc = self.cfg.log
         # metrics.jsonl of a resumed run reads like that of a run that never stopped.
@@ -228,41 +162,10 @@ class Trainer:
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()
         pc = self.param_counts
-        log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = dp %d x ep %d; "
-                 "%d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6, pc.active / 1e6, pc.expert / 1e6,
-                 self.world_size, self.dp_size, self.dims.ep, self.grad_accum, self.cfg.train.micro_batch_size,
-                 self.run_dir)
-
-    # --- checkpoint state -------------------------------------------------------------------------
-
-    def _snapshot(self) -> dict:
-        """The small, non-tensor part of the training state after the current step; the model
-        and optimizer are saved from the live objects (a skipped step does not change them)."""
-        return {"step": self.step, "scheduler": copy.deepcopy(self.scheduler.state_dict()),
-                "scaler": self.scaler.state_dict(), "data": self.train_loader.state_dict(),
-                "skipped_total": self.skips.total, "rng": capture_rng_state()}
-
-    def save_checkpoint(self, snapshot: dict | None = None) -> Path:
-        """Save the current state (or ``snapshot``'s step, data position, schedule and RNG with the
-        current weights: the last good state after skipped steps). Collective."""
-        snap = dict(snapshot if snapshot is not None else self._snapshot())
-        rng = snap.pop("rng")
-        config = config_to_dict(self.cfg)
-        config["model"]["vocab_size"] = self.model_config.vocab_size  # a checkpoint alone can be exported
-        trainer_state = {**snap, "config": config, "time": time.time()}
-        if self.balancer is not None:
-            # Taken now, not in the snapshot: skipped steps do not change it, and reading it is a
-            # collective (the snapshot is taken after every step).
-            trainer_state["balancer"] = self.balancer.state_dict()
-        layout = {"world_size": self.world_size, "dp": self.dp_size, "ep": self.dims.ep,
-                  "zero_stage": self.cfg.parallel.zero_stage}
-        with self.phase(f"saving the checkpoint of step {snap['step']}"):
-            path = save_checkpoint(self.ckpt_dir, snap["step"], model=self.model, optimizer=self.optimizer,
-                                   trainer_state=trainer_state, rng_state=rng,
-                                   keep_last=self.cfg.checkpoint.keep_last, layout=layout,
-                                   grad_compression_state=data_parallel.grad_compression_state(self.parallel_model))
-        self._last_saved_step = snap["step"]
-        return path
+        log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = pp %d x dp %d x tp %d, "
+                 "ep %d; %d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6, pc.active / 1e6,
+                 pc.expert / 1e6, self.world_size, self.dims.pp, self.dp_size, self.dims.tp, self.dims.ep,
+                 self.grad_accum, self.cfg.train.micro_batch_size, self.run_dir)
 
     # --- one optimizer step -----------------------------------------------------------------------
 
@@ -275,34 +178,49 @@ class Trainer:
         tracker = MemoryTracker(self.parallel_model, self.optimizer) if track else contextlib.nullcontext()
         with tracker:
             with self.phase(f"forward/backward of step {self.step + 1}"):
-                for micro in range(self.grad_accum):
-                    input_ids_BS, labels_BS = self.train_loader.next_batch()
-                    input_ids_BS, labels_BS = input_ids_BS.to(self.device), labels_BS.to(self.device)
-                    # No gradient reduction on the non-final micro-steps: gradients accumulate locally.
-                    last_micro = micro == self.grad_accum - 1
-                    with contextlib.nullcontext() if last_micro else no_sync(self.parallel_model):
-                        self.forward_backward(input_ids_BS, labels_BS)
+                if self.pipeline is not None:  # the schedule runs the step's micro-batches
+                    batch = next_step_batch(self.train_loader, self.grad_accum, self.device)
+                    loss, aux = self.pipeline.forward_backward(*batch, loss_scale=self.scaler.scale)
+                    self._step_sums.add("loss", loss)
+                    self._step_sums.add("aux", aux)
+                else:
+                    for micro in range(self.grad_accum):
+                        # (input_ids, labels) of a language model; a classifier's batch adds the padding mask.
+                        batch = [x.to(self.device) for x in self.train_loader.next_batch()]
+                        # No gradient reduction on the non-final micro-steps: gradients accumulate locally.
+                        last_micro = micro == self.grad_accum - 1
+                        with contextlib.nullcontext() if last_micro else no_sync(self.parallel_model):
+                            self.forward_backward(*batch)
             with self.phase(f"optimizer step {self.step + 1}"):
                 good = self.optimizer_step()
         if track:
             self.memory_metrics = tracker.report().as_metrics()
         self._account_step(good)
 
-    def forward_backward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor) -> None:
+    def forward_backward(self, input_ids_BS: torch.Tensor, labels: torch.Tensor,
+                         padding_mask_BS: torch.Tensor | None = None) -> None:
+        """``labels``: next-token ids [B, S] (language model) or class ids [B] (classifier, with the
+        right-padding mask [B, S])."""
         with autocast_context(self.device, self.cfg.train.dtype):
-            out = self.parallel_model(input_ids_BS, labels_BS)
-        # Each micro-step's loss is a mean over its tokens; dividing by the accumulation count
-        # makes the summed gradient the gradient of the mean over the whole step.
-        loss = out.total_loss / self.grad_accum
+            if self.classifier:
+                out = self.parallel_model(input_ids_BS, padding_mask_BS=padding_mask_BS)
+                task_loss = classification_loss(out.logits, labels, label_smoothing=self.cfg.classify.label_smoothing)
+            else:
+                out = self.parallel_model(input_ids_BS, labels)
+                task_loss = out.loss
+        # Each micro-step's loss is a mean over its tokens (examples); dividing by the accumulation
+        # count makes the summed gradient the gradient of the mean over the whole step.
+        loss = (task_loss + out.aux_loss) / self.grad_accum
         self.scaler.scale_loss(loss).backward()
-        self._step_sums.add("loss", out.loss.float())
+        self._step_sums.add("loss", task_loss.float())
         self._step_sums.add("aux", out.aux_loss.float())
 
     def optimizer_step(self) -> bool:
         """Unscale, clip and step, unless the loss or a gradient is not finite on some rank; then
         every rank skips the update. Returns whether the step was taken."""
         finite = self.scaler.unscale_and_check(self.params)
-        self.grad_norm = clip_global_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        clip = clip_global_grad_norm_ if self.pipeline is None else self.pipeline.clip_grad_norm_
+        self.grad_norm = clip(self.params, self.cfg.optim.grad_clip)
         good, stop = agree_on_step(grad_norm=self.grad_norm, loss=self._step_sums.loss, finite=finite,
                                    stop=self.stop, device=self.device)
         if good:
@@ -326,18 +244,18 @@ class Trainer:
 
     # --- evaluation -------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def evaluate(self) -> dict:
+    def evaluate(self, split: str = "val") -> dict:
+        """Language model: the loss of ``train.eval_steps`` validation micro-batches. Classifier: the
+        metrics of every example of ``split`` ("val", or "test" at the end of the run). Collective."""
         self.parallel_model.eval()
-        total = torch.zeros((), device=self.device)
-        num = 0
-        for input_ids_BS, labels_BS in self.val_loader.epoch_batches(self.cfg.train.eval_steps):
-            with autocast_context(self.device, self.cfg.train.dtype):
-                out = self.model(input_ids_BS.to(self.device), labels_BS.to(self.device))
-            total += out.loss.float()
-            num += 1
-        val_loss = mean_over_dp(total / max(num, 1), self.dims).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        t = self.cfg.train
+        if self.pipeline is not None:
+            return self.pipeline.evaluate(self.val_loader.epoch_batches(t.eval_steps))
+        if self.classifier:
+            return evaluate_classifier(self.model, self.data, split, batch_size=t.micro_batch_size, dims=self.dims,
+                                       device=self.device, dtype=t.dtype)
+        return evaluate_lm(self.model, self.val_loader.epoch_batches(t.eval_steps), dims=self.dims,
+                           device=self.device, dtype=t.dtype)
 
     # --- logging ----------------------------------------------------------------------------------
 
@@ -357,7 +275,9 @@ class Trainer:
              "skipped_steps": w.skipped, "skipped_steps_total": self.skips.total}
         if self.cfg.train.dtype == "fp16":
             m["loss_scale"] = self.scaler.scale
-        if self.balancer is not None:
+        if self.pipeline is not None:  # every stage's layers, and the per-stage timings
+            m.update(self.pipeline.metrics(self.balancer))
+        elif self.balancer is not None:
             # Expert load, drops, entropy, unused experts, collapse alarms (a collective).
             m.update(self.balancer.metrics())
         m.update(data_parallel.grad_comm_metrics(self.parallel_model))  # grad_bytes, grad_bytes_ratio_vs_fp32
@@ -385,7 +305,8 @@ class Trainer:
                 self.train_step()
                 is_last = self.step == t.steps
                 if self.step % lc.every == 0 or is_last or self.interrupted or self.skips.halt:
-                    last = self.log_step(evaluate=t.eval_every > 0 and (self.step % t.eval_every == 0 or is_last))
+                    last = self.log_step(evaluate=t.eval_every > 0 and (self.step % t.eval_every == 0 or is_last),
+                                         test=is_last and self.classifier and t.eval_every > 0)
                     bar.show(last)
                 bar.update()
                 if self.skips.halt:
@@ -405,13 +326,15 @@ class Trainer:
         bar.close()
         return last
 
-    def log_step(self, *, evaluate: bool) -> dict:
-        """Collect (and, with ``evaluate``, add the validation loss to) the metrics of the step
-        just taken, and write them. Collective."""
+    def log_step(self, *, evaluate: bool, test: bool = False) -> dict:
+        """Collect (and, with ``evaluate``, add the validation metrics to; with ``test``, the test
+        split's) the metrics of the step just taken, and write them. Collective."""
         with self.phase(f"metrics of step {self.step}"):
             metrics = self.collect_metrics()
             if evaluate:
                 metrics.update(self.evaluate())
+            if test:
+                metrics.update(self.evaluate("test"))
         self.metrics.log(self.step, metrics)
         return metrics
 
@@ -430,6 +353,7 @@ class Trainer:
         """Sample a continuation (collective: every rank runs the same computation)."""
         if self.data.tokenizer is None:
             raise ValueError("data.path holds pre-tokenised .bin files: no tokenizer to decode samples")
+        assert self.pipeline is None, "sampling needs the whole model (the command line refuses it under pp)"
         self.parallel_model.eval()
         return sample_text(self.model, self.data.tokenizer, prompt, context=self.cfg.data.seq_len,
                            device=self.device, fallback_id=self.data.eos_id or 0, max_new_tokens=max_new_tokens,

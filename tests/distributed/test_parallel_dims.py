@@ -22,7 +22,14 @@ EP4_W2 = "parallel.ep (4) must divide the world size (2)"
     ({"world_size": 2, "ep": 3, "num_experts": 8}, "parallel.ep (3) must divide the world size (2); " + EP3_E8),
     ({"world_size": 4, "ep": 2, "dp": 3}, "parallel.dp (3) * parallel.tp (1) * parallel.pp (1) must equal the world size (4)"),
     ({"world_size": 4, "ep": 0}, "parallel.ep (0) must be an integer >= 1"),
-    ({"world_size": 4, "tp": 2}, "parallel.tp (2) must be 1"),
+    ({"world_size": 8, "tp": 2, "pp": 2, "ep": 8, "num_experts": 8},
+     ("parallel.ep (8) must divide parallel.dp * parallel.tp (4): expert parallelism folds over the ranks of one "
+      "pipeline stage")),
+    ({"world_size": 4, "tp": 3, "pp": 2}, "parallel.tp (3) * parallel.pp (2) must divide the world size (4)"),
+    ({"world_size": 4, "tp": 0}, "parallel.tp (0) must be an integer >= 1"),
+    ({"world_size": 4, "etp": 2}, "parallel.etp (2) must be 1"),
+    ({"world_size": 4, "tp": 2, "ep": 2, "ep_hierarchical": True},
+     "parallel.ep_hierarchical needs parallel.tp = 1 and parallel.pp = 1 (are 2, 1)"),
 ])
 def test_bad_layouts_name_fields_and_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -49,6 +56,64 @@ def test_rank_order_puts_ep_groups_on_consecutive_ranks():
     # Ranks 0-3 are one node of a 2 x 4 launch: its all-to-alls never leave the node.
     assert dims.ep_group_ranks() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert dims.edp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_folded_rank_order_of_the_docstring_example():
+    """pp=2, tp=2, ep=2 on 8 ranks: rank = (pp_index * dp + dp_index) * tp + tp_index, and the MoE
+    part re-factors each stage's dp x tp ranks as edp x ep with ep consecutive."""
+    dims = ParallelDims(world_size=8, pp=2, tp=2, ep=2, num_experts=4)
+    assert (dims.dp, dims.dp_tp, dims.edp) == (2, 4, 2)
+    assert dims.rank_of(pp=1, dp=1, tp=0) == 6
+    assert dims.pp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert dims.tp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.dp_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.dp_tp_group_ranks() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert dims.ep_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.edp_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    # ep borrows the whole stage: 4 ranks of dp 2 x tp 2.
+    wide = ParallelDims(world_size=4, tp=2, ep=4, num_experts=8)
+    assert (wide.dp, wide.edp, wide.ep_group_ranks(), wide.edp_group_ranks()) == (2, 1, [[0, 1, 2, 3]],
+                                                                                 [[0], [1], [2], [3]])
+
+
+def test_config_accepts_tp_pp_and_rejects_etp():
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2, ep=2), world_size=8, num_experts=8)
+    assert (dims.tp, dims.pp, dims.dp, dims.edp) == (2, 2, 2, 2)
+    with pytest.raises(ValueError, match=re.escape("parallel.etp (2) must be 1")):
+        ParallelConfig(etp=2)
+    with pytest.raises(ValueError, match=re.escape("parallel.tp (1.5) must be an int >= 1")):
+        ParallelConfig(tp=1.5)
+
+
+def _mesh_worker(rank, world_size, kwargs):
+    dims = ParallelDims(world_size=world_size, **kwargs)
+    dims.build_mesh("cpu")
+    import torch.distributed as dist
+
+    def ranks(group):
+        return dist.get_process_group_ranks(group)
+
+    return {"tp": ranks(dims.tp_group), "dp": ranks(dims.dp_group), "pp": ranks(dims.pp_group),
+            "ep": ranks(dims.ep_group), "edp": ranks(dims.edp_group), "dp_tp": ranks(dims.dp_tp_group),
+            "coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.edp_rank, dims.ep_rank),
+            "same_root": dims.tp_mesh._get_root_mesh() is dims.ep_mesh._get_root_mesh()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_meshes_give_the_groups_of_the_rank_arithmetic():
+    kwargs = {"pp": 2, "tp": 2, "ep": 2, "num_experts": 4}
+    dims = ParallelDims(world_size=8, **kwargs)
+    results = run_ranks(_mesh_worker, 8, kwargs, timeout_s=55)
+    for rank, got in enumerate(results):
+        def mine(groups, rank=rank):
+            return next(g for g in groups if rank in g)
+        assert got["tp"] == mine(dims.tp_group_ranks()) and got["dp"] == mine(dims.dp_group_ranks())
+        assert got["pp"] == mine(dims.pp_group_ranks()) and got["dp_tp"] == mine(dims.dp_tp_group_ranks())
+        assert got["ep"] == mine(dims.ep_group_ranks()) and got["edp"] == mine(dims.edp_group_ranks())
+        pp, rest = divmod(rank, 4)
+        assert got["coords"] == (pp, rest // 2, rest % 2, rest // 2, rest % 2)
+        assert got["same_root"]  # FSDP and DTensor compose the dense and expert meshes
 
 
 def _bad_layout_worker(rank, world_size):

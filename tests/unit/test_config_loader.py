@@ -163,7 +163,8 @@ def test_yaml_round_trip(tmp_path, make):
 
 def test_config_to_dict_is_plain_yaml():
     d = config_to_dict(JobConfig())
-    assert list(d) == ["model", "moe", "parallel", "zero", "dp", "optim", "train", "data", "checkpoint", "log"]
+    assert list(d) == ["model", "moe", "parallel", "zero", "dp", "optim", "train", "finetune", "data", "classify",
+                       "checkpoint", "log"]
     assert d["optim"]["betas"] == [0.9, 0.95]
     yaml.safe_dump(d)  # no Python-only types
 

@@ -188,7 +188,7 @@ def test_grad_accum_checks_the_data_parallel_size():
 def test_model_helpers():
     m = ModelConfig(num_layers=6, moe_every=2, moe_layer_offset=1, dim=64, num_heads=4, num_kv_heads=2)
     assert m.moe_layer_ids == [1, 3, 5]
-    assert m.head_dim == 16 and m.resolved_num_kv_heads == 2 and m.resolved_dense_hidden_dim == 256
+    assert m.resolved_head_dim == 16 and m.resolved_num_kv_heads == 2 and m.resolved_dense_hidden_dim == 256
     assert not ModelConfig(moe_every=0).is_moe
     assert ModelConfig().with_vocab_size(300).vocab_size == 300
     assert ModelConfig(vocab_size=512).with_vocab_size(300).vocab_size == 512

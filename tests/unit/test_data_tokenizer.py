@@ -91,3 +91,66 @@ def test_build_tokenizer_rejects_unknown_kind_and_small_vocab(documents):
         build_tokenizer("wordpiece", documents)
     with pytest.raises(ValueError, match=r"data.vocab_size \(256\) must be an int >= 257"):
         train_bpe(documents, vocab_size=256)
+
+
+# --- a pretrained tokenizer.json (data.tokenizer = its path) ---------------------------------------
+
+
+def _pretrained_folder(tmp_path, documents, *, bos_post_processor: bool = False):
+    """A tokenizer.json as a Hugging Face model folder holds it: a trained BPE with "<s>" added and
+    optionally a post-processor that prepends it (as Llama-style tokenizers do)."""
+    from tokenizers import processors
+
+    bpe = train_bpe(documents, vocab_size=300)
+    hf = bpe._tokenizer
+    hf.add_special_tokens(["<s>"])
+    if bos_post_processor:
+        hf.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 300)])
+    folder = tmp_path / "hf"
+    folder.mkdir(parents=True)
+    hf.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_pretrained_tokenizer_reads_eos_from_its_folder(tmp_path, documents):
+    import json
+
+    folder = _pretrained_folder(tmp_path, documents, bos_post_processor=True)
+    path = str(folder / "tokenizer.json")
+    assert build_tokenizer(path).eos_id is None  # no file names one
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": EOS_TOKEN}}))
+    (folder / "config.json").write_text(json.dumps({"eos_token_id": [0, 5], "vocab_size": 301}))
+    tok = build_tokenizer(path)
+    assert tok.eos_id == 0 and tok.vocab_size == 301 and tok.key.startswith("hf-")
+    text = next(iter(documents))[:200]
+    ids = tok.encode(text)
+    assert ids[0] != 300 and tok.decode(ids) == text  # no BOS added per document
+    assert tok.encode_batch([text, "thou"]) == [ids, tok.encode("thou")]
+
+
+def test_pretrained_tokenizer_refuses_inconsistent_special_tokens(tmp_path, documents):
+    import json
+
+    folder = _pretrained_folder(tmp_path, documents)
+    path = str(folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<s>"}))
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 0}))
+    with pytest.raises(ValueError, match="ambiguous: tokenizer_config.json says 300, generation_config.json says 0"):
+        build_tokenizer(path)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(ValueError, match=r"eos_token \('</s>'\) is not in the vocabulary"):
+        build_tokenizer(path)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": 999}))
+    with pytest.raises(ValueError, match=r"eos_token_id \(999, from generation_config.json\) must be in \[0, 301\)"):
+        build_tokenizer(path)
+    with pytest.raises(ValueError, match="must be an existing tokenizer.json"):
+        build_tokenizer(str(tmp_path / "nowhere.json"))
+
+
+def test_pretrained_tokenizer_key_follows_the_file(tmp_path, documents):
+    folder = _pretrained_folder(tmp_path, documents)
+    first = build_tokenizer(str(folder / "tokenizer.json")).key
+    assert build_tokenizer(str(folder / "tokenizer.json")).key == first
+    other = _pretrained_folder(tmp_path / "b", documents, bos_post_processor=True)
+    assert build_tokenizer(str(other / "tokenizer.json")).key != first

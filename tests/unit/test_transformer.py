@@ -235,3 +235,63 @@ def test_expert_parallel_style_dtensor_init_matches_the_plain_init(tmp_path):
                                    rtol=0, atol=0)
     finally:
         dist.destroy_process_group()
+
+
+ATTENTION_VARIANTS = {
+    "qkv_bias": {"qkv_bias": True},
+    "qk_norm_head": {"qk_norm": "head", "head_dim": 12},
+    "qk_norm_full_clip": {"qk_norm": "full", "clip_qkv": 1.0},
+    "rope_interleave": {"rope_interleave": True},
+    "mla": {"attention": "mla", "num_kv_heads": None, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 6, "v_head_dim": 10},
+    "mla_q_latent": {"attention": "mla", "num_kv_heads": None, "q_lora_rank": 12, "kv_lora_rank": 16,
+                     "qk_nope_head_dim": 8, "qk_rope_head_dim": 6, "v_head_dim": 10, "rope_interleave": True},
+}
+
+
+@pytest.mark.parametrize("variant", list(ATTENTION_VARIANTS))
+def test_attention_variants_train_and_init_from_meta(variant):
+    """Every parameter gets a finite gradient, causality holds, and the meta-device path draws
+    the same weights as the direct one."""
+    overrides = ATTENTION_VARIANTS[variant]
+    m = build(**overrides)
+    m(tokens(), labels=tokens(seed=4)).total_loss.backward()
+    assert [n for n, p in m.named_parameters() if p.grad is None or not torch.isfinite(p.grad).all()] == []
+    model, moe = small(**overrides)
+    with torch.device("meta"):
+        meta = Transformer(model, moe=moe)
+    meta = meta.to_empty(device="cpu")
+    meta.init_weights(seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(meta.state_dict().values(), m.state_dict().values()))
+    assert torch.equal(meta.rope_cos_SA, m.rope_cos_SA) and m.rope_cos_SA.shape == (16, model.rope_dim)
+    x, y = tokens(), tokens()
+    y[:, 8:] = (y[:, 8:] + 1) % V
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).logits[:, :8], m(torch.cat([x[:, :8], y[:, 8:]], 1)).logits[:, :8])
+
+
+def test_init_of_biases_norms_and_latent_matrices():
+    out_std = 0.02 / math.sqrt(2 * 3)
+    m = build(qkv_bias=True, qk_norm="head", dim=64)
+    attn = m.layers[0].attention
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in (attn.wq.bias, attn.wk.bias, attn.wv.bias))
+    assert torch.equal(attn.q_norm.weight, torch.ones(16)) and torch.equal(attn.k_norm.weight, torch.ones(16))
+    mla = build(dim=64, **ATTENTION_VARIANTS["mla_q_latent"], moe_num_experts=4).layers[0].attention
+    assert torch.equal(mla.q_norm.weight, torch.ones(12)) and torch.equal(mla.kv_norm.weight, torch.ones(16))
+    for w in (mla.wq_a.weight, mla.wq_b.weight, mla.wkv_a.weight, mla.wkv_b.weight):
+        assert w.std().item() == pytest.approx(0.02, rel=0.15)
+    assert mla.wo.weight.std().item() == pytest.approx(out_std, rel=0.15)
+
+
+def test_mla_parameter_names_in_the_model():
+    m = build(**ATTENTION_VARIANTS["mla_q_latent"])
+    names = {n.removeprefix("layers.1.attention.") for n in m.state_dict() if n.startswith("layers.1.attention.")}
+    assert names == {"wq_a.weight", "q_norm.weight", "wq_b.weight", "wkv_a.weight", "kv_norm.weight",
+                     "wkv_b.weight", "wo.weight"}
+
+
+@pytest.mark.parametrize("dense_layers, expected", [((), [0, 1, 2, 3]), ((0, 3), [1, 2]), ([2], [0, 1, 3])])
+def test_dense_layers_override_the_moe_placement(dense_layers, expected):
+    m = build(num_layers=4, moe_every=1, dense_layers=dense_layers)
+    assert [i for i, block in enumerate(m.layers) if isinstance(block.feed_forward, MoELayer)] == expected
+    assert m.config.moe_layer_ids == expected and m.config.dense_layers == tuple(dense_layers)

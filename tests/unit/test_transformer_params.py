@@ -27,6 +27,15 @@ VARIANTS = [
     {"model": {"moe_layer_offset": 1, "moe_every": 1, "num_layers": 3}},
     {"model": {"moe_every": 0}},
     {"model": {"head": "classifier", "num_classes": 7, "tie_embeddings": True}},
+    {"model": {"num_kv_heads": 2, "qkv_bias": True}},  # Qwen2-MoE
+    {"model": {"num_kv_heads": 2, "head_dim": 12, "qk_norm": "head"}},  # Qwen3-MoE
+    {"model": {"num_kv_heads": 2, "qk_norm": "full", "clip_qkv": 8.0}},  # OLMoE
+    {"model": {"attention": "mla", "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 6,
+               "v_head_dim": 10}},  # DeepSeek-V2-Lite
+    {"model": {"attention": "mla", "q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+               "qk_rope_head_dim": 6, "v_head_dim": 10, "rope_interleave": True}},  # DeepSeek-V3
+    {"model": {"num_layers": 4, "moe_every": 1, "dense_layers": (0, 3)}},
+    {"model": {"num_layers": 3, "moe_every": 2, "moe_layer_offset": 1, "dense_layers": (1,)}},  # all dense
 ]
 
 
@@ -91,3 +100,29 @@ def test_presets_are_valid_configs():
         assert p.model.is_moe == (name != "tiny-dense")
     with pytest.raises(ValueError, match=r"model\.preset \('huge'\)"):
         get_preset("huge")
+
+
+def test_flops_count_the_real_attention_dims():
+    """QK^T over H heads of A features and AV over H heads of U value features, forward and backward:
+    6 * L * H * (A + U) * S per token."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=24)
+    base = {"vocab_size": 100, "dim": 32, "num_layers": 2, "num_heads": 4, "max_seq_len": 16}
+    mla = ModelConfig(**base, attention="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=6,
+                      v_head_dim=10)
+    c = count_params(mla, moe)
+    assert flops_per_token(mla, moe, seq_len=16) == 6 * (c.active - c.embedding) + 6 * 2 * 4 * (14 + 10) * 16
+    wide = ModelConfig(**base, head_dim=12)  # A = 12 != 32 / 4
+    c = count_params(wide, moe)
+    assert flops_per_token(wide, moe, seq_len=16) == 6 * (c.active - c.embedding) + 12 * 2 * 4 * 12 * 16
+
+
+def test_attention_parameter_counts_by_hand():
+    """D 32, H 4, G 2; a few terms written out."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=24)
+    base = {"vocab_size": 100, "dim": 32, "num_layers": 1, "num_heads": 4, "num_kv_heads": 2, "max_seq_len": 16}
+    plain = count_params(ModelConfig(**base), moe).total
+    assert count_params(ModelConfig(**base, qkv_bias=True), moe).total - plain == 32 + 16 + 16
+    assert count_params(ModelConfig(**base, qk_norm="head"), moe).total - plain == 8 + 8
+    assert count_params(ModelConfig(**base, qk_norm="full"), moe).total - plain == 32 + 16
+    # head_dim 12: wq [48, 32], wk and wv [24, 32], wo [32, 48] against 8's [32, 32], [16, 32] x2, [32, 32].
+    assert count_params(ModelConfig(**base, head_dim=12), moe).total - plain == (48 + 24 + 24 + 48 - 96) * 32

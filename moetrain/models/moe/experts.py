@@ -1,9 +1,17 @@
-"""Routed experts stored as stacked ``[E, D, F]`` weights.
+"""Routed experts stored as stacked ``[E, D, F]`` weights, optionally with low-rank adapters.
 
-Shape legend: M token copies grouped by expert, D model dim, F expert hidden dim, E (local) experts.
+LoRA (``add_lora``): each projection ``w [E, I, O]`` gains ``lora_a [E, I, R]`` and ``lora_b
+[E, R, O]``, stored per expert in the same grouped form, and computes ``x w + scale * (x a) b``
+with the same grouped matmul as the base weight (no loop over experts on the grouped path).
+
+Shape legend: M token copies grouped by expert, D model dim, F expert hidden dim, E (local) experts,
+R adapter rank, I/O a projection's input/output dim.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -81,12 +89,17 @@ def grouped_matmul(x_MI: torch.Tensor, w_EIO: torch.Tensor, offsets_E: torch.Ten
     return torch._grouped_mm(x_MI, w_EIO, offs=offsets_E)
 
 
+PROJECTIONS = ("w1", "w3", "w2")
+"""The stacked weights: w1 ``[E, D, F]`` (up), w3 ``[E, D, F]`` (SwiGLU gate), w2 ``[E, F, D]`` (down)."""
+
+
 class GroupedExperts(nn.Module):
     """E independent FFNs evaluated together.
 
     ``activation="gelu"``: ``gelu(x @ w1) @ w2``; ``"swiglu"``: ``(silu(x @ w1) * (x @ w3)) @ w2``.
     ``impl="grouped"`` runs each projection as one ``torch._grouped_mm``; ``impl="loop"`` runs one
-    matmul per expert and is the oracle the grouped path is tested against.
+    matmul per expert and is the oracle the grouped path is tested against. Every direct
+    parameter is stacked ``[E, ...]`` in expert order (expert parallelism shards them all on dim 0).
     """
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, *, activation: str = "gelu",
@@ -97,6 +110,7 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim)) if activation == "swiglu" else None
+        self.lora_rank, self.lora_scale = 0, 0.0
         self.reset_parameters()
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -107,41 +121,93 @@ class GroupedExperts(nn.Module):
                 with torch.no_grad():
                     w.normal_(0.0, self.init_std, generator=generator)
 
-    def _weights(self, dtype: torch.dtype) -> list[torch.Tensor]:
+    # ----- LoRA --------------------------------------------------------------------------------------
+
+    def add_lora(self, *, rank: int, scale: float,
+                 generator_for: Callable[[str], torch.Generator | None] = lambda name: None) -> None:
+        """Give each projection ``w [E, I, O]`` adapters ``lora_a_<w> [E, I, R]`` and ``lora_b_<w>
+        [E, R, O]``: A uniform in ``+-1/sqrt(I)`` (nn.Linear's and PEFT's default init), B zero, so
+        the output is unchanged until B trains. ``generator_for(attribute name)`` draws each A
+        whole, in global expert order: the same adapters whatever the expert-parallel layout
+        (call this on the full, single-device model, before ``shard_experts``)."""
+        assert self.lora_rank == 0, "adapters added twice"
+        for name in self.projection_names():
+            w = getattr(self, name)
+            assert not _is_dtensor(w), "add_lora runs before expert parallelism"
+            E, I, O = w.shape
+            a = torch.empty(E, I, rank, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                bound = 1.0 / math.sqrt(I)
+                a.copy_(torch.empty(E, I, rank).uniform_(-bound, bound, generator=generator_for(f"lora_a_{name}")))
+            setattr(self, f"lora_a_{name}", nn.Parameter(a))
+            setattr(self, f"lora_b_{name}", nn.Parameter(torch.zeros(E, rank, O, device=w.device, dtype=w.dtype)))
+        self.lora_rank, self.lora_scale = rank, scale
+
+    def projection_names(self) -> list[str]:
+        return [n for n in PROJECTIONS if getattr(self, n) is not None]
+
+    # ----- forward -----------------------------------------------------------------------------------
+
+    def _weights(self, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         # Compute in the activation dtype (bf16 under mixed precision) while the master weights
         # stay fp32: the cast's backward brings the gradients back to them in fp32. Under expert
         # parallelism the weights are DTensors sharded over ep: the math runs on this rank's
-        # experts only.
-        return [local_tensor(w).to(dtype) if w is not None else None for w in (self.w1, self.w2, self.w3)]
+        # experts only. Projection name -> (w, lora_a or None, lora_b or None).
+        def local(name: str) -> torch.Tensor | None:
+            t = getattr(self, name, None)
+            return local_tensor(t).to(dtype) if t is not None else None
+
+        return {n: (local(n), local(f"lora_a_{n}"), local(f"lora_b_{n}")) for n in self.projection_names()}
 
     def forward(self, x_MD: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # Under autocast, inputs and weights in the autocast dtype, as autocast treats nn.Linear:
         # torch._grouped_mm is not an autocast op, and the loop path's matmuls are, so without
         # this the grouped path and its oracle would differ.
         x_MD = to_autocast_dtype(x_MD)
-        w1, w2, w3 = self._weights(x_MD.dtype)
-        use_grouped = self.impl == "grouped" and _HAS_GROUPED_MM and _aligned(x_MD, w1, w2)
-        if use_grouped:
-            return self._forward_grouped(x_MD, num_tokens_per_expert, w1, w2, w3)
-        return self._forward_loop(x_MD, num_tokens_per_expert, w1, w2, w3)
+        weights = self._weights(x_MD.dtype)
+        aligned = _aligned(x_MD, *(t for ws in weights.values() for t in ws if t is not None))
+        if self.impl == "grouped" and _HAS_GROUPED_MM and aligned:
+            return self._forward_grouped(x_MD, num_tokens_per_expert, weights)
+        return self._forward_loop(x_MD, num_tokens_per_expert, weights)
 
     def _act(self, h_MF: torch.Tensor, gate_MF: torch.Tensor | None) -> torch.Tensor:
         if self.activation == "swiglu":
             return F.silu(h_MF) * gate_MF
         return F.gelu(h_MF)
 
-    def _forward_grouped(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
+    def _forward_grouped(self, x_MD, num_tokens_per_expert, weights) -> torch.Tensor:
         offsets_E = torch.cumsum(num_tokens_per_expert, dim=0).to(torch.int32)
-        h_MF = grouped_matmul(x_MD, w1, offsets_E)
-        gate_MF = grouped_matmul(x_MD, w3, offsets_E) if w3 is not None else None
-        return grouped_matmul(self._act(h_MF, gate_MF), w2, offsets_E)
 
-    def _forward_loop(self, x_MD, num_tokens_per_expert, w1, w2, w3) -> torch.Tensor:
+        def project(x_MI: torch.Tensor, name: str) -> torch.Tensor:
+            w, a, b = weights[name]
+            y_MO = grouped_matmul(x_MI, w, offsets_E)
+            if a is None:
+                return y_MO
+            # Two thin grouped GEMMs, [M, I] x [E, I, R] then [M, R] x [E, R, O]: never the
+            # E x I x O product A B, which would cost a full expert weight per step.
+            return y_MO + self.lora_scale * grouped_matmul(grouped_matmul(x_MI, a, offsets_E), b, offsets_E)
+
+        h_MF = project(x_MD, "w1")
+        gate_MF = project(x_MD, "w3") if "w3" in weights else None
+        return project(self._act(h_MF, gate_MF), "w2")
+
+    def _forward_loop(self, x_MD, num_tokens_per_expert, weights) -> torch.Tensor:
         # Host sync: the per-expert split sizes must be Python ints. Fine for the oracle.
         sizes = num_tokens_per_expert.tolist()
-        w3s = w3.unbind(0) if w3 is not None else [None] * len(sizes)
+
+        def project(x_mi: torch.Tensor, name: str, e: int) -> torch.Tensor:
+            w, a, b = weights[name]
+            y_mo = x_mi @ w[e]
+            if a is None:
+                return y_mo
+            return y_mo + self.lora_scale * ((x_mi @ a[e]) @ b[e])
+
         outs = []
-        for x_md, w1_df, w2_fd, w3_df in zip(x_MD.split(sizes), w1.unbind(0), w2.unbind(0), w3s):
-            gate = x_md @ w3_df if w3_df is not None else None
-            outs.append(self._act(x_md @ w1_df, gate) @ w2_fd)
+        for e, x_md in enumerate(x_MD.split(sizes)):
+            gate = project(x_md, "w3", e) if "w3" in weights else None
+            outs.append(project(self._act(project(x_md, "w1", e), gate), "w2", e))
         return torch.cat(outs) if outs else x_MD.new_zeros(0, self.dim)
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return local_tensor(t) is not t

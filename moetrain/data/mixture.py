@@ -1,0 +1,235 @@
+"""Batches drawn from several token sources by weight: deterministic, rank-sharded and resumable.
+
+Shapes as in moetrain.data.loader: ``G`` sequences per optimizer step over all ranks, taken as ``A``
+micro-batches of ``B = G / (A * dp_size)`` per rank; ``S`` = seq_len; ``n`` sources.
+
+Windows. Every file of a source is cut into windows of S + 1 tokens like TokenLoader's (a window
+never spans two files); a source's W_s windows are those of its files in order. Source s visits its
+windows in a permutation seeded by (seed, s, epoch) (stream order when not shuffled) and starts its
+next epoch when they are used up, whatever the other sources do.
+
+Mixing. The k-th window source s contributes (k = 0, 1, ...) gets the key (k + 1/2) / w_s, and the
+samples of the run take the keys of all sources in increasing order, ties to the lower source
+index: the Sainte-Lague divisor sequence (as Megatron's blended datasets, no sampling noise). After
+T samples each source has given close to its quota T * w_s / sum(w), and the next G samples are
+the G smallest keys among each source's next G candidates, so they depend only on the counts c_s
+consumed so far. Worked example, weights (3, 1): source 0 has keys 1/6, 1/2, 5/6, 7/6, 3/2, ...,
+source 1 has 1/2, 3/2, 5/2, ...; the samples come from sources 0, 0, 1, 0, 0, 0, 1, 0, ...
+
+Position. The state is c (windows taken from each source before the current step) and the
+micro-batch within the step. At micro-batch j, rank r takes samples [j*G/A + r*B, ... + B) of the
+step's G, so, as with TokenLoader, the ranks' batches concatenate to the one-process batch, every
+step covers the same G samples whatever A and dp_size are, and a state saved between steps
+resumes at another data-parallel size with the same global batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from moetrain.data.loader import check_batch_geometry
+
+
+class MixtureLoader:
+    """Batches of (input_ids, labels), int64 tensors [B, S], mixed from ``sources`` by ``weights``.
+
+    Args:
+        sources: per source, its token files [N_f] (numpy arrays or memmaps), in order.
+        weights: per source, its share of the samples (> 0; normalised by their sum).
+        names: per source, a name for messages and the state (the configured path).
+        seq_len, global_batch_size, micro_steps, dp_rank, dp_size, seed: as for TokenLoader.
+        shuffle: False visits each source's windows in stream order (validation).
+        name: "train" / "val", for messages.
+    """
+
+    def __init__(self, sources: Sequence[Sequence[np.ndarray]], weights: Sequence[float], *, names: Sequence[str],
+                 seq_len: int, global_batch_size: int, micro_steps: int = 1, dp_rank: int = 0, dp_size: int = 1,
+                 seed: int = 0, shuffle: bool = True, name: str = "train") -> None:
+        check_batch_geometry(seq_len=seq_len, global_batch_size=global_batch_size, micro_steps=micro_steps,
+                             dp_rank=dp_rank, dp_size=dp_size, seed=seed)
+        assert len(sources) == len(weights) == len(names) >= 1, "one weight and one name per source"
+        self.files = [list(files) for files in sources]
+        self.weights = np.asarray(weights, dtype=np.float64)
+        assert np.all(self.weights > 0) and np.all(np.isfinite(self.weights)), self.weights
+        self.names = [str(n) for n in names]
+        self.seq_len = seq_len
+        self.global_batch_size = global_batch_size
+        self.micro_steps = micro_steps
+        self.micro_batch_size = global_batch_size // micro_steps
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.local_batch_size = self.micro_batch_size // dp_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.name = name
+        # First window of each file within its source: window w of source s is in the file i with
+        # starts[s][i] <= w < starts[s][i + 1].
+        self._starts = [np.concatenate([[0], np.cumsum([max(len(t) - 1, 0) // seq_len for t in files])])
+                        for files in self.files]
+        self.num_windows = [int(starts[-1]) for starts in self._starts]
+        for s, num in enumerate(self.num_windows):
+            if num == 0:
+                num_tokens = sum(len(t) for t in self.files[s])
+                raise ValueError(f"the {name} part of data source {self.names[s]!r} has {num_tokens} tokens in "
+                                 f"{len(self.files[s])} file(s), not one window of data.seq_len + 1 = "
+                                 f"{seq_len + 1} tokens in any file; use more data or a smaller seq_len"
+                                 + (", or a larger data.val_fraction" if name == "val" else ""))
+        self.steps_per_epoch = self._steps_before_a_source_repeats()
+        if self.steps_per_epoch == 0:
+            counts = ", ".join(f"{n!r}: {w} windows" for n, w in zip(self.names, self.num_windows))
+            raise ValueError(
+                f"the {name} part of a data source is smaller than its share of one global batch of "
+                f"{global_batch_size} sequences ({counts}; shares {self._shares()}); use more data, "
+                "a smaller batch or seq_len, other weights" + (", or a larger data.val_fraction"
+                                                               if name == "val" else ""))
+        self._consumed = np.zeros(len(self.files), dtype=np.int64)
+        self._micro = 0
+        self._plan: tuple[np.ndarray, np.ndarray] | None = None
+        self._orders: dict[tuple[int, int], np.ndarray] = {}
+
+    def __len__(self) -> int:
+        """Steps before any source repeats a window (an epoch of the smallest share)."""
+        return self.steps_per_epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps taken."""
+        return int(self._consumed.sum()) // self.global_batch_size
+
+    def _shares(self) -> str:
+        return ", ".join(f"{w:.3g}" for w in self.weights / self.weights.sum())
+
+    def _steps_before_a_source_repeats(self) -> int:
+        """Whole steps from the start before some source needs its window number W_s (its first
+        repeat): the samples ordered before that window's key, divided by G."""
+        w, num = self.weights, self.num_windows
+        # The first window past the end of a source in the sample order: least (key, source).
+        first = min(range(len(num)), key=lambda s: ((num[s] + 0.5) / w[s], s))
+        key = (num[first] + 0.5) / w[first]
+
+        def before(s: int, k: int) -> bool:  # same float expression as _next_samples' keys
+            k_key = (k + 0.5) / w[s]
+            return k_key < key or (k_key == key and s < first)
+
+        total = 0
+        for s in range(len(num)):
+            k = min(max(int(key * w[s] - 0.5), 0), num[s])  # estimate, then settle on the exact count
+            while k < num[s] and before(s, k):
+                k += 1
+            while k > 0 and not before(s, k - 1):
+                k -= 1
+            total += k
+        return total // self.global_batch_size
+
+    def _next_samples(self, consumed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source [G], k [G]): the next global batch after ``consumed`` windows per source; k is
+        the index of the window among all the source has given (epoch * W_s + position)."""
+        g = self.global_batch_size
+        k_nG = consumed[:, None] + np.arange(g)
+        keys_nG = (k_nG + 0.5) / self.weights[:, None]
+        source_nG = np.broadcast_to(np.arange(len(consumed))[:, None], k_nG.shape)
+        order = np.lexsort((source_nG.ravel(), keys_nG.ravel()))[:g]  # by key, then by source
+        return source_nG.ravel()[order], k_nG.ravel()[order]
+
+    def _order(self, source: int, epoch: int) -> np.ndarray:
+        """Window indices [W_s] in the order ``epoch`` of ``source`` visits them."""
+        if not self.shuffle:
+            return np.arange(self.num_windows[source])
+        if (source, epoch) not in self._orders:
+            # A step straddles at most two epochs of a source: keep those, drop older ones.
+            for key in [key for key in self._orders if key[0] == source and key[1] < epoch - 1]:
+                del self._orders[key]
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, source, epoch])))
+            self._orders[source, epoch] = rng.permutation(self.num_windows[source])
+        return self._orders[source, epoch]
+
+    def _window(self, source: int, k: int) -> np.ndarray:
+        """The S + 1 tokens of the k-th window ``source`` gives, read from its memmap."""
+        epoch, position = divmod(int(k), self.num_windows[source])
+        window = int(self._order(source, epoch)[position])
+        starts = self._starts[source]
+        i = int(np.searchsorted(starts, window, side="right")) - 1
+        offset = (window - int(starts[i])) * self.seq_len
+        return np.asarray(self.files[source][i][offset:offset + self.seq_len + 1], dtype=np.int64)
+
+    def _batch(self, samples: tuple[np.ndarray, np.ndarray], micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        source_G, k_G = samples
+        start = micro * self.micro_batch_size + self.dp_rank * self.local_batch_size
+        rows = [self._window(s, k) for s, k in zip(source_G[start:start + self.local_batch_size],
+                                                   k_G[start:start + self.local_batch_size])]
+        chunk_BS1 = torch.from_numpy(np.stack(rows))
+        return chunk_BS1[:, :-1].contiguous(), chunk_BS1[:, 1:].contiguous()
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's next micro-batch (input_ids [B, S], labels [B, S]); the position moves to the
+        next step after ``micro_steps`` of them."""
+        if self._plan is None:
+            self._plan = self._next_samples(self._consumed)
+        batch = self._batch(self._plan, self._micro)
+        self._micro += 1
+        if self._micro == self.micro_steps:
+            self._consumed = self._consumed + np.bincount(self._plan[0], minlength=len(self.files))
+            self._micro, self._plan = 0, None
+        return batch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless: the trainer decides when to stop."""
+        while True:
+            yield self.next_batch()
+
+    def epoch_batches(self, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The micro-batches of the first ``len(self)`` steps from the start (at most
+        ``max_batches``), without moving the position. For evaluation: unshuffled, every call
+        yields the same batches, and no window twice."""
+        total = self.steps_per_epoch * self.micro_steps
+        consumed = np.zeros(len(self.files), dtype=np.int64)
+        for i in range(total if max_batches is None else min(max_batches, total)):
+            micro = i % self.micro_steps
+            if micro == 0:
+                samples = self._next_samples(consumed)
+                consumed = consumed + np.bincount(samples[0], minlength=len(self.files))
+            yield self._batch(samples, micro)
+
+    def metrics(self) -> dict:
+        """Input tokens drawn from each source so far (whole steps), by source name."""
+        return {"source_tokens": {n: int(c) * self.seq_len for n, c in zip(self.names, self._consumed)}}
+
+    def _sources_state(self) -> list[dict]:
+        return [{"name": n, "weight": float(w), "num_windows": int(num)}
+                for n, w, num in zip(self.names, self.weights, self.num_windows)]
+
+    def state_dict(self) -> dict:
+        """The position (windows taken per source, micro-batch) plus what must match on resume."""
+        return {"consumed": [int(c) for c in self._consumed], "step": self.step, "micro": self._micro,
+                "micro_steps": self.micro_steps, "seed": self.seed, "shuffle": self.shuffle,
+                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
+                "sources": self._sources_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state``'s position: the next batches equal those the saved loader would give.
+
+        dp_size/dp_rank and micro_steps may differ from the saved run's (between steps); the
+        sources (names, weights, sizes), seed, sequence length and global batch may not.
+        """
+        current = {**self.state_dict(), "sources": self._sources_state()}
+        for key in ("seed", "shuffle", "seq_len", "global_batch_size", "sources"):
+            if state.get(key) != current[key]:
+                raise ValueError(f"cannot resume the {self.name} loader: saved {key} ({state.get(key)!r}) "
+                                 f"differs from this run's ({current[key]!r}); the data or batch settings "
+                                 "changed since the checkpoint")
+        consumed = state.get("consumed")
+        if not (isinstance(consumed, list) and len(consumed) == len(self.files)
+                and all(isinstance(c, int) and c >= 0 for c in consumed)
+                and sum(consumed) % self.global_batch_size == 0):
+            raise ValueError(f"loader state consumed ({consumed!r}) must be {len(self.files)} ints >= 0 "
+                             f"summing to a multiple of the global batch ({self.global_batch_size})")
+        micro = state.get("micro", 0)
+        if micro != 0 and state.get("micro_steps") != self.micro_steps:
+            raise ValueError(f"cannot resume the {self.name} loader: saved in the middle of a step (micro-batch "
+                             f"{micro} of {state.get('micro_steps')}); only a state between steps resumes at "
+                             f"another accumulation ({self.micro_steps} micro-batches per step now)")
+        self._consumed = np.asarray(consumed, dtype=np.int64)
+        self._micro, self._plan = micro, None

@@ -1,0 +1,413 @@
+"""Pipeline parallelism for the single-device ``Transformer``, on ``torch.distributed.pipelining``.
+
+The model is cut from outside, torchtitan-style: every rank builds (or meta-builds) the whole
+model, keeps the blocks of its stages and drops the rest. What stays is
+
+    PipelineModel   the rank's part under the model's own parameter names (``tok_embeddings``,
+                    ``layers.<i>``, ``norm``, ``output``): the optimizer, the checkpoint and the
+                    balancer see it, and a checkpoint saved at pp=2 loads into one process
+    PipelineChunk   one stage (``parallel.pp_virtual_stages`` of them per rank), sharing the
+                    modules of the PipelineModel: what a ``PipelineStage`` runs
+
+Stages and ranks. ``num_stages = pp * pp_virtual_stages`` contiguous runs of blocks
+(:func:`split_stages`); rank ``r`` of the pp group holds stages ``r, r + pp, r + 2 pp, ...``
+(the "loop" placement interleaved 1F1B needs). The first stage also holds the embedding, the
+last the final norm and head, so ``model.tie_embeddings`` cannot be used with pp > 1.
+
+The MoE auxiliary loss. The schedule back-propagates only the last stage's loss, but every
+stage's MoE layers add a load-balancing term to the objective. Each chunk attaches the sum of its
+layers' aux losses to its output with :class:`AuxLossScaler` (Megatron's MoEAuxLossAutoScaler):
+the identity in the forward, whose backward also hands the aux loss the gradient
+``aux_grad_scale``. With the LM loss divided by the micro-batch count M in the loss function and
+``aux_grad_scale = 1 / M`` (times an fp16 loss scale), the accumulated gradient is that of
+``mean over micro-batches of (loss + aux)``: the one-process objective, for any M and any
+stage split. The schedule's own division by M is therefore off (``scale_grads=False``).
+
+Gradient reduction. At ZeRO stages 2/3 each chunk is an FSDP2 root and the schedule runs its
+reduce-scatters after the last micro-batch. At stages 0/1 the chunks are not wrapped in DDP (the
+schedule runs every forward under ``no_sync``, which hides the expert shards' edp reduction of
+``MoEDataParallel``): :func:`reduce_stage_gradients` reduces after the schedule instead, with the
+same rule as ``moetrain.distributed.data_parallel`` (dense: mean over dp; expert shards: sum over
+edp divided by dp), one flat all-reduce per dtype (``moetrain.distributed.pipeline_grads``).
+
+Shape legend: B batch (a micro-batch inside a stage), S sequence, D model dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.distributed.comm_timer import CommTimer, timed_exchange
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.models.attention import attention_mask
+from moetrain.models.moe.layer import MoELayer
+from moetrain.models.transformer import Transformer
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+PP_SPLITS = ("layers", "params", "flops")
+
+
+class AuxLossScaler(torch.autograd.Function):
+    """``h`` unchanged in the forward; the backward passes ``h``'s gradient through and gives
+    ``aux`` (a 0-dim loss computed from this stage's activations) the gradient ``scale``, as if
+    ``scale * aux`` had been added to the loss the schedule back-propagates."""
+
+    @staticmethod
+    def forward(ctx, h: torch.Tensor, aux: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale, ctx.aux_meta = scale, (aux.shape, aux.dtype, aux.device)
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad_h: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        return grad_h, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+# ----- the stage split (pure arithmetic) ---------------------------------------------------------
+
+
+def layer_costs(model: Transformer, split: str, *, seq_len: int) -> tuple[list[float], float, float]:
+    """``(cost of each block, extra cost of the first stage, extra cost of the last stage)`` for
+    ``parallel.pp_split``: "layers" 1 per block and no extras; "params" parameter counts (every
+    expert; embedding first, final norm and head last); "flops" training FLOPs per token, 6 per
+    active matmul parameter (top_k of the routed experts) plus attention's ``6 H (A + U) S``
+    (``flops_per_token``'s terms), the head's 6 V D last and nothing for the embedding lookup."""
+    if split not in PP_SPLITS:
+        raise ValueError(f"parallel.pp_split ({split!r}) must be one of {', '.join(map(repr, PP_SPLITS))}")
+    if split == "layers":
+        return [1.0] * len(model.layers), 0.0, 0.0
+    cfg, moe = model.config, model.moe_config
+    costs = []
+    for layer in model.layers:
+        total = sum(p.numel() for p in layer.parameters())
+        if split == "params":
+            costs.append(float(total))
+            continue
+        expert = sum(p.numel() for p in layer.feed_forward.experts.parameters()) if layer.is_moe else 0
+        active = total - expert + expert * moe.top_k // moe.num_experts
+        head_dim = cfg.resolved_head_dim
+        v_dim = cfg.v_head_dim if cfg.attention == "mla" else head_dim
+        costs.append(float(6 * active + 6 * cfg.num_heads * (head_dim + v_dim) * seq_len))
+    head = sum(p.numel() for p in model.output.parameters()) + sum(p.numel() for p in model.norm.parameters())
+    if split == "params":
+        return costs, float(model.tok_embeddings.weight.numel()), float(head)
+    return costs, 0.0, float(6 * model.output.weight.numel())
+
+
+def split_stages(costs: list[float], num_stages: int, *, first_extra: float = 0.0,
+                 last_extra: float = 0.0) -> list[range]:
+    """Contiguous runs of blocks, one per stage, each non-empty, that minimise the largest stage
+    cost (the first stage's including ``first_extra``, the last's ``last_extra``). Ties go to
+    the cut whose earlier stages are the larger (so equal costs give the first ``L % n`` stages
+    one block more). Exact dynamic programme, O(n L^2)."""
+    num_layers = len(costs)
+    if not isinstance(num_stages, int) or num_stages < 1 or num_stages > num_layers:
+        raise ValueError(f"pipeline stages ({num_stages!r} = parallel.pp * parallel.pp_virtual_stages) must be "
+                         f">= 1 and <= model.num_layers ({num_layers}): every stage holds at least one block")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+
+    def cost(lo: int, hi: int, stage: int) -> float:
+        extra = (first_extra if stage == 0 else 0.0) + (last_extra if stage == num_stages - 1 else 0.0)
+        return prefix[hi] - prefix[lo] + extra
+
+    # best[s][i]: the smallest largest-stage cost of blocks i.. over stages s.. (cut at the right).
+    inf = float("inf")
+    best = [[inf] * (num_layers + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(num_stages + 1)]
+    best[num_stages][num_layers] = 0.0
+    for s in range(num_stages - 1, -1, -1):
+        for i in range(num_layers - (num_stages - s), -1, -1):
+            # Largest first: ties keep the longest run for stage s.
+            for j in range(num_layers - (num_stages - s - 1), i, -1):
+                value = max(cost(i, j, s), best[s + 1][j])
+                if value < best[s][i] - 1e-9 * max(1.0, abs(value)):
+                    best[s][i], cut[s][i] = value, j
+    ranges, i = [], 0
+    for s in range(num_stages):
+        ranges.append(range(i, cut[s][i]))
+        i = cut[s][i]
+    return ranges
+
+
+def rank_stage_ids(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
+    """The stages rank ``pp_rank`` holds: ``pp_rank + k * pp`` (interleaved 1F1B's loop order)."""
+    return [pp_rank + k * pp for k in range(virtual_stages)]
+
+
+# ----- the modules -------------------------------------------------------------------------------
+
+
+class PipelineChunk(nn.Module):
+    """One pipeline stage of a ``Transformer``: its blocks (under their model indices), and the
+    embedding on the first stage, the final norm and head on the last. ``forward`` takes token
+    ids ``[B, S]`` on the first stage, the hidden state ``[B, S, D]`` elsewhere, and returns the
+    hidden state, or on the last stage the logits ``[B, S, V]``. ``tokens_BS`` (the token ids, on
+    every stage) is needed only when ``model.document_separator`` masks attention by document."""
+
+    def __init__(self, model: Transformer, layer_ids: range, *, stage_id: int, num_stages: int) -> None:
+        super().__init__()
+        self.config, self.stage_id = model.config, stage_id
+        self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
+        self.tok_embeddings = model.tok_embeddings if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
+        self.norm = model.norm if self.is_last else None
+        self.output = model.output if self.is_last else None
+        self.register_buffer("rope_cos_SA", model.rope_cos_SA, persistent=False)
+        self.register_buffer("rope_sin_SA", model.rope_sin_SA, persistent=False)
+        self.aux_grad_scale = 1.0
+        """The gradient the aux loss gets per micro-batch: 1 / micro-batches (times the loss scale)."""
+        self.timer = CommTimer(enabled=True, device=model.rope_cos_SA.device)
+        """Forward and backward compute spans of this stage (host clocks on CPU, events on a GPU)."""
+        self.aux_sum = torch.zeros((), dtype=torch.float64, device=model.rope_cos_SA.device)
+        """This stage's aux losses, summed over the micro-batches since the last ``pop_aux_sum``."""
+        self.recording = True
+        """Off while the schedule infers shapes (see ``muted``)."""
+
+    @contextlib.contextmanager
+    def muted(self):
+        """The schedule's shape inference runs one extra forward and backward on the first step
+        (on uninitialised inputs past the first stage): it must not count into the aux-loss sum,
+        the timings or the MoE layers' routing statistics of the step."""
+        layers = [m for m in self.modules() if isinstance(m, MoELayer)]
+        tracked = [m.track_routing_stats for m in layers]
+        timed, self.recording, self.timer.enabled = self.timer.enabled, False, False
+        for m in layers:
+            m.track_routing_stats = False
+        try:
+            yield
+        finally:
+            self.recording, self.timer.enabled = True, timed
+            for m, on in zip(layers, tracked):
+                m.track_routing_stats = on
+
+    def forward(self, x: torch.Tensor, tokens_BS: torch.Tensor | None = None) -> torch.Tensor:
+        if self.config.document_separator is not None and tokens_BS is None:
+            raise ValueError("model.document_separator masks attention by document: every pipeline stage "
+                             "needs the token ids (tokens_BS)")
+        h_BSD = self.tok_embeddings(x) if self.is_first else x
+        S = h_BSD.shape[1]
+        # Without a document separator (or padding, which the lm head does not mask) the mask
+        # is None whatever the tokens: SDPA's own causal kernel.
+        mask_B1SK = None if tokens_BS is None else attention_mask(
+            tokens_BS, causal=self.config.causal, document_separator=self.config.document_separator,
+            padding_mask_BS=None)
+        kind = f"stage{self.stage_id}"
+        return timed_exchange(lambda h: self._blocks(h, S, mask_B1SK), h_BSD, self.timer, kind=f"{kind}_forward",
+                              backward_kind=f"{kind}_backward")
+
+    def _blocks(self, h_BSD: torch.Tensor, S: int, mask_B1SK: torch.Tensor | None) -> torch.Tensor:
+        cos_SP, sin_SP = self.rope_cos_SA[:S], self.rope_sin_SA[:S]
+        aux_losses = []
+        for layer in self.layers.values():
+            h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK)
+            if aux is not None:
+                aux_losses.append(aux.loss.float())
+        if aux_losses:
+            aux = torch.stack(aux_losses).sum()
+            if self.training and self.recording:
+                with torch.no_grad():
+                    self.aux_sum += aux.detach().double()
+            if aux.requires_grad and torch.is_grad_enabled():
+                h_BSD = AuxLossScaler.apply(h_BSD, aux, self.aux_grad_scale)
+        if self.is_last:
+            return self.output(self.norm(h_BSD))
+        # p2p sends need contiguous tensors.
+        return h_BSD.contiguous()
+
+    def pop_aux_sum(self) -> torch.Tensor:
+        out, self.aux_sum = self.aux_sum, torch.zeros_like(self.aux_sum)
+        return out
+
+
+class PipelineModel(nn.Module):
+    """The stages of one rank under the model's parameter names (the blocks a rank does not hold
+    are absent from ``layers``); ``chunks`` are the stages themselves, in stage order."""
+
+    def __init__(self, model: Transformer, stage_layers: list[range], stage_ids: list[int]) -> None:
+        super().__init__()
+        self.config, self.moe_config = model.config, model.moe_config
+        self.num_stages, self.stage_ids = len(stage_layers), list(stage_ids)
+        # Plain list, not registered: parameters are named through the modules below only.
+        self.chunks = [PipelineChunk(model, stage_layers[s], stage_id=s, num_stages=self.num_stages)
+                       for s in stage_ids]
+        first, last = self.chunks[0], self.chunks[-1]
+        self.tok_embeddings = first.tok_embeddings
+        self.layers = nn.ModuleDict({k: v for c in self.chunks for k, v in c.layers.items()})
+        self.norm, self.output = last.norm, last.output
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        super().train(mode)
+        for chunk in self.chunks:  # not submodules (see above), so not reached by super().train
+            chunk.train(mode)
+        return self
+
+
+def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_stages: int = 1,
+                         split: str = "layers", seq_len: int | None = None,
+                         device: torch.device | None = None, seed: int = 0) -> PipelineModel:
+    """This rank's stages of ``model`` (built whole, the same on every rank, possibly on the meta
+    device: then only the kept modules are materialised on ``device`` and initialised from
+    ``seed``, drawn by parameter name exactly as ``Transformer.init_weights`` draws the whole
+    model's)."""
+    cfg = model.config
+    if cfg.tie_embeddings and pp > 1:
+        raise ValueError(f"model.tie_embeddings ({cfg.tie_embeddings}) must be false with parallel.pp ({pp}) > 1: "
+                         "the embedding lives on the first stage and the head on the last")
+    if cfg.head != "lm" and pp > 1:
+        raise ValueError(f"model.head ({cfg.head!r}) must be 'lm' with parallel.pp ({pp}) > 1")
+    costs, first, last = layer_costs(model, split, seq_len=seq_len or cfg.max_seq_len)
+    stage_layers = split_stages(costs, pp * virtual_stages, first_extra=first, last_extra=last)
+    pm = PipelineModel(model, stage_layers, rank_stage_ids(pp_rank, pp, virtual_stages))
+    if model.tok_embeddings.weight.is_meta:
+        if device is None:
+            raise ValueError("a model built on the meta device needs the device to materialise its stages on")
+        for chunk in pm.chunks:  # the kept modules only: the dropped blocks stay on meta
+            chunk.to_empty(device=device)
+            chunk.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+            chunk.timer = CommTimer(enabled=True, device=torch.device(device))
+        # Transformer.init_weights reads only the config, the modules, the parameter names and
+        # the rotary tables: PipelineModel has them all, so the kept names get the same draws.
+        first = pm.chunks[0]
+        pm.rope_cos_SA, pm.rope_sin_SA = first.rope_cos_SA, first.rope_sin_SA
+        Transformer.init_weights(pm, seed)
+        del pm.rope_cos_SA, pm.rope_sin_SA
+        with torch.no_grad():
+            for chunk in pm.chunks[1:]:
+                chunk.rope_cos_SA.copy_(first.rope_cos_SA)
+                chunk.rope_sin_SA.copy_(first.rope_sin_SA)
+    return pm
+
+
+# ----- parallelising the stages and the schedule -------------------------------------------------
+
+
+def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_checkpointing: str = "none",
+                         activation_checkpointing_every: int = 2, compile: bool = False, zero_stage: int = 0,
+                         mixed_precision: str = "fp32", offload_params: bool = False,
+                         offload_optimizer: bool = False, pin_memory: bool = True, hsdp_replicate: int = 1,
+                         grad_compression: str = "none", bucket_cap_mb: float = 25.0) -> None:
+    """``parallelize``'s fixed order applied to this rank's stages, in place: 1. expert
+    parallelism over the stage's ep group, 2. activation checkpointing, 3. compile per block,
+    4. data parallelism: FSDP2 per chunk at ZeRO stages 2/3 (each chunk a root over its blocks);
+    nothing at 0/1, where :func:`reduce_stage_gradients` runs after the schedule.
+    ``bucket_cap_mb`` (DDP's) has no use here: the stage 0/1 reduction is one flat buffer."""
+    from moetrain.distributed.data_parallel import apply_data_parallel
+    from moetrain.distributed.expert_parallel import apply_expert_parallel
+    from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
+
+    del bucket_cap_mb
+    if grad_compression != "none":
+        raise ValueError(f"dp.grad_compression ({grad_compression!r}) must be 'none' with parallel.pp ({dims.pp}) > 1: "
+                         "the stage gradients are reduced once, after the schedule's last backward")
+    apply_expert_parallel(pm, dims)
+    apply_activation_checkpointing(checkpoint_blocks(pm, activation_checkpointing, every=activation_checkpointing_every))
+    if compile:
+        for block in pm.layers.values():
+            block.compile()
+    if zero_stage >= 2:
+        # FSDP2 warns that a root returning a view loses its pre-backward hook to an in-place op
+        # on it; a chunk's output is only sent or fed to the loss, never modified in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPPipelineChunk\) returned a view")
+        for chunk in pm.chunks:
+            apply_data_parallel(chunk, dims, zero_stage=zero_stage, blocks=list(chunk.layers.values()),
+                                mixed_precision=mixed_precision, offload_params=offload_params,
+                                offload_optimizer=offload_optimizer, pin_memory=pin_memory,
+                                hsdp_replicate=hsdp_replicate)
+    elif offload_params or offload_optimizer:
+        raise ValueError("zero.offload_param / zero.offload_optimizer need parallel.zero_stage >= 2 with "
+                         f"parallel.pp ({dims.pp}) > 1 (FSDP2's offload)")
+
+
+def check_microbatches(schedule: str, *, num_microbatches: int, pp: int) -> None:
+    """The micro-batch counts the schedules accept, named by the fields that set them."""
+    where = ("train.global_batch_size / (train.micro_batch_size * data-parallel size) "
+             f"= {num_microbatches} micro-batches per step")
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"parallel.pp_schedule ({schedule!r}) must be one of {', '.join(map(repr, PP_SCHEDULES))}")
+    if schedule == "1f1b" and num_microbatches < pp:
+        raise ValueError(f"parallel.pp_schedule ('1f1b') needs at least parallel.pp ({pp}) micro-batches: {where}")
+    rounds = max(1, num_microbatches // pp)
+    if schedule == "interleaved_1f1b" and num_microbatches % rounds != 0:
+        raise ValueError(f"parallel.pp_schedule ('interleaved_1f1b') needs the micro-batches to be a multiple of "
+                         f"max(1, micro-batches // parallel.pp) = {rounds}: {where}")
+
+
+def build_schedule(pm: PipelineModel, *, schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup,
+                   device: torch.device, loss_fn, stage_modules: list[nn.Module] | None = None):
+    """The ``torch.distributed.pipelining`` schedule running ``pm``'s chunks (or their wrapped
+    ``stage_modules``) over ``pp_group``; gradients are not divided by the micro-batch count
+    (the loss function and the aux-loss scale do it, see the module docstring)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    class MutedInferenceStage(PipelineStage):
+        """A stage whose shape-inference forward and backward (the only callers of these two
+        methods) run with its chunk ``muted``."""
+
+        def __init__(self, module: nn.Module, chunk: PipelineChunk, *args, **kwargs) -> None:
+            super().__init__(module, *args, **kwargs)
+            self._chunk = chunk
+
+        def _compute_outputs(self, *args, **kwargs):
+            with self._chunk.muted():
+                return super()._compute_outputs(*args, **kwargs)
+
+        def _compute_input_grads(self, *args, **kwargs):
+            with self._chunk.muted():
+                return super()._compute_input_grads(*args, **kwargs)
+
+    pp = dist.get_world_size(pp_group)
+    check_microbatches(schedule, num_microbatches=num_microbatches, pp=pp)
+    modules = stage_modules if stage_modules is not None else pm.chunks
+    stages = [MutedInferenceStage(m, c, s, pm.num_stages, device, group=pp_group)
+              for m, c, s in zip(modules, pm.chunks, pm.stage_ids)]
+    if schedule == "interleaved_1f1b":
+        return ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if len(stages) != 1:
+        raise ValueError(f"parallel.pp_schedule ({schedule!r}) runs one stage per rank, this rank holds {len(stages)}")
+    single = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    return single(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+@torch.no_grad()
+def forward_only(pm: PipelineModel, input_ids_BS: torch.Tensor, pp_group: dist.ProcessGroup,
+                 tokens_BS: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The last stage's logits of one batch, stage after stage (for evaluation: no schedule, no
+    backward). Returns the logits on the rank holding the last stage, None elsewhere. Every rank
+    of ``pp_group`` calls it with a batch of the same shape."""
+    pp = dist.get_world_size(pp_group)
+    held = dict(zip(pm.stage_ids, pm.chunks))
+    out = None
+    for s in range(pm.num_stages):
+        if s not in held:
+            continue
+        x = input_ids_BS
+        if s > 0:
+            # 1. header (dtype code, hidden size), 2. the hidden state of the previous stage.
+            header = torch.empty(2, dtype=torch.int64, device=input_ids_BS.device)
+            dist.recv(header, group=pp_group, group_src=(s - 1) % pp)
+            dtype = _DTYPES[int(header[0])]
+            x = torch.empty(*input_ids_BS.shape, int(header[1]), dtype=dtype, device=input_ids_BS.device)
+            dist.recv(x, group=pp_group, group_src=(s - 1) % pp)
+        y = held[s](x, tokens_BS)
+        if s == pm.num_stages - 1:
+            out = y
+            continue
+        header = torch.tensor([_DTYPES.index(y.dtype), y.shape[-1]], dtype=torch.int64, device=y.device)
+        dist.send(header, group=pp_group, group_dst=(s + 1) % pp)
+        dist.send(y.contiguous(), group=pp_group, group_dst=(s + 1) % pp)
+    return out
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

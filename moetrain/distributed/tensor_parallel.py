@@ -1,0 +1,221 @@
+"""Tensor parallelism of the dense part, applied from outside with DTensor's ``parallelize_module``
+styles (Megatron-LM's layout with sequence parallelism), and the MoE layers folded over the tp ranks.
+
+Per transformer block, over the ``tp`` mesh axis (``x`` is ``[B, S, D]``; "local" is this rank's
+``S/tp`` positions of every sequence):
+
+    residual stream          local [B, S/tp, D] (sequence-parallel)
+    attention_norm, ffn_norm SequenceParallel: weight replicated, input and output Shard(1)
+    attention                input all-gathered along S; wq, wk, wv column-wise (H/tp and G/tp
+                             heads per rank), wo row-wise with a reduce-scatter back to Shard(1)
+    dense FFN                input all-gathered; w1, w3 column-wise, w2 row-wise, reduce-scatter
+    MoE layer                its local S/tp positions as they are: router, dispatch (all-to-all
+                             over ``ep``, which may be these very tp ranks), experts, shared experts
+
+and for the model: the token embedding row-wise (vocabulary shards, reduce-scatter to Shard(1)),
+the final norm sequence-parallel, the LM head column-wise with the logits all-gathered (every tp
+rank computes the same loss).
+
+Why the MoE layer takes local tokens. Its input is sharded along the sequence already, so the
+tp ranks hold different tokens, exactly like data-parallel ranks: routing, the all-to-all and
+the experts need no tensor-parallel collective, and ``ep`` can borrow the tp ranks (parallel
+folding). What it asks for:
+
+* routing counts (load-balancing statistics, capacity drops) are summed over the stage's dp x tp
+  ranks (``ParallelDims.dp_tp_group``), so ``f_e`` is the global one;
+* each tp rank's aux loss covers its S/tp positions: the layer's aux terms are averaged over tp in
+  the forward (every tp rank then holds the value of its dp index's batch, as for the LM loss) and
+  each rank's gradient is scaled by 1/tp (``_MeanOverTp``), which makes the summed router
+  gradient that of one process holding the batch;
+* the parameters the MoE layer keeps whole (router, shared experts, experts at ep = 1) see only
+  local tokens: their gradient is a partial sum over tp, reduced over dp x tp with the 1/dp scale
+  of data parallelism (``moetrain.distributed.tp_data_parallel``). So are the per-head q/k norm
+  weights of attention (each rank holds other heads).
+
+Not covered (rejected with the field named): multi-head latent attention (its latent projections
+read the gathered input outside the column-wise layers), ``model.qk_norm="full"`` (a norm across
+all heads), the classifier head (pools along the sharded sequence), the sequence-wise balance loss
+(per-sequence counts span tp ranks), LoRA adapters.
+
+Shape legend: B batch, S sequence, D model dim, H query heads, G key/value heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.models.attention import Attention
+from moetrain.models.feedforward import FeedForward
+from moetrain.models.mla import MultiHeadLatentAttention
+from moetrain.models.moe.layer import MoELayer
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    """Raise one ValueError listing every part of ``model`` that cannot split over ``tp`` ranks."""
+    errors = []
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "head", "lm") != "lm":
+        errors.append(f"model.head ({config.head!r}) must be 'lm' with parallel.tp > 1: the classifier pools "
+                      "along the sequence, which tensor parallelism shards")
+    seen: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in seen:
+            seen.add(message)
+            errors.append(message)
+
+    for name, module in model.named_modules():
+        if isinstance(module, MultiHeadLatentAttention):
+            once("model.attention ('mla') is not split by parallel.tp: its latent projections read the whole "
+                 "input outside the column-wise layers")
+        elif isinstance(module, Attention):
+            if module.num_heads % tp or module.num_kv_heads % tp:
+                once(f"parallel.tp ({tp}) must divide model.num_heads ({module.num_heads}) and the key/value "
+                     f"heads ({module.num_kv_heads})")
+            if module.qk_norm == "full":
+                once("model.qk_norm ('full') normalises across all heads, which parallel.tp splits: use 'head' "
+                     "or 'none'")
+        elif isinstance(module, FeedForward) and not _inside_moe(model, name):
+            hidden = module.w1.weight.shape[0]
+            if hidden % tp:
+                once(f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({hidden}, model.dense_hidden_dim)")
+        elif isinstance(module, MoELayer) and module.config.aux_loss_type == "sequence":
+            once("moe.aux_loss_type ('sequence') counts each sequence's routing, whose positions parallel.tp "
+                 "spreads over ranks: use 'global'")
+        if "lora_" in name.rsplit(".", 1)[-1]:
+            once("LoRA adapters (finetune.lora_rank > 0) are not split by parallel.tp")
+    if errors:
+        raise ValueError("; ".join(errors))
+
+
+def _inside_moe(model: nn.Module, name: str) -> bool:
+    """Whether the module called ``name`` lives inside an MoELayer (a shared expert)."""
+    parts = name.split(".")
+    return any(isinstance(model.get_submodule(".".join(parts[:i])), MoELayer) for i in range(1, len(parts)))
+
+
+class _MeanOverTp(torch.autograd.Function):
+    """Forward: the mean over the tp group (every tp rank then holds the same value). Backward:
+    this rank's gradient times 1/tp, no communication; the tp ranks' parameter gradients are summed
+    afterwards, which gives the gradient of the mean."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+        ctx.size = size
+        out = x.detach().clone()
+        dist.all_reduce(out, group=group)
+        return out / size
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.size, None, None
+
+
+def _mean_aux_over_tp(dims: ParallelDims):
+    group, size = dims.tp_group, dims.tp
+
+    def hook(_module: nn.Module, _args, output):
+        out, aux = output
+        # One all-reduce for the three terms: the loss carries the gradient, the other two are
+        # reported (the mean over tp is the dp index's batch value).
+        terms = torch.stack([aux.loss.float(), aux.load_balancing.float(), aux.z_loss.float()])
+        mean = _MeanOverTp.apply(terms, group, size)
+        aux.loss, aux.load_balancing, aux.z_loss = mean[0], mean[1].detach(), mean[2].detach()
+        return out, aux
+
+    return hook
+
+
+def _gather_sequence(mesh):
+    """Forward pre-hook of attention and the dense FFN: their first input (the sequence-sharded
+    stream) all-gathered along the sequence, left a Replicate DTensor. The column-wise layers
+    reading it then add their partial input gradients as DTensors, and the backward of the
+    gather reduce-scatters the sum once (an all-reduce per layer if they got a local tensor). The
+    other inputs (rotary tables, mask, cache) pass as they are, however many there are."""
+
+    def hook(_module: nn.Module, args):
+        return (_as_sequence_shard(args[0], mesh).redistribute(mesh, [Replicate()]), *args[1:])
+
+    return hook
+
+
+def _local_sequence(mesh):
+    """Forward pre-hook of the MoE layer: its first input as this rank's local sequence shard."""
+
+    def hook(_module: nn.Module, args):
+        return (_as_sequence_shard(args[0], mesh).to_local(), *args[1:])
+
+    return hook
+
+
+def _as_sequence_shard(x: torch.Tensor, mesh) -> DTensor:
+    return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+
+
+def _block_plan(block: nn.Module) -> dict:
+    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
+    if not isinstance(block.feed_forward, MoELayer):
+        plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
+        if block.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
+    """Split ``model`` (a ``Transformer`` built full-size with the same seed on every rank) over
+    ``dims.tp_mesh`` as the module docstring lays out. In place; returns ``model``. A no-op at tp = 1.
+
+    Each rank keeps its slice of every split weight (no communication: every rank holds the same
+    full tensors), so the global weights are those of the unsplit model.
+    """
+    if dims.tp == 1:
+        return model
+    tp = dims.tp
+    check_tensor_parallel(model, tp)
+    tied = model.output.weight is model.tok_embeddings.weight
+    mesh = dims.tp_mesh
+    parallelize_module(model, mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        # Logits gathered whole: the loss is computed alike on every tp rank.
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
+    })
+    if tied:
+        # Both are Shard(0) over tp (vocabulary rows): one parameter again, as before the split.
+        model.output.weight = model.tok_embeddings.weight
+    for block in model.layers:
+        parallelize_module(block, mesh, _block_plan(block))
+        # Attention and the dense FFN read the whole sequence (all-gathered); the MoE layer its shard.
+        block.attention.register_forward_pre_hook(_gather_sequence(mesh))
+        moe = isinstance(block.feed_forward, MoELayer)
+        block.feed_forward.register_forward_pre_hook(_local_sequence(mesh) if moe else _gather_sequence(mesh))
+        # The attention forward views its projections with these counts: this rank's heads.
+        block.attention.num_heads //= tp
+        block.attention.num_kv_heads //= tp
+        if moe:
+            block.feed_forward.register_forward_hook(_mean_aux_over_tp(dims))
+    model.register_forward_pre_hook(_check_sequence_length(tp))
+    return model
+
+
+def _check_sequence_length(tp: int):
+    def hook(_module: nn.Module, args):
+        S = args[0].shape[1]
+        if S % tp:
+            raise ValueError(f"the sequence length ({S}, data.seq_len) must be a multiple of parallel.tp ({tp}): "
+                             "sequence parallelism splits every sequence evenly over the tp ranks")
+
+    return hook
+

@@ -1,0 +1,40 @@
+"""``moetrain experts``: surgery on a trained MoE's experts (``moetrain.interop.surgery``).
+
+    moetrain experts grow RUN --num-experts 2E --to DIR [--top-k 2K] [--noise 0.01] [--seed 0]
+
+Wiring in ``moetrain/cli.py``: ``add_experts_parser(sub)`` in ``build_parser`` and
+``return run_experts(args)`` for ``args.cmd == "experts"``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_experts_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("experts", help="surgery on a trained MoE's experts")
+    sub = p.add_subparsers(dest="experts_cmd", required=True)
+    grow = sub.add_parser("grow", help="copy each expert (and its router row) into a model with more experts, "
+                                       "written as a moetrain export")
+    grow.add_argument("source", help="run folder, checkpoint (any layout) or moetrain export")
+    grow.add_argument("--num-experts", type=int, required=True,
+                      help="experts per MoE layer of the grown model: a multiple of the source's")
+    grow.add_argument("--to", required=True, help="output export folder")
+    grow.add_argument("--top-k", type=int, default=None,
+                      help="moe.top_k of the grown model (default: the source's; scale it by the same factor, "
+                           "with renormalised gates, for the same function)")
+    grow.add_argument("--noise", type=float, default=0.0,
+                      help="noise on every copy but the first, as a fraction of each tensor's std (default 0)")
+    grow.add_argument("--seed", type=int, default=0, help="seed of the noise")
+    return p
+
+
+def run_experts(args) -> int:
+    from moetrain.interop.surgery import grow_source
+
+    out = grow_source(args.source, args.to, num_experts=args.num_experts, top_k=args.top_k, noise=args.noise,
+                      seed=args.seed)
+    top_k = f" --moe.top_k={args.top_k}" if args.top_k is not None else ""
+    print(f"grew the experts of {args.source} to {args.num_experts} per MoE layer: export {out} (start a run "
+          f"from it with --checkpoint.init_from={out} --moe.num_experts={args.num_experts}{top_k})")
+    return 0

@@ -1,0 +1,310 @@
+"""Streaming conversion between Hugging Face folders and moetrain exports, both ways.
+
+    import_hf(HF_DIR, OUT)        config.json + safetensors (per-expert or fused, one file or an
+                                  index of shards) -> a moetrain export (model.safetensors + config.yaml)
+    export_hf(SRC, OUT)           a run, checkpoint or export -> config.json + safetensors that
+                                  ``AutoModelForCausalLM.from_pretrained(OUT)`` loads
+
+Every output tensor is planned first (name, shape, dtype: the safetensors headers come before
+the data), then computed and written one at a time from lazily read inputs: memory holds one
+output tensor and its inputs, at most one layer's expert stack (``benchmarks/hf_convert_memory.py``
+measures it). Nothing from a checkpoint is executed: safetensors and JSON only, no pickle, no
+``trust_remote_code``.
+
+Every tensor is accounted for: an import lists every HF tensor with no moetrain place and every
+one it needs but lacks, and checks the result against the model the configs build (names and
+shapes, on the meta device); an export refuses moetrain state the family cannot hold.
+
+Shape legend: E experts, D model dim, F expert hidden dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.interop.export import export_metadata, model_configs, open_source, write_config_yaml
+from moetrain.interop.hf.family import Copy, Entry, Family, has_fused_experts
+from moetrain.interop.hf.registry import choose_family, family_of, read_hf_config
+from moetrain.interop.sources import ExportTensors
+from moetrain.utils.files import atomic_write_text
+from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
+
+RECORD = "moetrain_conversion.json"
+"""What an export to Hugging Face cast and kept, written beside its config.json."""
+
+Job = tuple[TensorSpec, Callable[[], torch.Tensor]]
+
+
+@dataclass
+class ConversionReport:
+    out: Path
+    family: str
+    layout: str
+    """"per-expert" or "fused"."""
+    num_tensors: int
+    num_bytes: int
+    files: list[str]
+    cast: list[str] = field(default_factory=list)
+    """Tensors written in another dtype than their source's."""
+    kept_fp32: list[str] = field(default_factory=list)
+    """fp32 buffers (router selection bias) left in fp32 by a lower-precision export."""
+    skipped: list[str] = field(default_factory=list)
+    """Source tensors left out on purpose (DeepSeek's multi-token-prediction layers)."""
+
+    def lines(self) -> list[str]:
+        out = [(f"{self.family} ({self.layout} experts): {self.num_tensors} tensors, {self.num_bytes / 2**20:.1f} MiB "
+                f"in {len(self.files)} file(s) under {self.out}")]
+        if self.cast:
+            out.append(f"cast {len(self.cast)} tensors to the export dtype; kept in fp32: "
+                       + (", ".join(self.kept_fp32) if self.kept_fp32 else "none"))
+        if self.skipped:
+            out.append(f"skipped {len(self.skipped)} tensors of multi-token-prediction layers (moetrain trains "
+                       f"no MTP head), e.g. {self.skipped[0]}")
+        return out
+
+
+def _listed(names, what: str) -> list[str]:
+    names = sorted(names)
+    if not names:
+        return []
+    shown = ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+    return [f"{what}: {shown}"]
+
+
+def model_state_specs(model: ModelConfig, moe: MoEConfig) -> tuple[dict[str, tuple], dict[str, torch.dtype]]:
+    """``({name: shape} of the state dict, {name: dtype} of its persistent buffers)`` of the model
+    the configs build, from a meta-device instance (no memory, no init)."""
+    from moetrain.models.transformer import Transformer
+
+    with torch.device("meta"):
+        net = Transformer(model, moe=moe if model.is_moe else None)
+    shapes = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    params = {id(p) for p in net.parameters()}
+    buffers = {k: v.dtype for k, v in net.state_dict(keep_vars=True).items() if id(v) not in params}
+    return shapes, buffers
+
+
+# --- HF -> moetrain ---------------------------------------------------------------------------------
+
+
+def _import_jobs(entries: list[Entry], src: ExportTensors, dtype_of: Callable[[str], torch.dtype]) -> list[Job]:
+    jobs: list[Job] = []
+    for entry in entries:
+        if isinstance(entry, Copy):
+            spec = TensorSpec(entry.mt, src.shape(entry.hf), dtype_of(entry.mt))
+            jobs.append((spec, lambda e=entry, s=spec: src.get(e.hf).to(s.dtype)))
+            continue
+        gate, up, down = entry.proj
+        E = entry.num_experts
+        if entry.fused:
+            _, F2, D = src.shape(f"{entry.hf}.gate_up_proj")  # [E, 2F, D]: gate rows, then up rows
+            F = F2 // 2
+            halves = {"w1": slice(0, F), "w3": slice(F, F2)}
+            for w in ("w1", "w3"):
+                spec = TensorSpec(f"{entry.mt}.{w}", (E, D, F), dtype_of(f"{entry.mt}.{w}"))
+                jobs.append((spec, lambda e=entry, s=spec, h=halves[w]:
+                             src.get(f"{e.hf}.gate_up_proj")[:, h, :].transpose(1, 2).to(s.dtype)))
+            spec = TensorSpec(f"{entry.mt}.w2", (E, F, D), dtype_of(f"{entry.mt}.w2"))
+            jobs.append((spec, lambda e=entry, s=spec: src.get(f"{e.hf}.down_proj").transpose(1, 2).to(s.dtype)))
+            continue
+        F, D = src.shape(f"{entry.hf}.0.{gate}.weight")  # nn.Linear [out, in]
+        for w, proj, shape in (("w1", gate, (E, D, F)), ("w3", up, (E, D, F)), ("w2", down, (E, F, D))):
+            spec = TensorSpec(f"{entry.mt}.{w}", shape, dtype_of(f"{entry.mt}.{w}"))
+            jobs.append((spec, lambda e=entry, s=spec, p=proj: torch.stack(
+                [src.get(f"{e.hf}.{i}.{p}.weight").t().to(s.dtype) for i in range(e.num_experts)])))
+    return jobs
+
+
+def _hf_names(entries: list[Entry], *, exported_only: bool = False) -> list[str]:
+    out = []
+    for entry in entries:
+        if isinstance(entry, Copy):
+            if entry.export or not exported_only:
+                out.append(entry.hf)
+        else:
+            out.extend(entry.hf_names())
+    return out
+
+
+def _check_hf_names(family: Family, hf: dict, src: ExportTensors, entries: list[Entry],
+                    model: ModelConfig) -> list[str]:
+    """The HF tensors skipped on purpose; ValueError naming every missing and unexpected one."""
+    wanted = set(_hf_names(entries))
+    present = set(src.names())
+    skipped = sorted(n for n in present if family.skipped(n, hf))
+    ignored = {n for n in present if n.endswith("rotary_emb.inv_freq")}
+    if model.tie_embeddings:
+        ignored.add("lm_head.weight")  # transformers may write the tied copy too
+    problems = (_listed(wanted - present, "tensors it lacks")
+                + _listed(present - wanted - set(skipped) - ignored, "tensors with no moetrain place"))
+    if problems:
+        raise ValueError(f"{str(src.folder)!r} does not hold the {family.title} model its config.json describes: "
+                         + "; ".join(problems))
+    return skipped
+
+
+def _check_against_model(jobs: list[Job], shapes: dict[str, tuple], what: str) -> None:
+    planned = {spec.name: spec.shape for spec, _ in jobs}
+    problems = (_listed(set(shapes) - set(planned), "moetrain tensors it does not fill")
+                + _listed(set(planned) - set(shapes), "tensors the moetrain model lacks")
+                + _listed([f"{n} {planned[n]} vs {shapes[n]}" for n in planned if n in shapes and planned[n] != shapes[n]],
+                          "tensors of another shape"))
+    if problems:
+        raise ValueError(f"{what} does not match the moetrain model its configs build: " + "; ".join(problems))
+
+
+def _write(out: Path, jobs: list[Job], *, metadata: dict, max_shard_bytes: int | None) -> list[Path]:
+    with ShardedWriter(out, [spec for spec, _ in jobs], metadata=metadata, max_shard_bytes=max_shard_bytes) as w:
+        for spec, produce in jobs:
+            w.write(spec.name, produce())
+        return w.close()
+
+
+def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+              max_shard_bytes: int | None = None) -> ConversionReport:
+    """``moetrain convert --from-hf HF_DIR --to OUT``: the family comes from config.json's
+    ``model_type``. Parameters are written in ``dtype`` (fp32 by default: moetrain trains fp32
+    master weights); buffers keep the model's dtype (the fp32 selection bias)."""
+    hf_dir = Path(hf_dir)
+    hf = read_hf_config(hf_dir)
+    family = family_of(hf)
+    model, moe = family.configs_from_hf(hf)
+    src = ExportTensors(hf_dir)
+    fused = has_fused_experts(src.names())
+    entries = family.tensor_map(model, moe, fused=fused)
+    skipped = _check_hf_names(family, hf, src, entries, model)
+    shapes, buffers = model_state_specs(model, moe)
+    jobs = _import_jobs(entries, src, lambda name: buffers.get(name, dtype))
+    _check_against_model(jobs, shapes, f"{str(hf_dir)!r}")
+    out = Path(out_dir)
+    info = {"source": str(hf_dir), "hf_family": family.model_type}
+    files = _write(out, jobs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes)
+    write_config_yaml(out, {"model": _plain(model), "moe": _plain(moe)}, info)
+    if skipped:
+        warnings.warn(f"skipped {len(skipped)} tensors of multi-token-prediction layers ({skipped[0]}, ...): "
+                      "moetrain trains no MTP head", stacklevel=2)
+    return ConversionReport(out=out, family=family.title, layout="fused" if fused else "per-expert",
+                            num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
+                            files=[p.name for p in files], skipped=skipped)
+
+
+def _plain(cfg) -> dict:
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(cfg).items()}
+
+
+# --- moetrain -> HF ---------------------------------------------------------------------------------
+
+
+def _export_jobs(entries: list[Entry], src, dtype_of: Callable[[str], torch.dtype]) -> list[Job]:
+    jobs: list[Job] = []
+    for entry in entries:
+        if isinstance(entry, Copy):
+            if entry.export:
+                spec = TensorSpec(entry.hf, src.shape(entry.mt), dtype_of(entry.mt))
+                jobs.append((spec, lambda e=entry, s=spec: src.get(e.mt).to(s.dtype)))
+            continue
+        E, D, F = src.shape(f"{entry.mt}.w1")
+        dts = {w: dtype_of(f"{entry.mt}.{w}") for w in ("w1", "w3", "w2")}
+        if entry.fused:
+            assert dts["w1"] == dts["w3"], "gate and up stacks of one layer in different dtypes"
+            jobs.append((TensorSpec(f"{entry.hf}.gate_up_proj", (E, 2 * F, D), dts["w1"]), lambda e=entry, d=dts["w1"]:
+                         torch.cat([src.get(f"{e.mt}.w1").transpose(1, 2), src.get(f"{e.mt}.w3").transpose(1, 2)],
+                                   dim=1).to(d)))
+            jobs.append((TensorSpec(f"{entry.hf}.down_proj", (E, D, F), dts["w2"]),
+                         lambda e=entry, d=dts["w2"]: src.get(f"{e.mt}.w2").transpose(1, 2).to(d)))
+            continue
+        for i in range(E):
+            for w, proj, shape in (("w1", entry.proj[0], (F, D)), ("w3", entry.proj[1], (F, D)),
+                                   ("w2", entry.proj[2], (D, F))):
+                jobs.append((TensorSpec(f"{entry.hf}.{i}.{proj}.weight", shape, dts[w]),
+                             lambda e=entry, i=i, w=w, d=dts[w]: src.get_rows(f"{e.mt}.{w}", i, i + 1)[0].t().to(d)))
+    return jobs
+
+
+def _mt_names(entries: list[Entry]) -> set[str]:
+    return {n for e in entries for n in ([e.mt] if isinstance(e, Copy) else e.mt_names())}
+
+
+def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: str | None = None,
+              fused: bool = False, dtype: torch.dtype | None = None,
+              max_shard_bytes: int | None = None) -> ConversionReport:
+    """``moetrain convert SRC --to-hf OUT``: the family the run's config can be expressed in
+    (``family`` names one where several could), per-expert tensors unless ``fused``. ``dtype``
+    casts every tensor except the fp32 buffers (the router's selection bias, which bf16 would
+    round: DeepSeek-V3 keeps it fp32 too); None keeps the source dtypes."""
+    config, src, _ = open_source(source)
+    model, moe = model_configs(config)
+    fam = choose_family(model, moe, family)
+    hf_config = fam.hf_config_from(model, moe)
+    entries = fam.tensor_map(model, moe, fused=fused)
+    wanted, present = _mt_names(entries), set(src.names())
+    problems = (_listed(wanted - present, "tensors it lacks")
+                + _listed(present - wanted, f"tensors {fam.title} has no place for"))
+    if problems:
+        raise ValueError(f"{str(source)!r} cannot be written as {fam.title}: " + "; ".join(problems))
+    _, buffers = model_state_specs(model, moe)
+    cast, kept = [], []
+
+    def dtype_of(name: str) -> torch.dtype:
+        have = src.dtype(name)
+        if dtype is None or not have.is_floating_point or have == dtype:
+            return have
+        if name in buffers and have == torch.float32:
+            kept.append(name)
+            return have
+        cast.append(name)
+        return dtype
+
+    jobs = _export_jobs(entries, src, dtype_of)
+    bulk = Counter(s.dtype for s, _ in jobs if s.dtype.is_floating_point).most_common(1)
+    hf_config["dtype"] = hf_config["torch_dtype"] = str(bulk[0][0] if bulk else torch.float32).removeprefix("torch.")
+    out = Path(out_dir)
+    files = _write(out, jobs, metadata={"format": "pt"}, max_shard_bytes=max_shard_bytes)
+    tokenizer_files = _copy_tokenizer(config, out, hf_config)
+    atomic_write_text(out / "config.json", json.dumps(hf_config, indent=2, sort_keys=True) + "\n", durable=True)
+    report = ConversionReport(out=out, family=fam.title, layout="fused" if fused else "per-expert",
+                              num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
+                              files=[p.name for p in files] + tokenizer_files, cast=sorted(cast),
+                              kept_fp32=sorted(kept))
+    record = {"source": str(source), "family": fam.model_type, "layout": report.layout,
+              "dtype": hf_config["dtype"], "cast": report.cast, "kept_fp32": report.kept_fp32}
+    atomic_write_text(out / RECORD, json.dumps(record, indent=2) + "\n", durable=True)
+    return report
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+"""The files of a Hugging Face tokenizer folder that travel with an export."""
+
+
+def _copy_tokenizer(config: dict, out: Path, hf_config: dict) -> list[str]:
+    """A run that tokenised with a Hugging Face ``tokenizer.json`` (``--init-from-hf``) goes back with
+    it: the tokenizer files beside it are copied into ``out``, and the special-token ids of the
+    config.json beside it (the model it came from) are written into ``hf_config``. The files
+    written; none for moetrain's own tokenisers, which Hugging Face cannot load."""
+    tokenizer = str((config.get("data") or {}).get("tokenizer") or "")
+    if not tokenizer.endswith(".json") or not Path(tokenizer).is_file():
+        return []
+    folder = Path(tokenizer).parent
+    copied = []
+    for name in TOKENIZER_FILES:
+        src = Path(tokenizer) if name == "tokenizer.json" else folder / name
+        if src.is_file():
+            atomic_write_text(out / name, src.read_text(encoding="utf-8"), durable=True)
+            copied.append(name)
+    if (folder / "config.json").is_file():
+        origin = json.loads((folder / "config.json").read_text())
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if origin.get(key) is not None:
+                hf_config[key] = origin[key]
+    return copied

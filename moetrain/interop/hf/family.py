@@ -1,0 +1,262 @@
+"""What a Hugging Face MoE family is to the converter: its config both ways, what moetrain
+features it cannot hold, and the names of its tensors.
+
+A family's ``tensor_map`` lists every tensor pair as ``Copy`` (one HF tensor is one moetrain
+tensor, same layout) or ``Experts`` (one layer's routed experts: moetrain's stacked ``w1``/``w3``
+``[E, D, F]`` and ``w2`` ``[E, F, D]`` against HF's per-expert ``nn.Linear`` weights ``[out, in]``
+or the fused ``gate_up_proj [E, 2F, D]`` / ``down_proj [E, D, F]`` of transformers 5 modules).
+The converter (``moetrain.interop.hf.convert``) streams tensors through that list both ways.
+
+Shape legend: E experts, D model dim, F expert hidden dim.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+from moetrain.config.base import require
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+
+
+@dataclass(frozen=True)
+class Copy:
+    """``hf`` and ``mt`` hold the same tensor. ``export=False``: read on import only (the LM head
+    of a tied model is the embedding; HF does not store it twice)."""
+
+    hf: str
+    mt: str
+    export: bool = True
+
+
+@dataclass(frozen=True)
+class Experts:
+    """One layer's routed experts. Per-expert HF names: ``{hf}.{e}.{gate|up|down}.weight`` with
+    ``proj = (gate, up, down)`` (``("w1", "w3", "w2")`` for Mixtral); fused: ``{hf}.gate_up_proj``
+    (gate rows, then up rows) and ``{hf}.down_proj``. ``mt``: ``layers.L.feed_forward.experts``."""
+
+    hf: str
+    mt: str
+    proj: tuple[str, str, str]
+    num_experts: int
+    fused: bool
+
+    def hf_names(self) -> list[str]:
+        if self.fused:
+            return [f"{self.hf}.gate_up_proj", f"{self.hf}.down_proj"]
+        return [f"{self.hf}.{e}.{p}.weight" for e in range(self.num_experts) for p in self.proj]
+
+    def mt_names(self) -> list[str]:
+        return [f"{self.mt}.w1", f"{self.mt}.w3", f"{self.mt}.w2"]
+
+
+Entry = Copy | Experts
+
+
+class Family:
+    """Base of the families; a subclass fills in the class attributes and the four methods."""
+
+    model_type: str = ""
+    """``config.json`` ``model_type`` this family reads and writes."""
+    architecture: str = ""
+    """``architectures[0]`` of the written ``config.json``."""
+    title: str = ""
+
+    def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
+        raise NotImplementedError
+
+    def problems(self, model: ModelConfig, moe: MoEConfig) -> list[str]:
+        """What of ``model``/``moe`` this family cannot express, one line each; [] = nothing."""
+        raise NotImplementedError
+
+    def hf_config(self, model: ModelConfig, moe: MoEConfig) -> dict:
+        """``config.json`` of ``model``/``moe`` (assumes ``problems`` is empty)."""
+        raise NotImplementedError
+
+    def tensor_map(self, model: ModelConfig, moe: MoEConfig, *, fused: bool) -> list[Entry]:
+        raise NotImplementedError
+
+    def skipped(self, hf_name: str, hf: dict) -> bool:
+        """HF tensors the import leaves out on purpose (DeepSeek's multi-token-prediction layers)."""
+        return False
+
+    def hf_config_from(self, model: ModelConfig, moe: MoEConfig) -> dict:
+        """``hf_config`` after checking ``problems``: ValueError naming every moetrain field this
+        family cannot express."""
+        found = self.problems(model, moe)
+        if found:
+            raise ValueError(f"this model cannot be written as {self.title} ({self.model_type}): " + "; ".join(found))
+        if moe.capacity_factor is not None:
+            warnings.warn(f"moe.capacity_factor ({moe.capacity_factor}) is dropped: {self.title} is dropless, so "
+                          "outputs differ wherever capacity would have dropped tokens", stacklevel=3)
+        return self.hf_config(model, moe)
+
+
+# --- config helpers shared by the families ---------------------------------------------------------
+
+
+def hf_require(ok: bool, hf: dict, key: str, rule: str) -> None:
+    require(ok, f"config.json {key}", hf.get(key), rule)
+
+
+def rope_theta(hf: dict, default: float = 10000.0) -> float:
+    """The rotary base of ``config.json``; ValueError for any rope scaling (yarn, linear, dynamic,
+    longrope, llama3): moetrain implements plain RoPE."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    require(kind == "default", "config.json rope_parameters.rope_type", kind,
+            'must be "default": moetrain implements plain RoPE, no rope scaling (yarn, linear, dynamic, ...)')
+    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+
+
+def backbone_fields(hf: dict, *, default_theta: float = 10000.0) -> dict:
+    """The ModelConfig fields every family reads the same way."""
+    act = hf.get("hidden_act", "silu")
+    hf_require(act in ("silu", "swish"), hf, "hidden_act", 'must be "silu" (SwiGLU MLPs)')
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        hf_require(isinstance(hf.get(key), int) and hf[key] > 0, hf, key, "must be a positive int")
+    heads = hf["num_attention_heads"]
+    return {"vocab_size": hf["vocab_size"], "dim": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
+            "num_heads": heads, "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
+            "max_seq_len": int(hf.get("max_position_embeddings", 4096)), "activation": "swiglu",
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta(hf, default_theta),
+            "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+            "init_std": float(hf.get("initializer_range", 0.02)), "head": "lm"}
+
+
+def check_no_sliding_window(hf: dict) -> None:
+    if hf.get("use_sliding_window"):
+        raise ValueError(f"config.json use_sliding_window ({hf['use_sliding_window']!r}) must be false: "
+                         "moetrain has no sliding-window attention")
+
+
+def backbone_config(model: ModelConfig, *, family: Family) -> dict:
+    """The config.json entries every family writes the same way."""
+    return {"architectures": [family.architecture], "model_type": family.model_type,
+            "vocab_size": model.vocab_size, "hidden_size": model.dim, "num_hidden_layers": model.num_layers,
+            "num_attention_heads": model.num_heads, "num_key_value_heads": model.resolved_num_kv_heads,
+            "hidden_act": "silu", "max_position_embeddings": model.max_seq_len, "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta,  # read by transformers 4
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},  # transformers 5
+            "tie_word_embeddings": model.tie_embeddings, "initializer_range": model.init_std,
+            "attention_dropout": 0.0, "use_cache": True, "output_router_logits": False,
+            # Token ids belong to a tokenizer, not to the model: None unless the converter knows
+            # them (from the folder the run was initialised from).
+            "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": "float32"}
+
+
+def backbone_problems(model: ModelConfig, moe: MoEConfig, *, family: str) -> list[str]:
+    """What no family here can express: a classifier head, GELU MLPs, expert-choice routing, and
+    the attention features checked by each family itself."""
+    out = []
+    if model.head != "lm":
+        out.append(f"model.head ({model.head!r}) must be \"lm\" ({family} is a causal LM)")
+    if moe.activation != "swiglu":
+        out.append(f"moe.activation ({moe.activation!r}) must be \"swiglu\" ({family} experts are SwiGLU)")
+    dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    if dense and model.activation != "swiglu":
+        out.append(f"model.activation ({model.activation!r}) must be \"swiglu\" ({family} dense MLPs are SwiGLU)")
+    if moe.router == "expert_choice":
+        out.append(f"moe.router ({moe.router!r}) has no {family} equivalent (token-choice routing)")
+    if model.document_separator is not None:
+        out.append(f"model.document_separator ({model.document_separator!r}) must be None ({family} attends "
+                   "across documents)")
+    return out
+
+
+def attention_problems(model: ModelConfig, *, family: str, qk_norm: str = "none", qkv_bias: bool = False,
+                       clip_qkv: bool = False, head_dim: bool = True) -> list[str]:
+    """What standard attention of ``family`` cannot express: MLA, the q/k norm it does not have,
+    biases and clipping it lacks, interleaved rope, a head dim other than dim / heads (``head_dim``
+    False)."""
+    out = []
+    if model.attention != "mha":
+        out.append(f"model.attention ({model.attention!r}) must be \"mha\" ({family} has standard attention)")
+    if model.qk_norm != qk_norm:
+        out.append(f"model.qk_norm ({model.qk_norm!r}) must be {qk_norm!r} for {family}")
+    if model.qkv_bias and not qkv_bias:
+        out.append(f"model.qkv_bias (true): {family} has no q/k/v biases")
+    if model.clip_qkv is not None and not clip_qkv:
+        out.append(f"model.clip_qkv ({model.clip_qkv}) must be None ({family} does not clip)")
+    if model.rope_interleave:
+        out.append(f"model.rope_interleave (true) must be false ({family} rotates halves)")
+    if not head_dim and model.resolved_head_dim != model.dim // model.num_heads:
+        out.append(f"model.head_dim ({model.head_dim}) must be model.dim / model.num_heads "
+                   f"({model.dim // model.num_heads}) for {family}")
+    return out
+
+
+def softmax_routing_problems(moe: MoEConfig, *, family: str, shared_gate: bool = False) -> list[str]:
+    """What the softmax top-k families (Mixtral, Qwen, OLMoE) cannot express: sigmoid scores, a
+    selection bias, group-limited routing, a routed scaling factor, a gated shared expert
+    (unless ``shared_gate``)."""
+    out = []
+    if moe.router != "softmax":
+        out.append(f"moe.router ({moe.router!r}) must be \"softmax\" ({family}'s routing)")
+    if moe.has_expert_bias:
+        out.append(f"moe.expert_bias / moe.router_bias_update_rate: {family} has no selection bias")
+    if moe.num_expert_groups != 1:
+        out.append(f"moe.num_expert_groups ({moe.num_expert_groups}) must be 1 ({family} has no group-limited "
+                   "routing)")
+    if moe.routed_scaling_factor != 1:
+        out.append(f"moe.routed_scaling_factor ({moe.routed_scaling_factor}) must be 1.0 ({family} does not scale "
+                   "the routed output)")
+    if moe.shared_expert_gate and not shared_gate:
+        out.append(f"moe.shared_expert_gate (true): {family} has no gated shared expert")
+    return out + top_k_problems(moe, family=family)
+
+
+def top_k_problems(moe: MoEConfig, *, family: str) -> list[str]:
+    # HF renormalises a single top-1 weight to 1.0; moetrain keeps the router probability there
+    # so that the router still gets a gradient: the two models would differ.
+    if moe.renormalize and moe.top_k == 1:
+        return [(f"moe.top_k (1) with moe.renormalize (true) differs from {family}'s norm_topk_prob "
+                 "(weight 1.0): set moe.renormalize=false or top_k >= 2")]
+    return []
+
+
+def layer_kinds(model: ModelConfig) -> list[bool]:
+    """Whether each block is MoE."""
+    return [model.is_moe_layer(i) for i in range(model.num_layers)]
+
+
+# --- tensor-map helpers ----------------------------------------------------------------------------
+
+
+def embedding_entries(model: ModelConfig) -> list[Entry]:
+    out: list[Entry] = [Copy("model.embed_tokens.weight", "tok_embeddings.weight"),
+                        Copy("model.norm.weight", "norm.weight")]
+    if model.tie_embeddings:
+        out.append(Copy("model.embed_tokens.weight", "output.weight", export=False))
+    else:
+        out.append(Copy("lm_head.weight", "output.weight"))
+    return out
+
+
+def norm_entries(i: int) -> list[Entry]:
+    return [Copy(f"model.layers.{i}.input_layernorm.weight", f"layers.{i}.attention_norm.weight"),
+            Copy(f"model.layers.{i}.post_attention_layernorm.weight", f"layers.{i}.ffn_norm.weight")]
+
+
+def attention_entries(i: int, model: ModelConfig) -> list[Entry]:
+    """Standard (q, k, v, o) attention, with the optional qkv biases and q/k norms."""
+    hf, mt = f"model.layers.{i}.self_attn.", f"layers.{i}.attention."
+    out: list[Entry] = [Copy(f"{hf}{p}_proj.weight", f"{mt}w{p}.weight") for p in "qkvo"]
+    if model.qkv_bias:
+        out += [Copy(f"{hf}{p}_proj.bias", f"{mt}w{p}.bias") for p in "qkv"]
+    if model.qk_norm != "none":
+        out += [Copy(f"{hf}{p}_norm.weight", f"{mt}{p}_norm.weight") for p in "qk"]
+    return out
+
+
+def mlp_entries(hf: str, mt: str) -> list[Entry]:
+    """A SwiGLU MLP ``gate_proj``/``up_proj``/``down_proj`` <-> moetrain ``w1``/``w3``/``w2``."""
+    return [Copy(f"{hf}.{h}.weight", f"{mt}.{m}.weight")
+            for h, m in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2"))]
+
+
+def has_fused_experts(names) -> bool:
+    """Whether a file stores experts in the fused transformers-5 layout."""
+    return any(n.endswith(".experts.gate_up_proj") for n in names)

@@ -1,0 +1,130 @@
+"""Model surgery on full tensors: growing a trained MoE's experts, and folding LoRA adapters into
+the base weights for export.
+
+    moetrain experts grow RUN --num-experts 2E --to DIR [--top-k 2K] [--noise 0.01] [--seed 0]
+
+Growing E -> f*E experts (f an integer): grown expert ``f*e + c`` (copy c = 0..f-1) is a copy of
+expert e, and so is its router row, its per-expert learning-rate scale and its selection bias
+(``expert_bias``; divided by f under a softmax router, whose probabilities the copies split f ways:
+``p/f + b/f`` ranks the experts as ``p + b`` did, where ``p/f + b`` would not; a sigmoid router's
+scores do not shrink, so its bias is copied as it is). Copies sit next to each other so that under expert parallelism every copy of
+an expert lands on the ep rank that held the original (each rank holds a whole number of
+originals' copy-blocks whenever ep divides E), and a group of group-limited routing holds the
+copies of whole original groups. ``noise`` adds ``noise * std(tensor) * N(0, 1)`` to every copy but
+the first (c >= 1) of the expert weights and router rows (std of the layer's whole tensor, drawn
+per tensor from ``(seed, name)``): copy 0 stays the trained expert, the others start close to it
+and drift apart as their routers see different tokens.
+
+Identity (noise 0): with ``top_k`` scaled by f as well, every token picks the f copies of each of
+its K experts (copies tie and rank next to each other); softmax spreads each expert's probability
+evenly over its copies, and with renormalised gates the f copies' weights sum to the original
+weight, so the output is the original model's up to rounding. Keeping ``top_k`` instead changes
+the function: a token then picks the copies of fewer distinct experts (K copies of about K/f
+experts), and the load-balancing loss counts f*E experts.
+
+The output is a moetrain export (``write_export``): it starts a run at any layout through
+``checkpoint.init_from``. The optimizer state does not carry over (no AdamW moments for the copies).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from moetrain.config.convert import build_section
+from moetrain.config.finetune import FinetuneConfig
+from moetrain.interop.export import load_source, model_configs, without_adapters, write_export
+from moetrain.models.lora import merge_lora
+
+EXPERT_TENSORS = ("experts.",)
+"""State-dict names under an MoE layer that are stacked ``[E, ...]`` per expert (weights, adapters)."""
+PER_EXPERT = ("router.gate.weight", "router.expert_bias", "expert_lr_scale")
+"""Other per-expert state of an MoE layer, ``[E, ...]`` in expert order."""
+NOISY = ("experts.w1", "experts.w2", "experts.w3", "router.gate.weight")
+"""Where ``noise`` goes: the expert weights and the router rows (not the adapters, biases, scales)."""
+
+
+def _moe_prefixes(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """``layers.L.feed_forward.`` of every MoE layer: the owners of ``experts.w1``."""
+    suffix = "experts.w1"
+    return sorted(n[: -len(suffix)] for n in state_dict if n.endswith(suffix))
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.blake2b(f"grow/{seed}/{name}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def _grow_tensor(name: str, t_E: torch.Tensor, factor: int, *, noise: float, seed: int) -> torch.Tensor:
+    """``[E, ...] -> [f*E, ...]``: row ``f*e + c`` is row e, plus noise on copies c >= 1."""
+    grown = t_E.repeat_interleave(factor, dim=0)
+    if noise > 0:
+        std = float(t_E.float().std()) if t_E.numel() > 1 else 0.0
+        draw = torch.randn(grown.shape, generator=_generator(seed, name), dtype=torch.float32)
+        draw[::factor] = 0.0  # copy 0 of each expert stays exact
+        grown = (grown.float() + noise * std * draw).to(t_E.dtype)
+    return grown
+
+
+def grow_experts(config: dict, state_dict: dict[str, torch.Tensor], *, num_experts: int, top_k: int | None = None,
+                 noise: float = 0.0, seed: int = 0) -> tuple[dict, dict[str, torch.Tensor]]:
+    """``(config, state_dict)`` of the model with ``num_experts`` experts per MoE layer (an
+    integer multiple of moe.num_experts), each a copy of an original (see the module docstring).
+    ``top_k`` sets moe.top_k of the grown model (None keeps it). Full tensors in, full tensors out;
+    the config's other sections are kept."""
+    model_cfg, moe_cfg = model_configs(config)
+    old = moe_cfg.num_experts
+    if not model_cfg.is_moe:
+        raise ValueError("experts grow: the source is a dense model (model.moe_every = 0): no experts to grow")
+    if not (isinstance(num_experts, int) and num_experts > old and num_experts % old == 0):
+        raise ValueError(f"--num-experts ({num_experts}) must be a multiple (> 1x) of the source's moe.num_experts ({old})")
+    if not (isinstance(noise, (int, float)) and noise >= 0):
+        raise ValueError(f"--noise ({noise!r}) must be >= 0 (a fraction of each tensor's std)")
+    factor = num_experts // old
+    new_config = copy.deepcopy(config)
+    moe = new_config.setdefault("moe", {})
+    moe["num_experts"] = num_experts
+    if top_k is not None:
+        moe["top_k"] = top_k
+    model_configs(new_config)  # the grown model/moe sections must be valid (top_k <= experts, groups, ...)
+
+    prefixes = _moe_prefixes(state_dict)
+    if len(prefixes) != len(model_cfg.moe_layer_ids):
+        raise ValueError(f"experts grow: the source has {len(prefixes)} MoE layers with experts.w1, its config "
+                         f"{len(model_cfg.moe_layer_ids)}")
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state_dict.items():
+        prefix = next((p for p in prefixes if name.startswith(p)), None)
+        local = name[len(prefix):] if prefix is not None else ""
+        if prefix is None or not (local.startswith(EXPERT_TENSORS) or local in PER_EXPERT):
+            out[name] = t
+            continue
+        if t.shape[0] != old:
+            raise ValueError(f"experts grow: {name} has {t.shape[0]} rows, moe.num_experts is {old}")
+        if local == "router.expert_bias" and moe_cfg.router == "softmax":
+            t = t / factor
+        out[name] = _grow_tensor(name, t, factor, noise=noise if local in NOISY else 0.0, seed=seed)
+    return new_config, out
+
+
+def grow_source(source: str | os.PathLike, out_dir: str | os.PathLike, *, num_experts: int, top_k: int | None = None,
+                noise: float = 0.0, seed: int = 0) -> Path:
+    """``moetrain experts grow``: read ``source`` (a run folder, checkpoint or export, saved at any
+    layout), grow its experts and write the export ``out_dir``."""
+    config, state_dict, info = load_source(source)
+    new_config, grown = grow_experts(config, state_dict, num_experts=num_experts, top_k=top_k, noise=noise, seed=seed)
+    old = (config.get("moe") or {}).get("num_experts")
+    info = {**info, "grown_from_num_experts": old, "grow_noise": noise, "grow_seed": seed}
+    return write_export(out_dir, config=new_config, state_dict=grown, info=info)
+
+
+def merge_lora_export(config: dict, state_dict: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A fine-tuning run's ``(config, full tensors)`` as the plain model's: adapters folded into
+    their base weights (``merge_lora`` with the config's finetune section) and the finetune section
+    reset to its defaults (no adapters), so the result builds and loads as a plain model."""
+    finetune = build_section(FinetuneConfig, "finetune", dict(config.get("finetune") or {}))
+    return without_adapters(copy.deepcopy(config)), merge_lora(state_dict, finetune)

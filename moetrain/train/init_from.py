@@ -1,0 +1,70 @@
+"""Start a run from the weights of a moetrain export (``checkpoint.init_from``): continued
+pre-training or fine-tuning of a converted Hugging Face model at any parallel layout.
+
+``load_initial_weights(model, path)`` runs on every rank after ``parallelize`` (and after the
+model's own init, which it overwrites). Each tensor is read alone from the export's safetensors
+(no pickle, no memory map of the whole file) and copied into its parameter or buffer; a DTensor
+(experts sharded over ep, FSDP2 shards over dp) receives only its own shard, cut locally from the
+full tensor every rank has read (``src_data_rank=None``: no communication). Memory holds one full
+tensor at a time.
+
+Before anything is copied the export is compared with the model: one ValueError lists every
+missing, unexpected and mis-shaped name. Each tensor keeps its model dtype (``copy_`` casts): an
+fp32 buffer (the router's selection bias) stays fp32 whatever the export stored.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from moetrain.models.lora import is_lora_name
+from moetrain.utils.safetensors_io import SafetensorsFolder
+
+
+def _listed(names, what: str) -> list[str]:
+    names = sorted(names)
+    if not names:
+        return []
+    return [f"{what}: " + ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")]
+
+
+def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer by state-dict name; a tied weight under each name."""
+    return dict(model.state_dict(keep_vars=True))
+
+
+@torch.no_grad()
+def load_initial_weights(model: nn.Module, path: str | os.PathLike) -> int:
+    """Copy the export at ``path`` into ``model`` (plain or parallelized: pass the unwrapped
+    module whose state-dict names are moetrain's). Returns the number of tensors copied."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"checkpoint.init_from ({str(path)!r}) must be a moetrain export folder (moetrain export / "
+                         "moetrain convert --from-hf writes one)")
+    src = SafetensorsFolder(path)
+    targets = _targets(model)
+    saved = set(src.names())
+    # LoRA adapters added for fine-tuning are new: they keep their own init when the export lacks them.
+    problems = (_listed({n for n in set(targets) - saved if not is_lora_name(n)}, "missing")
+                + _listed(saved - set(targets), "not in this model")
+                + _listed([f"{n} (export {src.info(n).shape}, model {tuple(t.shape)})" for n, t in targets.items()
+                           if n in saved and src.info(n).shape != tuple(t.shape)], "of another shape"))
+    if problems:
+        raise ValueError(f"checkpoint.init_from ({str(path)!r}) does not match the model: " + "; ".join(problems)
+                         + ". Was it exported from a model with other model/moe settings?")
+    done: set[int] = set()
+    for name, target in targets.items():
+        if id(target) in done or name not in saved:
+            continue  # a tied weight (the same tensor under a second name), or a fresh adapter
+        done.add(id(target))
+        full = src.get(name)
+        if isinstance(target, DTensor):
+            full = distribute_tensor(full.to(target.dtype), target.device_mesh, target.placements, src_data_rank=None)
+        target.copy_(full)
+    return len(done)

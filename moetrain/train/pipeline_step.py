@@ -1,0 +1,196 @@
+"""One optimizer step's forward and backward under a pipeline schedule (parallel.pp > 1).
+
+    step = PipelineStep(pm, dims, schedule="1f1b", num_microbatches=grad_accum, device=device)
+    loss_sum, aux_sum = step.forward_backward(input_ids_BS, labels_BS)   # the step's M micro-batches, stacked
+    norm = step.clip_grad_norm_(params, max_norm)                       # over every stage
+    ...                                                                 # optimizer.step() as usual
+    metrics.update(step.metrics(balancer))                              # at log steps (collective over pp)
+
+The micro-batches are the gradient-accumulation steps: the trainer stacks its ``grad_accum``
+loader batches into one ``[M * B, S]`` batch and the schedule cuts it back into the same M
+micro-batches, so a pipelined step sees exactly the data of an unpipelined one. The objective
+is the same too, ``mean over micro-batches of (lm loss + aux loss)``: the loss function weighs
+each micro-batch's cross-entropy by ``1 / M`` and every stage hands its MoE aux losses the
+gradient ``1 / M`` (``moetrain.distributed.pipeline_parallel.AuxLossScaler``), both times the fp16
+loss scale when there is one. Routing statistics need nothing extra: every stage's MoE layers
+run every micro-batch and count it into their step buffers, which the balancer's pre-step hook
+reads once per step as without pipelining.
+
+The returned sums are the same on every rank: the lm loss exists on the last stage, the aux loss
+in pieces on every stage, and one all-reduce over the pp group adds them up.
+
+Shape legend: M micro-batches, B micro-batch size, S sequence, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.pipeline_grads import clip_pipeline_grad_norm_, reduce_stage_gradients
+from moetrain.distributed.pipeline_parallel import PipelineModel, build_schedule, forward_only
+from moetrain.distributed.utils import mean_over_dp
+from moetrain.models.transformer import IGNORE_INDEX
+from moetrain.train.precision import autocast_context
+
+
+class PipelineStep:
+    """The schedule of one rank's stages and the per-step bookkeeping around it.
+
+    ``pp_group`` defaults to ``dims.pp_group``; ``zero_stage`` 0/1 reduces the stage gradients
+    over dp after the schedule (2/3: FSDP2 did it inside)."""
+
+    def __init__(self, pm: PipelineModel, dims: ParallelDims, *, schedule: str, num_microbatches: int,
+                 device: torch.device, dtype: str = "fp32", zero_stage: int = 0,
+                 pp_group: dist.ProcessGroup | None = None) -> None:
+        self.pm, self.dims, self.device, self.dtype = pm, dims, device, dtype
+        self.num_microbatches, self.zero_stage = num_microbatches, zero_stage
+        self.pp_group = pp_group if pp_group is not None else dims.pp_group
+        self.holds_first = 0 in pm.stage_ids
+        self.holds_last = pm.num_stages - 1 in pm.stage_ids
+        self._loss_weight = 1.0 / num_microbatches
+        self._raw_losses: dict[int, torch.Tensor] = {}
+        self.schedule = build_schedule(pm, schedule=schedule, num_microbatches=num_microbatches,
+                                       pp_group=self.pp_group, device=device, loss_fn=self._loss)
+        self._step_seconds = 0.0
+        self._steps = 0
+
+    def _loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
+        # Cross-entropy in fp32, as Transformer.forward computes it.
+        loss = F.cross_entropy(logits_BSV.float().flatten(0, -2), labels_BS.flatten(), ignore_index=IGNORE_INDEX)
+        # Keyed by the weighted output the schedule keeps: its shape inference calls this too.
+        self._raw_losses[id(out := loss * self._loss_weight)] = loss.detach()
+        return out
+
+    def forward_backward(self, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, *,
+                         loss_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the schedule over the step's micro-batches (stacked along the batch) and leave the
+        gradients of this rank's stages reduced over dp. Returns ``(sum over micro-batches of the
+        lm loss, the same of the aux loss)``, fp32, equal on every rank. Collective."""
+        M = self.num_microbatches
+        if input_ids_BS.shape[0] % M != 0:
+            raise ValueError(f"the step's batch ({input_ids_BS.shape[0]} sequences) must split into "
+                             f"{M} equal micro-batches")
+        self._loss_weight = loss_scale / M
+        for chunk in self.pm.chunks:
+            chunk.aux_grad_scale = loss_scale / M
+        self._raw_losses = {}
+        kwargs = {}
+        if self.pm.config.document_separator is not None:
+            kwargs["tokens_BS"] = input_ids_BS
+        args = (input_ids_BS,) if self.holds_first else ()
+        target = labels_BS if self.holds_last else None
+        t0 = time.perf_counter()
+        with autocast_context(self.device, self.dtype):
+            losses: list[torch.Tensor] = []
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
+        if self.zero_stage < 2:
+            reduce_stage_gradients(self.pm, self.dims)
+        self._step_seconds += time.perf_counter() - t0
+        self._steps += 1
+        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if losses:  # the rank holding the last stage: one loss per micro-batch
+            sums[0] = torch.stack([self._raw_losses[id(w)] for w in losses]).double().sum()
+        self._raw_losses = {}
+        for chunk in self.pm.chunks:
+            sums[1] += chunk.pop_aux_sum()
+        dist.all_reduce(sums, group=self.pp_group)
+        return sums[0].float(), sums[1].float()
+
+    def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """Clip by the norm of the whole model's gradient (every stage's, dp/ep shards counted
+        once); returns the norm before clipping. Collective."""
+        return clip_pipeline_grad_norm_(params, max_norm, self.pp_group)
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> dict:
+        """``evaluate_lm``'s metrics (mean next-token loss of ``batches``, averaged over dp) with
+        the batches run stage after stage. Every rank of a pp group reads the same batches."""
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        num = 0
+        for input_ids_BS, labels_BS in batches:
+            input_ids_BS, labels_BS = input_ids_BS.to(self.device), labels_BS.to(self.device)
+            tokens = input_ids_BS if self.pm.config.document_separator is not None else None
+            with autocast_context(self.device, self.dtype):
+                logits = forward_only(self.pm, input_ids_BS, self.pp_group, tokens)
+            if logits is not None:
+                total += F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(),
+                                         ignore_index=IGNORE_INDEX)
+            num += 1
+        dist.all_reduce(total, group=self.pp_group)  # the last stage's loss to every rank
+        val_loss = mean_over_dp(total / max(num, 1), self.dims).item()
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+
+    def metrics(self, balancer=None) -> dict:
+        """Per-stage timings since the last call, ``pp_time/stage<s>_forward`` and ``_backward``
+        (compute seconds per step on the stage's rank) and ``pp_time/rank<r>_step`` (the whole
+        schedule step of pp rank r, bubble and transfers included), plus the balancer's expert
+        metrics of every stage's MoE layers in layer order. Collective over the pp group."""
+        mine: dict[str, float] = {}
+        steps = max(self._steps, 1)
+        for chunk in self.pm.chunks:
+            for key, value in chunk.timer.read().items():
+                if key.startswith("comm_time/"):
+                    mine[f"pp_time/{key[len('comm_time/'):]}"] = value / steps
+        rank = dist.get_rank(self.pp_group)
+        mine[f"pp_time/rank{rank}_step"] = self._step_seconds / steps
+        self._step_seconds, self._steps = 0.0, 0
+        layers = balancer.metrics() if balancer is not None else {}
+        names = [name for name, _ in balancer.named_layers] if balancer is not None else []
+        gathered: list = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(gathered, (mine, names, layers), group=self.pp_group)
+        out: dict = {}
+        for timings, _, _ in gathered:
+            out.update(timings)
+        out.update(merge_layer_metrics([(n, m) for _, n, m in gathered]))
+        return out
+
+
+def merge_layer_metrics(per_stage: list[tuple[list[str], dict]]) -> dict:
+    """The balancer metrics of several stages as one model's: each stage's per-layer lists
+    (``expert_share``, ``load_cv``, ...) joined in model layer order (layers named
+    ``layers.<i>....``); entries that are not per-layer lists are taken from the first stage
+    that has them."""
+    order: list[tuple[int, int, int]] = []  # (layer index, stage, position in the stage)
+    for s, (names, _) in enumerate(per_stage):
+        order += [(int(name.split(".")[1]), s, j) for j, name in enumerate(names)]
+    order.sort()
+    out: dict = {}
+    keys = dict.fromkeys(k for _, m in per_stage for k in m)
+    for key in keys:
+        per_layer = all(isinstance(m.get(key), list) and len(m[key]) == len(n) for n, m in per_stage if m)
+        if per_layer:
+            out[key] = [per_stage[s][1][key][j] for _, s, j in order]
+        else:
+            out[key] = next(m[key] for _, m in per_stage if key in m)
+    return out
+
+
+def build_pipeline(model, dims: ParallelDims, cfg, *, grad_accum: int, device: torch.device
+                   ) -> tuple[PipelineModel, PipelineStep]:
+    """This rank's stages of ``model`` parallelised as ``parallelize`` would (EP, checkpointing,
+    compile, FSDP2 at ZeRO 2/3), and the step that runs them under ``parallel.pp_schedule``."""
+    from moetrain.distributed.data_parallel import zero_settings
+    from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+
+    p, t = cfg.parallel, cfg.train
+    pm = build_pipeline_model(model, pp_rank=dims.pp_rank, pp=p.pp, virtual_stages=p.pp_virtual_stages,
+                              split=p.pp_split, seq_len=cfg.data.seq_len)
+    parallelize_pipeline(pm, dims, activation_checkpointing=t.activation_checkpointing,
+                         activation_checkpointing_every=t.activation_checkpointing_every, compile=t.compile,
+                         grad_compression=cfg.dp.grad_compression, **zero_settings(cfg))
+    step = PipelineStep(pm, dims, schedule=p.pp_schedule, num_microbatches=grad_accum, device=device,
+                        dtype=t.dtype, zero_stage=p.zero_stage)
+    return pm, step
+
+
+def next_step_batch(loader, grad_accum: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's ``grad_accum`` loader micro-batches stacked into one ``[M * B, S]`` batch, which the
+    schedule cuts back into the same micro-batches."""
+    batches = [loader.next_batch() for _ in range(grad_accum)]
+    return tuple(torch.cat([b[i] for b in batches]).to(device) for i in (0, 1))

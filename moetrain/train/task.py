@@ -1,0 +1,67 @@
+"""What differs between the two tasks a run can train: language modelling (``model.head = "lm"``) over a
+token stream, and classification (``model.head = "classifier"``) over labelled examples. Both go
+through the same trainer, layouts and checkpoints; here are their data and loaders."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from moetrain.config import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.data import prepare_data
+from moetrain.data.classify_data import prepare_labelled
+from moetrain.data.registry import CORPORA
+from moetrain.distributed import runtime
+from moetrain.models.lora import apply_lora
+from moetrain.models.transformer import Transformer
+
+
+def is_classifier(cfg: JobConfig) -> bool:
+    return cfg.model.head == "classifier"
+
+
+def build_task_data(cfg: JobConfig, *, is_main: bool):
+    """The prepared data of ``cfg``'s task: labelled splits (``PreparedLabelled``) for a classifier, token
+    streams (``PreparedData``) for a language model. Rank 0 fetches and tokenises (once, then cached);
+    the others wait and read the cache."""
+    corpus = CORPORA.get(cfg.data.corpus)
+    if not is_classifier(cfg) and corpus is not None and corpus.is_labelled:
+        raise ValueError(f"data.corpus ({cfg.data.corpus!r}) is a labelled corpus for classification: set "
+                         "model.head=classifier and model.num_classes")
+
+    def prepare(download: bool):
+        if is_classifier(cfg):
+            return prepare_labelled(cfg.data, cfg.classify, download=download)
+        return prepare_data(cfg.data, download=download)
+
+    data = prepare(True) if is_main else None
+    runtime.barrier()
+    return data if is_main else prepare(False)
+
+
+def build_loaders(cfg: JobConfig, data, *, grad_accum: int, dp_rank: int, dp_size: int):
+    """(train loader, validation loader) of this rank. The train loader's position counts optimizer
+    steps of the global batch, so a checkpoint resumes at another data-parallel size on the same
+    batches (the accumulation adapts). A classifier has no validation loader: it evaluates whole
+    splits (``moetrain.train.evaluate.evaluate_classifier``)."""
+    t = cfg.train
+    args = {"global_batch_size": t.global_batch_size, "micro_steps": grad_accum, "dp_rank": dp_rank,
+            "dp_size": dp_size, "seed": t.seed}
+    if is_classifier(cfg):
+        c = cfg.classify
+        return data.train_loader(**args, balanced=c.balanced_sampling, token_dropout=c.token_dropout), None
+    val = data.val_loader(global_batch_size=t.micro_batch_size * dp_size, dp_rank=dp_rank, dp_size=dp_size)
+    return data.train_loader(**args), val
+
+
+def build_model(cfg: JobConfig, data) -> tuple[ModelConfig, Transformer]:
+    """The resolved model config and the full single-device model of ``cfg`` for ``data`` (the
+    vocabulary from its tokenizer, the document separator from its end-of-text id), LoRA adapters
+    included: what training and `moetrain eval` both build before ``parallelize``. Every rank builds it
+    from the same seed, so the global weights are the same for every layout."""
+    model_config = cfg.model.with_vocab_size(data.vocab_size)
+    if cfg.data.document_mask:  # attention within each packed document (the data's eos id)
+        model_config = dataclasses.replace(model_config, document_separator=data.document_separator)
+    model = Transformer(model_config, moe=cfg.moe if model_config.is_moe else None, seed=cfg.train.seed)
+    apply_lora(model, cfg.finetune, seed=cfg.train.seed)  # adapters + frozen base; no-op at lora_rank 0
+    return model_config, model

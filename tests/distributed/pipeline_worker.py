@@ -1,0 +1,144 @@
+"""Pipeline-parallel parity harness: ranks under parallel.pp = 2 (with dp, ep, ZeRO-2) against one
+plain process training the same model on the same global batch with the same micro-batches.
+
+The reference (``run_reference``) is a single ``Transformer``: per step, M micro-steps over the
+global micro-batches (the dp ranks' micro-batch m concatenated in dp order), each backward of
+``(loss + aux_loss) / M``, then clipping and AdamW. The ranks (``pp_worker``) cut the same model
+into stages, run the schedule over their dp slice and return, per step, the loss and aux sums,
+the gradient norm and every gradient of their stages as full tensors, and the parameters after
+the last step.
+
+Shape legend: M micro-batches, B micro-batch size, S sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+from moetrain.models.transformer import Transformer
+from moetrain.train.pipeline_step import PipelineStep
+
+VOCAB, SEQ = 64, 8
+
+
+@dataclass
+class PPCase:
+    name: str
+    pp: int = 2
+    ep: int = 1
+    zero_stage: int = 0
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    num_layers: int = 4
+    micro_batches: int = 2
+    micro_batch_size: int = 2
+    steps: int = 3
+    moe: dict = field(default_factory=dict)
+    max_grad_norm: float = 0.0
+    empty_experts_from_layer: int | None = None
+    """Blocks from this index on route every token to experts 0 and 1 (a selection bias): with
+    ep = 2 the experts of the second ep rank receive nothing."""
+    split: str = "layers"
+
+    def configs(self) -> tuple[ModelConfig, MoEConfig]:
+        moe = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16, "aux_loss_coef": 0.1, "z_loss_coef": 0.01,
+               **self.moe}
+        if self.empty_experts_from_layer is not None:
+            moe["expert_bias"] = True
+        return (ModelConfig(vocab_size=VOCAB, dim=16, num_layers=self.num_layers, num_heads=2, max_seq_len=SEQ),
+                MoEConfig(**moe))
+
+
+def build_model(case: PPCase, *, meta: bool = False) -> Transformer:
+    cfg, moe = case.configs()
+    if meta:
+        with torch.device("meta"):
+            model = Transformer(cfg, moe=moe, seed=0)
+    else:
+        model = Transformer(cfg, moe=moe, seed=0)
+    if case.empty_experts_from_layer is not None and not meta:
+        with torch.no_grad():
+            for layer in list(model.layers)[case.empty_experts_from_layer:]:
+                layer.feed_forward.router.expert_bias.copy_(torch.tensor([100.0, 100.0, -100.0, -100.0]))
+    return model
+
+
+def make_batches(case: PPCase, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, ``[dp, M * B, S]`` token ids and labels (dp slice d, micro-batch m = rows m*B..)."""
+    g = torch.Generator().manual_seed(1234)
+    shape = (case.steps, dp, case.micro_batches * case.micro_batch_size, SEQ + 1)
+    tokens = torch.randint(0, VOCAB, shape, generator=g)
+    return [(tokens[s, ..., :-1], tokens[s, ..., 1:]) for s in range(case.steps)]
+
+
+def run_reference(case: PPCase, dp: int) -> dict:
+    model = build_model(case)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    M, B = case.micro_batches, case.micro_batch_size
+    out = {"loss": [], "aux": [], "norm": [], "grads": []}
+    for ids_DXS, labels_DXS in make_batches(case, dp):
+        loss_sum = aux_sum = 0.0
+        for m in range(M):
+            ids = ids_DXS[:, m * B:(m + 1) * B].reshape(-1, SEQ)
+            labels = labels_DXS[:, m * B:(m + 1) * B].reshape(-1, SEQ)
+            o = model(ids, labels)
+            ((o.loss + o.aux_loss) / M).backward()
+            loss_sum += o.loss.item()
+            aux_sum += o.aux_loss.item()
+        out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm or float("inf"))
+        out["loss"].append(loss_sum)
+        out["aux"].append(aux_sum)
+        out["norm"].append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dict:
+    """One rank of ``case``; a ``dims``-less pp-only world when ``world == case.pp``."""
+    dims = ParallelDims(world_size=world, ep=case.ep, pp=case.pp)
+    dims.build_mesh("cpu")
+    pm = build_pipeline_model(build_model(case, meta=meta), pp_rank=dims.pp_rank, pp=case.pp,
+                              virtual_stages=case.virtual_stages, split=case.split, seq_len=SEQ,
+                              device=torch.device("cpu"), seed=0)
+    if meta and case.empty_experts_from_layer is not None:
+        raise ValueError("the empty-experts bias is set on a materialised model")
+    parallelize_pipeline(pm, dims, zero_stage=case.zero_stage)
+    step = PipelineStep(pm, dims, schedule=case.schedule, num_microbatches=case.micro_batches,
+                        device=torch.device("cpu"), zero_stage=case.zero_stage)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    out = {"loss": [], "aux": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids, "dp_rank": dims.dp_rank}
+    for ids_DXS, labels_DXS in make_batches(case, dims.dp):
+        loss, aux = step.forward_backward(ids_DXS[dims.dp_rank], labels_DXS[dims.dp_rank])
+        # Full gradients (collective over each DTensor's mesh, same order on every rank of a stage).
+        out["grads"].append({n: _full(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
+        norm = step.clip_grad_norm_(list(pm.parameters()), case.max_grad_norm)
+        out["loss"].append(float(loss))
+        out["aux"].append(float(aux))
+        out["norm"].append(float(norm))
+        opt.step()
+        opt.zero_grad()
+    out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
+    out["metrics"] = step.metrics()
+    dist.barrier()
+    return out
+
+
+def run_cases(rank: int, world: int, cases: list[PPCase]) -> dict:
+    """Several cases in one launch (each builds its own mesh)."""
+    return {c.name: pp_worker(rank, world, c) for c in cases}

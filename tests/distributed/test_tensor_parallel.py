@@ -1,0 +1,88 @@
+"""Tensor parallelism (parallel.tp) and its folding with expert parallelism, on real gloo processes
+against one process holding the global batch: logits, every gradient of the first step, the loss
+and global gradient norm of every step (and the norm of the sequence-parallel norm weights, the
+experts and the routers alone, so a copy counted twice fails), the aux loss, and the parameters
+after several AdamW steps."""
+
+import pytest
+import torch
+
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.distributed.tensor_parallel import check_tensor_parallel
+from moetrain.models.transformer import Transformer
+from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.tp_parity import NORM_GROUPS, TpRun, run_reference, tp_worker
+from tests.distributed.zero_parity import rel_err
+
+RTOL = 2e-5
+
+
+def _check(run: TpRun, results: list[dict]) -> None:
+    ref = run_reference(run)
+    for rank, res in enumerate(results):
+        got = res[run.name]
+        lo, hi = got["rows"]
+        torch.testing.assert_close(got["logits"], ref["logits"][lo:hi], rtol=RTOL, atol=1e-6,
+                                   msg=lambda m, r=rank: f"[{run.name}] rank {r} logits: {m}")
+        assert abs(got["aux"] - ref["aux"]) <= RTOL * abs(ref["aux"]), (run.name, rank, got["aux"], ref["aux"])
+        for s, (a, b) in enumerate(zip(got["loss"], ref["loss"])):
+            assert abs(a - b) <= RTOL * abs(b), f"[{run.name}] rank {rank} step {s} loss {a} != {b}"
+        for s, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"])):
+            assert abs(a - b) <= RTOL * abs(b), f"[{run.name}] rank {rank} step {s} grad norm {a} != {b}"
+        for group in NORM_GROUPS:
+            a, b = got["group_norms"][group], ref["group_norms"][group]
+            assert abs(a - b) <= RTOL * abs(b), f"[{run.name}] rank {rank} {group} grad norm {a} != {b}"
+    got = results[0][run.name]
+    assert set(got["grads"]) == set(ref["grads"])
+    for name, exp in ref["grads"].items():
+        torch.testing.assert_close(got["grads"][name], exp, rtol=1e-4, atol=1e-7,
+                                   msg=lambda m, n=name: f"[{run.name}] gradient {n}: {m}")
+    # Parameters norm-wise (zero_parity's rule): AdamW's first steps divide by sqrt(v), which turns
+    # the rounding of a gradient entry near zero into an update of order lr.
+    for name, exp in ref["params"].items():
+        err = rel_err(got["params"][name], exp)
+        assert err <= 1e-5, f"[{run.name}] parameter {name}: relative error {err:.2e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tp2_and_tp2_ep2_folded_world2():
+    runs = [TpRun("tp2", tp=2),
+            TpRun("tp2_ep2", tp=2, ep=2, model={"qk_norm": "head"}),
+            TpRun("tp2_ep2_zero1_accum", tp=2, ep=2, zero_stage=1, micro_batches=2),
+            TpRun("tp2_ep2_empty_experts", tp=2, ep=2, empty_experts=True, steps=2)]
+    results = run_ranks(tp_worker, 2, runs, timeout_s=100)
+    for run in runs:
+        _check(run, results)
+    # The second ep rank (tp rank 1) held experts 2 and 3, which got no token: it finished the steps
+    # (no hang) with exactly zero gradients for them.
+    grads = results[0]["tp2_ep2_empty_experts"]["grads"]
+    for name in ("layers.0.feed_forward.experts.w1", "layers.0.feed_forward.experts.w2"):
+        assert torch.count_nonzero(grads[name][2:]) == 0 and torch.count_nonzero(grads[name][:2]) > 0, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tp2_dp2_ep2_world4_zero_stages():
+    """dp = 2 copies of each tp pair; ep = 2 over the tp ranks (edp = 2), and ep = 4 over the whole
+    stage (edp = 1); FSDP2 over dp with the tp DTensors (2-D) at stages 2 and 3."""
+    runs = [TpRun("tp2_dp2_ep2", tp=2, ep=2),
+            TpRun("tp2_dp2_ep4_zero1", tp=2, ep=4, zero_stage=1),
+            TpRun("tp2_dp2_ep2_zero2", tp=2, ep=2, zero_stage=2, model={"qk_norm": "head"}),
+            TpRun("tp2_dp2_zero3_ac", tp=2, zero_stage=3, ac="full")]
+    results = run_ranks(tp_worker, 4, runs, timeout_s=110)
+    for run in runs:
+        _check(run, results)
+
+
+def test_what_tp_cannot_split_is_named_at_once():
+    model = Transformer(ModelConfig(vocab_size=64, dim=24, num_layers=2, num_heads=3, max_seq_len=8, moe_every=2,
+                                    qk_norm="full", dense_hidden_dim=30),
+                        moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=8, aux_loss_type="sequence"))
+    with pytest.raises(ValueError) as e:
+        check_tensor_parallel(model, 4)
+    for part in ("parallel.tp (4) must divide model.num_heads (3)", "model.qk_norm ('full')",
+                 "the dense FFN hidden dim (30, model.dense_hidden_dim)", "moe.aux_loss_type ('sequence')"):
+        assert part in str(e.value), part
+    check_tensor_parallel(Transformer(ModelConfig(vocab_size=64, dim=24, num_layers=1, num_heads=4, max_seq_len=8)), 2)

@@ -1,0 +1,67 @@
+"""``moetrain generate`` end to end: a few training steps of a small MoE (with a capacity factor,
+which generation replaces by dropless routing), then text from its checkpoint, with and without
+the key/value cache."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.conftest import job_overrides
+
+ROOT = Path(__file__).resolve().parents[2]
+FIGURES = re.compile(r"^\[(\d+) new tokens in [\d.]+ s: [\d.]+ tokens/s \(prefill of (\d+) tokens \+ first token "
+                     r"[\d.]+ ms; decode [\d.]+ tokens/s\); (kv cache|no cache), cpu, fp32\]$", re.MULTILINE)
+
+
+def _cli(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "moetrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, shakespeare_cached) -> Path:
+    run_dir = tmp_path_factory.mktemp("generate") / "run"
+    r = _cli(["train", *job_overrides(run_dir, steps=4, extra=("--moe.capacity_factor=1.5",))])
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return run_dir
+
+
+def _text_and_figures(r: subprocess.CompletedProcess) -> tuple[str, re.Match]:
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    match = FIGURES.search(r.stdout)
+    assert match is not None, r.stdout
+    return r.stdout[:match.start()].removesuffix("\n"), match
+
+
+@pytest.mark.slow
+def test_generate_prints_text_and_tokens_per_s_and_the_cache_changes_nothing(run):
+    base = ["generate", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "24", "--device", "cpu"]
+    cached = _cli([*base, "--temperature", "0"])
+    text, figures = _text_and_figures(cached)
+    assert text.startswith("ROMEO:") and len(text.encode()) >= len("ROMEO:") + 1
+    assert figures.group(1) == "24" and figures.group(2) == "6" and figures.group(3) == "kv cache"
+    assert "moe.capacity_factor 1.5 -> None: generation routes dropless" in cached.stderr
+    uncached_text, uncached = _text_and_figures(_cli([*base, "--temperature", "0", "--no-cache"]))
+    assert uncached.group(3) == "no cache" and uncached_text == text
+
+    sampled = [*base, "--temperature", "1.2", "--top-k", "40", "--top-p", "0.9", "--seed", "3"]
+    a, _ = _text_and_figures(_cli(sampled))
+    assert a.startswith("ROMEO:") and a != text
+    checkpoint = next((run / "checkpoints").glob("step*"))
+    again, _ = _text_and_figures(_cli([*sampled, "--checkpoint", str(checkpoint), "--tokenizer", "bytes"]))
+    assert again == a  # the same checkpoint, tokenizer and seed
+
+
+@pytest.mark.slow
+def test_generate_refuses_what_does_not_fit_with_one_error_line(run):
+    r = _cli(["generate", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "64", "--device", "cpu"])
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert ("moetrain: error: prompt tokens + max_new_tokens ('6 + 64') must be <= model.max_seq_len (64)"
+            in r.stderr)

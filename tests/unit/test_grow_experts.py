@@ -1,0 +1,143 @@
+"""Growing a trained MoE's experts (moetrain.interop.surgery, ``moetrain experts grow``): the copy
+order and the per-expert state, the identity with top_k scaled alike (softmax and sigmoid routers,
+selection bias, shared experts, group-limited routing, routed scaling), what changes when top_k is
+kept, the noise, and the CLI over an export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moetrain.cli import main
+from moetrain.config import ModelConfig, MoEConfig
+from moetrain.interop.export import build_model, read_export, write_export
+from moetrain.interop.surgery import grow_experts
+from moetrain.models.moe import MoELayer
+
+VOCAB = 48
+
+
+def source(**moe_overrides) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and state dict of a 2-block MoE model with distinct, O(1) router scores and a
+    non-trivial selection bias / per-expert LR scale where the config has them."""
+    model_cfg = ModelConfig(dim=32, num_heads=4, num_layers=2, vocab_size=VOCAB, max_seq_len=16)
+    moe = MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16, **moe_overrides})
+    config = {"model": dataclasses.asdict(model_cfg), "moe": dataclasses.asdict(moe)}
+    model = build_model(config)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("router.gate.weight"):
+                t.normal_(0.0, 0.5, generator=g)  # decisive routing: no near-ties between experts
+            elif name.endswith("router.expert_bias"):
+                t.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+            elif name.endswith("expert_lr_scale"):
+                t.copy_(torch.tensor([1.0, 1.5, 0.5, 2.0]))
+    return config, {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def logits(config: dict, state_dict: dict, ids: torch.Tensor) -> torch.Tensor:
+    model = build_model(config, state_dict).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, VOCAB, (3, 16), generator=torch.Generator().manual_seed(0))
+
+IDENTITY_CASES = {
+    "softmax": {},
+    "softmax_bias": {"expert_bias": True},
+    "sigmoid_bias": {"router": "sigmoid", "expert_bias": True},
+    "shared_swiglu": {"num_shared_experts": 1, "activation": "swiglu"},
+    "groups_max": {"num_expert_groups": 2, "top_groups": 1, "group_score": "max"},
+    "scaled": {"routed_scaling_factor": 2.5},
+}
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("case", list(IDENTITY_CASES))
+def test_grown_model_with_scaled_top_k_is_the_original(case, factor):
+    config, sd = source(**IDENTITY_CASES[case])
+    grown_config, grown = grow_experts(config, sd, num_experts=4 * factor, top_k=2 * factor)
+    assert grown_config["moe"]["num_experts"] == 4 * factor and grown_config["moe"]["top_k"] == 2 * factor
+    assert config["moe"]["num_experts"] == 4, "the source config must not change"
+    torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_copy_order_and_per_expert_state():
+    config, sd = source(router="sigmoid", expert_bias=True, expert_lr_scale_max=2.0, activation="swiglu")
+    _, grown = grow_experts(config, sd, num_experts=8)
+    pre = "layers.1.feed_forward."
+    for local in ("experts.w1", "experts.w2", "experts.w3", "router.gate.weight", "router.expert_bias",
+                  "expert_lr_scale"):
+        old, new = sd[pre + local], grown[pre + local]
+        assert new.shape == (8, *old.shape[1:]) and new.dtype == old.dtype, local
+        for j in range(8):  # grown expert 2e + c is source expert e
+            assert torch.equal(new[j], old[j // 2]), (local, j)
+    # Under a softmax router the copies split the probability: the bias is split alike.
+    config, sd = source(expert_bias=True)
+    _, grown = grow_experts(config, sd, num_experts=8)
+    bias = sd[pre + "router.expert_bias"]
+    assert torch.equal(grown[pre + "router.expert_bias"], (bias / 2).repeat_interleave(2))
+    # Everything else passes through untouched.
+    for name in ("tok_embeddings.weight", "layers.0.attention.wq.weight", "norm.weight"):
+        assert grown[name] is sd[name]
+    assert set(grown) == set(sd)
+
+
+def test_keeping_top_k_picks_copies_of_fewer_experts():
+    config, sd = source()
+    grown_config, grown = grow_experts(config, sd, num_experts=8)  # top_k stays 2
+    model = build_model(grown_config, grown).eval()
+    layer = next(m for m in model.modules() if isinstance(m, MoELayer))
+    x_TD = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    idx_TK = layer.router(x_TD).idx_TK
+    # Each token's two picks are the two copies of its single best original expert.
+    originals_TK = idx_TK // 2
+    assert torch.equal(originals_TK[:, 0], originals_TK[:, 1])
+    # The function changes: the original mixes two experts per token.
+    assert not torch.allclose(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-3, atol=1e-3)
+
+
+def test_noise_spares_copy_zero_and_scales_with_the_std():
+    config, sd = source()
+    _, a = grow_experts(config, sd, num_experts=8, noise=0.01, seed=3)
+    _, b = grow_experts(config, sd, num_experts=8, noise=0.01, seed=3)
+    _, c = grow_experts(config, sd, num_experts=8, noise=0.01, seed=4)
+    pre = "layers.1.feed_forward."
+    for local in ("experts.w1", "experts.w2", "router.gate.weight"):
+        old, new = sd[pre + local], a[pre + local]
+        assert torch.equal(new[0::2], old), f"{local}: copy 0 must stay exact"
+        diff = new[1::2] - old
+        ratio = float(diff.std() / old.std())
+        assert 0.007 < ratio < 0.013, (local, ratio)
+        assert torch.equal(new, b[pre + local]) and not torch.equal(new, c[pre + local])
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"num_experts": 6}, r"--num-experts \(6\) must be a multiple \(> 1x\) of the source's moe\.num_experts \(4\)"),
+    ({"num_experts": 4}, r"--num-experts \(4\) must be a multiple"),
+    ({"num_experts": 8, "noise": -0.1}, r"--noise \(-0\.1\) must be >= 0"),
+    ({"num_experts": 8, "top_k": 9}, r"moe\.top_k \(9\) must be <= moe\.num_experts \(8\)"),
+])
+def test_bad_requests_name_the_value_and_rule(kwargs, message):
+    config, sd = source()
+    with pytest.raises(ValueError, match=message):
+        grow_experts(config, sd, **kwargs)
+
+
+def test_cli_grows_an_export(tmp_path, capsys):
+    config, sd = source(expert_bias=True)
+    write_export(tmp_path / "src", config=config, state_dict=sd, info={"source": "test", "step": 7})
+    code = main(["experts", "grow", str(tmp_path / "src"), "--num-experts", "8", "--top-k", "4",
+                 "--to", str(tmp_path / "grown")])
+    assert code == 0
+    assert "--moe.num_experts=8 --moe.top_k=4" in capsys.readouterr().out
+    grown_config, grown, info = read_export(tmp_path / "grown")
+    assert grown_config["moe"]["num_experts"] == 8 and info["grown_from_num_experts"] == "4"
+    torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
+    assert main(["experts", "grow", str(tmp_path / "src"), "--num-experts", "6", "--to", str(tmp_path / "x")]) == 2
+    assert "must be a multiple" in capsys.readouterr().err
