@@ -13,6 +13,7 @@ Shape legend: E experts, D model dim, F expert hidden dim.
 from __future__ import annotations
 
 import warnings
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from moetrain.config.base import require
@@ -54,8 +55,8 @@ class Experts:
 Entry = Copy | Experts
 
 
-class Family:
-    """Base of the families; a subclass fills in the class attributes and the four methods."""
+class Family(ABC):
+    """Base of the families; a subclass fills in the class attributes and the four abstract methods."""
 
     model_type: str = ""
     """``config.json`` ``model_type`` this family reads and writes."""
@@ -63,19 +64,21 @@ class Family:
     """``architectures[0]`` of the written ``config.json``."""
     title: str = ""
 
+    @abstractmethod
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
-        raise NotImplementedError
+        """moetrain's model and moe configs of a ``config.json`` (ValueError for what they cannot hold)."""
 
+    @abstractmethod
     def problems(self, model: ModelConfig, moe: MoEConfig) -> list[str]:
         """What of ``model``/``moe`` this family cannot express, one line each; [] = nothing."""
-        raise NotImplementedError
 
+    @abstractmethod
     def hf_config(self, model: ModelConfig, moe: MoEConfig) -> dict:
         """``config.json`` of ``model``/``moe`` (assumes ``problems`` is empty)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def tensor_map(self, model: ModelConfig, moe: MoEConfig, *, fused: bool) -> list[Entry]:
-        raise NotImplementedError
+        """Every tensor of the model: HF name(s), moetrain name, and how one becomes the other."""
 
     def skipped(self, hf_name: str, hf: dict) -> bool:
         """HF tensors the import leaves out on purpose (DeepSeek's multi-token-prediction layers)."""

@@ -12,6 +12,8 @@ HF names beyond the common ones (``L`` layer):
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.hf.family import (
@@ -34,9 +36,9 @@ class DenseFamily(Family):
 
     qk_norm = "none"
 
+    @abstractmethod
     def _attention_fields(self, hf: dict, fields: dict) -> dict:
         """ModelConfig fields of the family's attention (head_dim, q/k norm)."""
-        raise NotImplementedError
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
         fields = backbone_fields(hf)

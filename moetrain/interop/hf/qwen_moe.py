@@ -23,6 +23,8 @@ On export every block pattern is written as ``decoder_sparse_step = 1`` plus ``m
 
 from __future__ import annotations
 
+from abc import abstractmethod
+
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.hf.family import (
@@ -60,8 +62,9 @@ class _QwenMoe(Family):
     shared_expert = False
     qk_norm = "none"
 
+    @abstractmethod
     def _attention_fields(self, hf: dict, fields: dict) -> dict:
-        raise NotImplementedError
+        """ModelConfig fields of the family's attention."""
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
         fields = backbone_fields(hf)
