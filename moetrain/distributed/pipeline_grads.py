@@ -10,7 +10,7 @@ from torch import nn
 
 from moetrain.distributed.expert_parallel import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.utils import global_grad_norm
+from moetrain.distributed.utils import clip_to_norm_, global_grad_norm
 from moetrain.utils.tensors import local_tensor
 
 
@@ -58,9 +58,5 @@ def clip_pipeline_grad_norm_(params: list[torch.Tensor], max_norm: float,
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.all_reduce(sq, group=pp_group)
     norm = sq.sqrt()
-    if max_norm > 0:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            grad = local_tensor(p.grad)
-            grad.mul_(scale.to(grad.device))
+    clip_to_norm_(params, norm, max_norm)
     return norm

@@ -85,12 +85,19 @@ def clip_global_grad_norm_(params: list[torch.Tensor], max_norm: float) -> torch
     which the trainer does once per log step). Collective, like the norm."""
     params = [p for p in params if p.grad is not None]
     norm = global_grad_norm(params)
+    clip_to_norm_(params, norm, max_norm)
+    return norm
+
+
+@torch.no_grad()
+def clip_to_norm_(params: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:
+    """Scale the gradients of ``params``, whose global norm is ``norm``, to at most ``max_norm``
+    (no-op for ``max_norm <= 0``); on device, no host sync."""
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
             grad = local_tensor(p.grad)
             grad.mul_(scale.to(grad.device))
-    return norm
 
 
 def clip_model_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

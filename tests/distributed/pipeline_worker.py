@@ -20,9 +20,12 @@ import torch.distributed as dist
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.distributed.data_parallel import wrap_optimizer
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+from moetrain.models.moe import MoELayer
 from moetrain.models.transformer import Transformer
+from moetrain.train.balancing import install_balancing
 from moetrain.train.pipeline_step import PipelineStep
 
 VOCAB, SEQ = 64, 8
@@ -46,6 +49,11 @@ class PPCase:
     """Blocks from this index on route every token to experts 0 and 1 (a selection bias): with
     ep = 2 the experts of the second ep rank receive nothing."""
     split: str = "layers"
+    activation_checkpointing: str = "none"
+    """``parallelize_pipeline``'s ``activation_checkpointing`` ("none", "full", ...)."""
+    balancing: bool = False
+    """Install the between-step balancing (``install_balancing``) on the optimizer, and record
+    every MoE layer's selection bias after every step."""
 
     def configs(self) -> tuple[ModelConfig, MoEConfig]:
         moe = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16, "aux_loss_coef": 0.1, "z_loss_coef": 0.01,
@@ -78,11 +86,18 @@ def make_batches(case: PPCase, dp: int) -> list[tuple[torch.Tensor, torch.Tensor
     return [(tokens[s, ..., :-1], tokens[s, ..., 1:]) for s in range(case.steps)]
 
 
+def _expert_bias(module) -> dict[str, torch.Tensor]:
+    return {name: m.router.expert_bias.clone() for name, m in module.named_modules()
+            if isinstance(m, MoELayer) and m.router.expert_bias is not None}
+
+
 def run_reference(case: PPCase, dp: int) -> dict:
     model = build_model(case)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if case.balancing:
+        install_balancing(opt, model)
     M, B = case.micro_batches, case.micro_batch_size
-    out = {"loss": [], "aux": [], "norm": [], "grads": []}
+    out = {"loss": [], "aux": [], "norm": [], "grads": [], "expert_bias": [], "dropped": 0}
     for ids_DXS, labels_DXS in make_batches(case, dp):
         loss_sum = aux_sum = 0.0
         for m in range(M):
@@ -91,6 +106,7 @@ def run_reference(case: PPCase, dp: int) -> dict:
             o = model(ids, labels)
             ((o.loss + o.aux_loss) / M).backward()
             loss_sum += o.loss.item()
+            out["dropped"] += sum(int(a.num_dropped) for a in o.moe_aux)
             aux_sum += o.aux_loss.item()
         out["grads"].append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm or float("inf"))
@@ -99,6 +115,7 @@ def run_reference(case: PPCase, dp: int) -> dict:
         out["norm"].append(float(norm))
         opt.step()
         opt.zero_grad()
+        out["expert_bias"].append(_expert_bias(model))
     out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
     return out
 
@@ -118,11 +135,16 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
                               device=torch.device("cpu"), seed=0)
     if meta and case.empty_experts_from_layer is not None:
         raise ValueError("the empty-experts bias is set on a materialised model")
-    parallelize_pipeline(pm, dims, zero_stage=case.zero_stage)
+    parallelize_pipeline(pm, dims, zero_stage=case.zero_stage, activation_checkpointing=case.activation_checkpointing)
     step = PipelineStep(pm, dims, schedule=case.schedule, num_microbatches=case.micro_batches,
                         device=torch.device("cpu"), zero_stage=case.zero_stage)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
-    out = {"loss": [], "aux": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids, "dp_rank": dims.dp_rank}
+    if case.zero_stage == 1:
+        opt = wrap_optimizer(opt, dims, zero_stage=1)
+    if case.balancing:
+        install_balancing(opt, pm, dims)
+    out = {"loss": [], "aux": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids, "dp_rank": dims.dp_rank,
+           "expert_bias": []}
     for ids_DXS, labels_DXS in make_batches(case, dims.dp):
         loss, aux = step.forward_backward(ids_DXS[dims.dp_rank], labels_DXS[dims.dp_rank])
         # Full gradients (collective over each DTensor's mesh, same order on every rank of a stage).
@@ -133,6 +155,7 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         out["norm"].append(float(norm))
         opt.step()
         opt.zero_grad()
+        out["expert_bias"].append(_expert_bias(pm))
     out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
     out["metrics"] = step.metrics()
     dist.barrier()

@@ -23,7 +23,9 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed import ParallelDims, global_grad_norm, no_sync, parallelize, wrap_optimizer
 from moetrain.distributed.utils import clip_global_grad_norm_
+from moetrain.models.moe import MoELayer
 from moetrain.models.transformer import Transformer
+from moetrain.train.balancing import install_balancing
 from moetrain.train.optim import build_optimizer
 
 GLOBAL_BATCH = 4
@@ -41,6 +43,9 @@ class TpRun:
     micro_batches: int = 1
     seq_len: int = 8
     ac: str = "none"
+    balancing: bool = False
+    """Install the between-step balancing (``install_balancing``) on the optimizer, and record
+    every MoE layer's selection bias after every step."""
     empty_experts: bool = False
     """Selection bias that sends every token to experts 0 and 1: at ep = 2 the second ep rank's
     experts (2 and 3) receive no tokens."""
@@ -86,9 +91,17 @@ def _group_norms(model) -> dict[str, float]:
     return out
 
 
-def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: slice) -> dict:
+def _expert_bias(model) -> torch.Tensor | None:
+    biases = [m.router.expert_bias for m in model.modules() if isinstance(m, MoELayer)]
+    return None if biases[0] is None else torch.stack([b.detach().clone() for b in biases])
+
+
+def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: slice,
+           dims: ParallelDims | None = None) -> dict:
     n = run.micro_batches
-    losses, norms, out = [], [], {}
+    losses, norms, out = [], [], {"expert_bias": [], "dropped": 0}
+    if run.balancing:
+        install_balancing(opt, model, dims)
     for s in range(run.steps):
         mine = batches[s][rows]
         loss_sum = 0.0
@@ -99,6 +112,7 @@ def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: sli
                 o = train_model(tokens[:, :-1], tokens[:, 1:])
                 (o.total_loss / n).backward()
             loss_sum += o.total_loss.item() / n
+            out["dropped"] += sum(int(a.num_dropped) for a in o.moe_aux)
             if s == 0 and m == 0:
                 out["logits"] = o.logits.detach().clone()
                 out["aux"] = o.aux_loss.item()
@@ -110,6 +124,7 @@ def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: sli
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss_sum)
+        out["expert_bias"].append(_expert_bias(model))
     out.update(loss=losses, grad_norm=norms,
                params={k: _full(v).detach().clone() for k, v in model.named_parameters()})
     return out
@@ -131,7 +146,8 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
         opt = wrap_optimizer(build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8),
                              dims, zero_stage=run.zero_stage)
         B = GLOBAL_BATCH // dims.dp
-        res = _train(run, model, train_model, opt, make_batches(run), slice(dims.dp_rank * B, (dims.dp_rank + 1) * B))
+        rows = slice(dims.dp_rank * B, (dims.dp_rank + 1) * B)
+        res = _train(run, model, train_model, opt, make_batches(run), rows, dims)
         # The loss and aux loss of the global batch: the means over dp of the dp indices' values.
         losses = torch.tensor(res["loss"] + [res["aux"]])
         dist.all_reduce(losses, group=dims.dp_group)

@@ -1,0 +1,152 @@
+"""The aux-loss gradient under tensor and pipeline parallelism and gradient accumulation, on real
+gloo processes against one plain process with the same global batch.
+
+The aux-loss gradient of a step is isolated as the difference between two runs on the same data,
+one with the aux coefficients on and one with them off (the routing, and so the lm-loss gradient,
+is the same in both: the coefficients only weigh terms of the objective). Its dependence on the
+layout, by term:
+
+    z-loss                       a mean over the step's tokens: the same for every tp, pp and cut of
+                                 the global batch into micro-batches
+    sequence-wise balance loss   a mean over the step's sequences of per-sequence terms: the same
+                                 for every pp and cut into micro-batches (parallel.tp rejects it,
+                                 test_tensor_parallel checks the message)
+    batch-wise balance loss      f_e and P_e over each micro-batch (Megatron-LM's default): the same
+                                 for every tp and pp at a fixed micro-batch count, and a different
+                                 gradient for another count, by construction
+
+The tp runs use the tp harness (tp_parity.py: dp index's rows cut ``m::M``), the pp runs the
+pipeline harness (pipeline_worker.py: rows cut into consecutive blocks); each is compared with its
+own one-process reference at one micro-batch (pp = tp = 1, no accumulation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.distributed import pipeline_worker, tp_parity
+from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.pipeline_worker import PPCase
+from tests.distributed.tp_parity import TpRun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
+
+TERMS = {"z": {"aux_loss_coef": 0.0, "z_loss_coef": 0.5},
+         "sequence": {"aux_loss_type": "sequence", "aux_loss_coef": 0.5, "z_loss_coef": 0.0},
+         "batch": {"aux_loss_coef": 0.5, "z_loss_coef": 0.0}}
+"""The aux term under test, alone (coefficient 0.5 so its gradient stands well above rounding)."""
+TP_TERMS = ("z", "batch")
+PP_MICRO_BATCHES = (2, 4)
+TP_MICRO_BATCHES = (1, 2)
+PP_GLOBAL_BATCH = 8
+
+
+def _off(moe: dict) -> dict:
+    return {**moe, "aux_loss_coef": 0.0, "z_loss_coef": 0.0}
+
+
+def _tp_runs(term: str, tp: int, micro_batches: int) -> tuple[TpRun, TpRun]:
+    on = TpRun(f"tp{tp}_{term}_m{micro_batches}", tp=tp, steps=1, micro_batches=micro_batches, moe=TERMS[term])
+    return on, dataclasses.replace(on, name=on.name + "_off", moe=_off(TERMS[term]))
+
+
+def _pp_cases(term: str, pp: int, micro_batches: int) -> tuple[PPCase, PPCase]:
+    on = PPCase(f"pp{pp}_{term}_m{micro_batches}", pp=pp, steps=1, micro_batches=micro_batches,
+                micro_batch_size=PP_GLOBAL_BATCH // micro_batches, moe=TERMS[term])
+    return on, dataclasses.replace(on, name=on.name + "_off", moe=_off(TERMS[term]))
+
+
+TP_RUNS = [r for term in TP_TERMS for m in TP_MICRO_BATCHES for r in _tp_runs(term, 2, m)]
+PP_CASES = [c for term in TERMS for m in PP_MICRO_BATCHES for c in _pp_cases(term, 2, m)]
+
+
+def worker(rank: int, world: int, tp_runs: list[TpRun], pp_cases: list[PPCase]) -> dict:
+    """Every tp run, then every pp case, on the same ranks."""
+    return {"tp": tp_parity.tp_worker(rank, world, tp_runs), "pp": pipeline_worker.run_cases(rank, world, pp_cases)}
+
+
+@pytest.fixture(scope="module")
+def world2() -> list[dict]:
+    return run_ranks(worker, 2, TP_RUNS, PP_CASES, timeout_s=140)
+
+
+def _difference(on: dict, off: dict) -> dict:
+    assert on.keys() == off.keys()
+    return {k: on[k] - off[k] for k in on}
+
+
+def _aux_grads_tp(term: str, micro_batches: int, results: list[dict] | None) -> dict:
+    """The aux-loss gradient of the first step: from rank 0's full gradients at tp = 2, or from
+    the one-process reference (tp = 1) when ``results`` is None."""
+    on, off = _tp_runs(term, 2, micro_batches)
+    if results is None:
+        return _difference(tp_parity.run_reference(on)["grads"], tp_parity.run_reference(off)["grads"])
+    return _difference(results[0]["tp"][on.name]["grads"], results[0]["tp"][off.name]["grads"])
+
+
+def _aux_grads_pp(term: str, micro_batches: int, results: list[dict] | None) -> dict:
+    """The same under the pipeline harness: the stages' gradients merged over the ranks at pp = 2,
+    or the one-process reference (pp = 1) when ``results`` is None."""
+    on, off = _pp_cases(term, 2, micro_batches)
+    if results is None:
+        return _difference(pipeline_worker.run_reference(on, 1)["grads"][0],
+                           pipeline_worker.run_reference(off, 1)["grads"][0])
+    merged = [{k: v for r in results for k, v in r["pp"][case.name]["grads"][0].items()} for case in (on, off)]
+    return _difference(*merged)
+
+
+def _assert_same(got: dict, want: dict, what: str) -> None:
+    assert got.keys() == want.keys(), what
+    for k, v in want.items():
+        torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-4, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def _assert_nonzero_at_routers(grads: dict, what: str) -> None:
+    routers = [k for k in grads if "router" in k]
+    assert routers, what
+    for k in routers:
+        assert grads[k].abs().max() > 1e-4, f"{what}: no aux-loss gradient reaches {k}"
+
+
+def _max_relative_change(a: dict, b: dict) -> float:
+    num = max((a[k] - b[k]).abs().max().item() for k in a)
+    return num / max(b[k].abs().max().item() for k in b)
+
+
+@pytest.mark.parametrize("term", ["z", "sequence"])
+def test_token_and_sequence_means_do_not_depend_on_pp_or_micro_batches(world2, term):
+    want = _aux_grads_pp(term, 1, None)
+    _assert_nonzero_at_routers(want, f"[{term}] reference")
+    for m in PP_MICRO_BATCHES:
+        _assert_same(_aux_grads_pp(term, m, None), want, f"[{term}] one process, {m} micro-batches:")
+        _assert_same(_aux_grads_pp(term, m, world2), want, f"[{term}] pp=2, {m} micro-batches:")
+
+
+def test_z_loss_does_not_depend_on_tp_or_micro_batches(world2):
+    want = _aux_grads_tp("z", 1, None)
+    _assert_nonzero_at_routers(want, "[z] reference")
+    for m in TP_MICRO_BATCHES:
+        _assert_same(_aux_grads_tp("z", m, None), want, f"[z] one process, {m} micro-batches:")
+        _assert_same(_aux_grads_tp("z", m, world2), want, f"[z] tp=2, {m} micro-batches:")
+
+
+def test_batch_balance_loss_follows_the_micro_batch_not_the_layout(world2):
+    """The same gradient at tp = 2 or pp = 2 as in one process with the same micro-batches; a
+    different one for another micro-batch count (f_e and P_e per micro-batch)."""
+    for m in TP_MICRO_BATCHES:
+        want = _aux_grads_tp("batch", m, None)
+        _assert_nonzero_at_routers(want, f"[batch] reference, {m} micro-batches")
+        _assert_same(_aux_grads_tp("batch", m, world2), want, f"[batch] tp=2, {m} micro-batches:")
+    for m in PP_MICRO_BATCHES:
+        _assert_same(_aux_grads_pp("batch", m, world2), _aux_grads_pp("batch", m, None),
+                     f"[batch] pp=2, {m} micro-batches:")
+    for name, grads in (("tp", _aux_grads_tp), ("pp", _aux_grads_pp)):
+        counts = sorted({1, *(TP_MICRO_BATCHES if name == "tp" else PP_MICRO_BATCHES)})
+        by_count = {m: grads("batch", m, None) for m in counts}
+        for m in counts[1:]:
+            change = _max_relative_change(by_count[m], by_count[1])
+            assert change > 1e-2, f"[batch, {name} harness] {m} micro-batches vs 1: relative change {change:.1e}"
+
