@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from moetrain.data.loader import check_batch_geometry, resumed_micro
+
 
 @dataclass
 class EncodedSplit:
@@ -73,15 +75,8 @@ class ClassificationLoader:
     def __init__(self, split: EncodedSplit, *, global_batch_size: int, micro_steps: int = 1, dp_rank: int = 0,
                  dp_size: int = 1, seed: int = 0, balanced: bool = False, num_classes: int = 0,
                  token_dropout: float = 0.0) -> None:
-        for field, value in (("global_batch_size", global_batch_size), ("micro_steps", micro_steps),
-                             ("dp_size", dp_size)):
-            if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{field} ({value!r}) must be an int >= 1")
-        if global_batch_size % (micro_steps * dp_size):
-            raise ValueError(f"global_batch_size ({global_batch_size}) must be divisible by micro_steps * dp_size "
-                             f"({micro_steps} * {dp_size})")
-        if not (isinstance(dp_rank, int) and 0 <= dp_rank < dp_size):
-            raise ValueError(f"dp_rank ({dp_rank!r}) must be in [0, dp_size={dp_size})")
+        check_batch_geometry(seq_len=split.ids_NS.shape[1], global_batch_size=global_batch_size,
+                             micro_steps=micro_steps, dp_rank=dp_rank, dp_size=dp_size, seed=seed)
         self.split = split
         self.num_examples = len(split)
         self.seq_len = split.ids_NS.shape[1]
@@ -162,13 +157,11 @@ class ClassificationLoader:
             if state.get(key) != getattr(self, key):
                 raise ValueError(f"cannot resume the classification loader: saved {key} ({state.get(key)!r}) differs "
                                  f"from this run's ({getattr(self, key)!r}); the data or batch settings changed")
-        epoch, step, micro = state["epoch"], state["step"], state.get("micro", 0)
+        epoch, step = state["epoch"], state["step"]
         if not (isinstance(epoch, int) and epoch >= 0 and isinstance(step, int) and 0 <= step < self.steps_per_epoch):
             raise ValueError(f"loader state epoch ({epoch!r}) / step ({step!r}) must be ints with epoch >= 0 and "
                              f"0 <= step < {self.steps_per_epoch}")
-        if micro != 0 and state.get("micro_steps") != self.micro_steps:
-            raise ValueError(f"cannot resume the classification loader: saved in the middle of a step (micro-batch "
-                             f"{micro} of {state.get('micro_steps')}) with another accumulation ({self.micro_steps})")
+        micro = resumed_micro(state, micro_steps=self.micro_steps, name="classification")
         self._epoch, self._step, self._micro = epoch, step, micro
 
 

@@ -40,6 +40,17 @@ def check_batch_geometry(*, seq_len: int, global_batch_size: int, micro_steps: i
         raise ValueError(f"seed ({seed!r}) must be an int >= 0")
 
 
+def resumed_micro(state: dict, *, micro_steps: int, name: str) -> int:
+    """The micro-batch a saved loader state stopped at (the rule shared by every loader): a state
+    between steps resumes at any accumulation, one in the middle of a step only at its own."""
+    micro = state.get("micro", 0)
+    if micro != 0 and state.get("micro_steps") != micro_steps:
+        raise ValueError(f"cannot resume the {name} loader: saved in the middle of a step (micro-batch "
+                         f"{micro} of {state.get('micro_steps')}); only a state between steps resumes at "
+                         f"another accumulation ({micro_steps} micro-batches per step now)")
+    return micro
+
+
 class TokenLoader:
     """Batches of (input_ids, labels), int64 tensors [B, S], from ``tokens``.
 
@@ -172,9 +183,5 @@ class TokenLoader:
                 and 0 <= step < self.steps_per_epoch):
             raise ValueError(f"loader state epoch ({epoch!r}) / step ({step!r}) must be ints with "
                              f"epoch >= 0 and 0 <= step < {self.steps_per_epoch}")
-        micro = state.get("micro", 0)
-        if micro != 0 and state.get("micro_steps") != self.micro_steps:
-            raise ValueError(f"cannot resume the {self.name} loader: saved in the middle of a step (micro-batch "
-                             f"{micro} of {state.get('micro_steps')}); only a state between steps resumes at "
-                             f"another accumulation ({self.micro_steps} micro-batches per step now)")
+        micro = resumed_micro(state, micro_steps=self.micro_steps, name=self.name)
         self._epoch, self._step, self._micro = epoch, step, micro

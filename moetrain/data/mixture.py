@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from moetrain.data.loader import check_batch_geometry
+from moetrain.data.loader import check_batch_geometry, resumed_micro
 
 
 class MixtureLoader:
@@ -226,10 +226,6 @@ class MixtureLoader:
                 and sum(consumed) % self.global_batch_size == 0):
             raise ValueError(f"loader state consumed ({consumed!r}) must be {len(self.files)} ints >= 0 "
                              f"summing to a multiple of the global batch ({self.global_batch_size})")
-        micro = state.get("micro", 0)
-        if micro != 0 and state.get("micro_steps") != self.micro_steps:
-            raise ValueError(f"cannot resume the {self.name} loader: saved in the middle of a step (micro-batch "
-                             f"{micro} of {state.get('micro_steps')}); only a state between steps resumes at "
-                             f"another accumulation ({self.micro_steps} micro-batches per step now)")
+        micro = resumed_micro(state, micro_steps=self.micro_steps, name=self.name)
         self._consumed = np.asarray(consumed, dtype=np.int64)
         self._micro, self._plan = micro, None
