@@ -77,6 +77,9 @@ class JobConfig:
                 tok_vocab, source = self.data.vocab_size, "data.vocab_size"
             require(m.vocab_size >= tok_vocab, "model.vocab_size", m.vocab_size,
                     f"must be >= the tokenizer vocabulary ({tok_vocab}, from {source})")
+        require(self.data.seq_len % par.tp == 0, "data.seq_len", self.data.seq_len,
+                f"must be a multiple of parallel.tp ({par.tp}): sequence parallelism splits every sequence evenly "
+                "over the tp ranks")
         if par.dp != -1:
             self.train.grad_accum_steps(par.dp)
         require(self.zero.offload_param == "none" or par.zero_stage == 3, "zero.offload_param",

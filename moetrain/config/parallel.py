@@ -92,9 +92,6 @@ class ParallelConfig:
                     "must be an int >= 1")
         require(self.etp == 1, "parallel.etp", self.etp,
                 "must be 1: experts are not split by hidden dim (ep folds over the tp ranks instead)")
-        require(self.tp == 1 or self.pp == 1, "parallel.tp", self.tp,
-                f"must be 1 with parallel.pp ({self.pp}) > 1: tensor parallelism inside pipeline stages is not "
-                "implemented (use tp or pp, each with ep and dp)")
         require_choice("parallel.pp_schedule", self.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
         require(isinstance(self.pp_virtual_stages, int) and not isinstance(self.pp_virtual_stages, bool)
                 and self.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", self.pp_virtual_stages,

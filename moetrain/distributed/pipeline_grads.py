@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
-from moetrain.distributed.expert_parallel import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.tp_data_parallel import copies_group
 from moetrain.distributed.utils import clip_to_norm_, global_grad_norm
 from moetrain.utils.tensors import local_tensor
 
@@ -17,32 +18,29 @@ from moetrain.utils.tensors import local_tensor
 @torch.no_grad()
 def reduce_stage_gradients(model: nn.Module, dims: ParallelDims) -> None:
     """The data-parallel gradient reduction of one stage at ZeRO stages 0/1, after the schedule's
-    last backward: replicated gradients averaged over dp, expert shards scaled by 1 / dp and
-    summed over edp (``moetrain.distributed.data_parallel``'s rule). One all-reduce per dtype and
-    group, every rank of the group with the same parameters in the same order."""
-    dense, expert = [], []
+    last backward, by ``moetrain.distributed.tp_data_parallel``'s rule: every gradient scaled by
+    1 / dp and summed over the ranks holding a copy of its parameter (dense: dp, or dp x tp for
+    what the tp ranks keep whole; tp-split weights: dp; expert shards: edp). A Partial gradient
+    (a sequence-parallel norm weight) is whole once summed and becomes Replicate. One all-reduce
+    per group and dtype, every rank of a group with the same parameters in the same order."""
+    buckets: dict[tuple[int, torch.dtype], tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
     for p in model.parameters():
-        if p.grad is not None:
-            (expert if is_expert_shard(p) else dense).append(local_tensor(p.grad))
-    for grads in expert:
-        grads.mul_(1.0 / dims.dp)
-    if dims.dp > 1:
-        _flat_all_reduce(dense, dims.dp_group, divide_by=dims.dp)
-    if dims.edp > 1:
-        _flat_all_reduce(expert, dims.edp_group, divide_by=1)
-
-
-def _flat_all_reduce(grads: list[torch.Tensor], group: dist.ProcessGroup, *, divide_by: int) -> None:
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
+        if p.grad is None:
+            continue
+        grad = local_tensor(p.grad)
+        grad.mul_(1.0 / dims.dp)  # before the sum: keeps low-precision gradients in range
+        group, _ = copies_group(p, dims)
+        if group is not None:
+            buckets.setdefault((id(group), grad.dtype), (group, []))[1].append(grad)
+        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+            g = p.grad
+            p.grad = DTensor.from_local(grad, g.device_mesh, [Replicate()] * g.device_mesh.ndim,
+                                        run_check=False, shape=g.shape, stride=g.stride())
+    for group, grads in buckets.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)
-        if divide_by != 1:
-            flat.div_(divide_by)
         offset = 0
-        for g in same:
+        for g in grads:
             g.copy_(flat[offset:offset + g.numel()].view_as(g))
             offset += g.numel()
 

@@ -44,6 +44,7 @@ from torch import nn
 
 from moetrain.distributed.comm_timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.attention import attention_mask
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer
@@ -169,6 +170,9 @@ class PipelineChunk(nn.Module):
         """This stage's aux losses, summed over the micro-batches since the last ``pop_aux_sum``."""
         self.recording = True
         """Off while the schedule infers shapes (see ``muted``)."""
+        self.sequence_shards = 1
+        """parallel.tp once tensor parallelism is applied: the hidden state a stage receives holds
+        S / tp positions of every sequence."""
 
     @contextlib.contextmanager
     def muted(self):
@@ -192,7 +196,8 @@ class PipelineChunk(nn.Module):
             raise ValueError("model.document_separator masks attention by document: every pipeline stage "
                              "needs the token ids (tokens_BS)")
         h_BSD = self.tok_embeddings(x) if self.is_first else x
-        S = h_BSD.shape[1]
+        # Past the first stage the stream is this rank's sequence shard under tensor parallelism.
+        S = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
         # Without a document separator (or padding, which the lm head does not mask) the mask
         # is None whatever the tokens: SDPA's own causal kernel.
         mask_B1SK = None if tokens_BS is None else attention_mask(
@@ -293,10 +298,12 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
                          mixed_precision: str = "fp32", offload_params: bool = False,
                          offload_optimizer: bool = False, pin_memory: bool = True, hsdp_replicate: int = 1,
                          grad_compression: str = "none", bucket_cap_mb: float = 25.0) -> None:
-    """``parallelize``'s fixed order applied to this rank's stages, in place: 1. expert
-    parallelism over the stage's ep group, 2. activation checkpointing, 3. compile per block,
-    4. data parallelism: FSDP2 per chunk at ZeRO stages 2/3 (each chunk a root over its blocks);
-    nothing at 0/1, where :func:`reduce_stage_gradients` runs after the schedule.
+    """``parallelize``'s fixed order applied to this rank's stages, in place: 1. tensor
+    parallelism over the stage's tp group (the stream between stages is then each rank's sequence
+    shard, sent to the same tp rank of the next stage), 2. expert parallelism over the stage's ep
+    group, 3. activation checkpointing, 4. compile per block, 5. data parallelism: FSDP2 per chunk
+    at ZeRO stages 2/3 (each chunk a root over its blocks); nothing at 0/1, where
+    :func:`reduce_stage_gradients` runs after the schedule.
     ``bucket_cap_mb`` (DDP's) has no use here: the stage 0/1 reduction is one flat buffer."""
     from moetrain.distributed.data_parallel import apply_data_parallel
     from moetrain.distributed.expert_parallel import apply_expert_parallel
@@ -306,6 +313,9 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     if grad_compression != "none":
         raise ValueError(f"dp.grad_compression ({grad_compression!r}) must be 'none' with parallel.pp ({dims.pp}) > 1: "
                          "the stage gradients are reduced once, after the schedule's last backward")
+    apply_tensor_parallel(pm, dims)
+    for chunk in pm.chunks:
+        chunk.sequence_shards = dims.tp
     apply_expert_parallel(pm, dims)
     apply_activation_checkpointing(checkpoint_blocks(pm, activation_checkpointing, every=activation_checkpointing_every))
     if compile:

@@ -174,8 +174,9 @@ def _block_plan(block: nn.Module) -> dict:
 
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
-    """Split ``model`` (a ``Transformer`` built full-size with the same seed on every rank) over
-    ``dims.tp_mesh`` as the module docstring lays out. In place; returns ``model``. A no-op at tp = 1.
+    """Split ``model`` (a ``Transformer`` built full-size with the same seed on every rank, or a
+    rank's ``PipelineModel``, whose absent embedding or head is None) over ``dims.tp_mesh`` as the
+    module docstring lays out. In place; returns ``model``. A no-op at tp = 1.
 
     Each rank keeps its slice of every split weight (no communication: every rank holds the same
     full tensors), so the global weights are those of the unsplit model.
@@ -184,18 +185,26 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         return model
     tp = dims.tp
     check_tensor_parallel(model, tp)
-    tied = model.output.weight is model.tok_embeddings.weight
+    embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
+    tied = embedding is not None and output is not None and output.weight is embedding.weight
     mesh = dims.tp_mesh
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
+    plan = {}
+    if embedding is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if output is not None:
         # Logits gathered whole: the loss is computed alike on every tp rank.
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(), use_local_output=True),
-    })
+        plan.update({"norm": SequenceParallel(),
+                     "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate(),
+                                               use_local_output=True)})
+    if plan:
+        parallelize_module(model, mesh, plan)
     if tied:
         # Both are Shard(0) over tp (vocabulary rows): one parameter again, as before the split.
         model.output.weight = model.tok_embeddings.weight
-    for block in model.layers:
+    if embedding is not None:
+        embedding.weight.register_hook(_vocab_rows_of_grad)
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for block in layers:
         parallelize_module(block, mesh, _block_plan(block))
         # Attention and the dense FFN read the whole sequence (all-gathered); the MoE layer its shard.
         block.attention.register_forward_pre_hook(_gather_sequence(mesh))
@@ -208,6 +217,16 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
             block.feed_forward.register_forward_hook(_mean_aux_over_tp(dims))
     model.register_forward_pre_hook(_check_sequence_length(tp))
     return model
+
+
+def _vocab_rows_of_grad(grad: torch.Tensor) -> torch.Tensor:
+    """The row-wise embedding's backward yields the whole ``[V, D]`` weight gradient, replicated on
+    every tp rank; the weight is this rank's vocabulary rows (Shard(0)), and so must its gradient
+    be, or a ZeRO-1 slice and the optimizer would read other rows and the dp reduction would carry
+    tp times the bytes. Replicate -> Shard(0) is a local slice, no communication."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != (Shard(0),):
+        return grad.redistribute(grad.device_mesh, [Shard(0)])
+    return grad
 
 
 def _check_sequence_length(tp: int):

@@ -36,6 +36,7 @@ class PPCase:
     name: str
     pp: int = 2
     ep: int = 1
+    tp: int = 1
     zero_stage: int = 0
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -126,9 +127,15 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _layout(t: torch.Tensor) -> tuple:
+    """Placements and local shape (a plain tensor: its shape)."""
+    local = getattr(t, "_local_tensor", t)
+    return tuple(getattr(t, "placements", ())), tuple(local.shape)
+
+
 def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dict:
     """One rank of ``case``; a ``dims``-less pp-only world when ``world == case.pp``."""
-    dims = ParallelDims(world_size=world, ep=case.ep, pp=case.pp)
+    dims = ParallelDims(world_size=world, ep=case.ep, pp=case.pp, tp=case.tp)
     dims.build_mesh("cpu")
     pm = build_pipeline_model(build_model(case, meta=meta), pp_rank=dims.pp_rank, pp=case.pp,
                               virtual_stages=case.virtual_stages, split=case.split, seq_len=SEQ,
@@ -147,6 +154,8 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
            "expert_bias": []}
     for ids_DXS, labels_DXS in make_batches(case, dims.dp):
         loss, aux = step.forward_backward(ids_DXS[dims.dp_rank], labels_DXS[dims.dp_rank])
+        out["grad_layouts_match"] = out.get("grad_layouts_match", True) and all(
+            _layout(p.grad) == _layout(p) for p in pm.parameters() if p.grad is not None)
         # Full gradients (collective over each DTensor's mesh, same order on every rank of a stage).
         out["grads"].append({n: _full(p.grad).clone() for n, p in pm.named_parameters() if p.grad is not None})
         norm = step.clip_grad_norm_(list(pm.parameters()), case.max_grad_norm)

@@ -81,9 +81,8 @@ def test_config_accepts_tp_pp_and_rejects_etp():
     assert (dims.tp, dims.pp, dims.dp, dims.edp) == (2, 1, 4, 4)
     dims = ParallelDims.from_config(ParallelConfig(pp=2, ep=2), world_size=8, num_experts=8)
     assert (dims.tp, dims.pp, dims.dp, dims.edp) == (1, 2, 4, 2)
-    # The layout exists (ParallelDims draws its groups), the training code does not split stages by tp yet.
-    with pytest.raises(ValueError, match=re.escape("parallel.tp (2) must be 1 with parallel.pp (2) > 1")):
-        ParallelConfig(tp=2, pp=2)
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2, ep=2), world_size=8, num_experts=8)
+    assert (dims.tp, dims.pp, dims.dp, dims.edp) == (2, 2, 2, 2)
     with pytest.raises(ValueError, match=re.escape("parallel.etp (2) must be 1")):
         ParallelConfig(etp=2)
     with pytest.raises(ValueError, match=re.escape("parallel.tp (1.5) must be an int >= 1")):

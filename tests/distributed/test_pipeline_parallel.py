@@ -30,9 +30,13 @@ ROUTING4 = [PPCase("sigmoid_bias_dp2_zero1", balancing=True, zero_stage=1, moe=S
 # The aux-loss gradient across micro-batch counts: tests/distributed/test_aux_invariance.py.
 WORLD2 = [PPCase("gpipe", schedule="gpipe"), PPCase("1f1b", max_grad_norm=0.5),
           PPCase("interleaved", schedule="interleaved_1f1b", virtual_stages=2), *ROUTING2]
+# Tensor parallelism inside the stages: ep folded onto the tp ranks, ZeRO-1 (the optimizer slices
+# each gradient as its parameter is split) and ZeRO-2 (FSDP2 over the stage's dp x tp ranks).
+PP_TP = [PPCase("pp2_tp2", tp=2, max_grad_norm=0.5), PPCase("pp2_tp2_ep2", tp=2, ep=2),
+         PPCase("pp2_tp2_zero1", tp=2, zero_stage=1), PPCase("pp2_tp2_ep2_zero2", tp=2, ep=2, zero_stage=2)]
 WORLD4 = [PPCase("pp2_ep2", ep=2), PPCase("pp2_dp2", max_grad_norm=0.5),
           PPCase("pp2_ep2_zero2", ep=2, zero_stage=2, max_grad_norm=0.5),
-          PPCase("empty_experts", ep=2, empty_experts_from_layer=2), *ROUTING4]
+          PPCase("empty_experts", ep=2, empty_experts_from_layer=2), *ROUTING4, *PP_TP]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +99,19 @@ def test_pp2_hybrids_match_one_process(world4, name):
     case, ranks = world4[name]
     assert_parity(case, ranks, dp=2)
     assert [r["stage_ids"] for r in ranks] == [[0], [0], [1], [1]]
+
+
+@pytest.mark.parametrize("name", [c.name for c in PP_TP])
+def test_pp2_tp2_matches_one_process(world4, name):
+    case, ranks = world4[name]
+    ref = assert_parity(case, ranks, dp=1)
+    assert [r["stage_ids"] for r in ranks] == [[0], [0], [1], [1]]
+    for r in ranks:
+        # Every gradient is laid out as its parameter (the row-wise embedding's too), which the
+        # ZeRO-1 slices and the dp reduction rely on.
+        assert r["grad_layouts_match"], r["grad_layouts_match"]
+    if case.max_grad_norm:
+        assert max(ref["norm"]) > case.max_grad_norm
 
 
 @pytest.mark.parametrize("name", [c.name for c in ROUTING2 + ROUTING4])

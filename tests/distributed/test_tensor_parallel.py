@@ -56,6 +56,8 @@ def test_tp2_and_tp2_ep2_folded_world2():
     runs = [TpRun("tp2", tp=2),
             TpRun("tp2_ep2", tp=2, ep=2, model={"qk_norm": "head"}),
             TpRun("tp2_ep2_zero1_accum", tp=2, ep=2, zero_stage=1, micro_batches=2),
+            # Untied: the row-wise embedding's gradient must be its rows (ZeRO-1 slices it as such).
+            TpRun("tp2_untied_zero1", tp=2, zero_stage=1, model={"tie_embeddings": False}),
             TpRun("tp2_ep2_empty_experts", tp=2, ep=2, empty_experts=True, steps=2)]
     results = run_ranks(tp_worker, 2, runs, timeout_s=100)
     for run in runs:
