@@ -404,17 +404,18 @@ def forward_only(pm: PipelineModel, input_ids_BS: torch.Tensor, pp_group: dist.P
             continue
         x = input_ids_BS
         if s > 0:
-            # 1. header (dtype code, hidden size), 2. the hidden state of the previous stage.
-            header = torch.empty(2, dtype=torch.int64, device=input_ids_BS.device)
+            # 1. header (dtype code, then the shape: B, this rank's S / tp positions, D), 2. the
+            #    hidden state of the previous stage.
+            header = torch.empty(4, dtype=torch.int64, device=input_ids_BS.device)
             dist.recv(header, group=pp_group, group_src=(s - 1) % pp)
             dtype = _DTYPES[int(header[0])]
-            x = torch.empty(*input_ids_BS.shape, int(header[1]), dtype=dtype, device=input_ids_BS.device)
+            x = torch.empty(*header[1:].tolist(), dtype=dtype, device=input_ids_BS.device)
             dist.recv(x, group=pp_group, group_src=(s - 1) % pp)
         y = held[s](x, tokens_BS)
         if s == pm.num_stages - 1:
             out = y
             continue
-        header = torch.tensor([_DTYPES.index(y.dtype), y.shape[-1]], dtype=torch.int64, device=y.device)
+        header = torch.tensor([_DTYPES.index(y.dtype), *y.shape], dtype=torch.int64, device=y.device)
         dist.send(header, group=pp_group, group_dst=(s + 1) % pp)
         dist.send(y.contiguous(), group=pp_group, group_dst=(s + 1) % pp)
     return out

@@ -34,8 +34,9 @@ folding). What it asks for:
 
 Not covered (rejected with the field named): multi-head latent attention (its latent projections
 read the gathered input outside the column-wise layers), ``model.qk_norm="full"`` (a norm across
-all heads), the classifier head (pools along the sharded sequence), the sequence-wise balance loss
-(per-sequence counts span tp ranks), LoRA adapters.
+all heads), the classifier head (pools along the sharded sequence), LoRA adapters. The
+sequence-wise balance loss sums each sequence's counts and scores over the tp ranks
+(``MoELayer.sequence_group``).
 
 Shape legend: B batch, S sequence, D model dim, H query heads, G key/value heads.
 """
@@ -89,9 +90,6 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
             hidden = module.w1.weight.shape[0]
             if hidden % tp:
                 once(f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({hidden}, model.dense_hidden_dim)")
-        elif isinstance(module, MoELayer) and module.config.aux_loss_type == "sequence":
-            once("moe.aux_loss_type ('sequence') counts each sequence's routing, whose positions parallel.tp "
-                 "spreads over ranks: use 'global'")
         if "lora_" in name.rsplit(".", 1)[-1]:
             once("LoRA adapters (finetune.lora_rank > 0) are not split by parallel.tp")
     if errors:
@@ -215,6 +213,9 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         block.attention.num_kv_heads //= tp
         if moe:
             block.feed_forward.register_forward_hook(_mean_aux_over_tp(dims))
+            # Each sequence's positions are spread over the tp ranks: the sequence-wise balance
+            # loss sums its per-sequence counts and scores over them.
+            block.feed_forward.sequence_group = dims.tp_group
     model.register_forward_pre_hook(_check_sequence_length(tp))
     return model
 

@@ -9,8 +9,8 @@ layout, by term:
     z-loss                       a mean over the step's tokens: the same for every tp, pp and cut of
                                  the global batch into micro-batches
     sequence-wise balance loss   a mean over the step's sequences of per-sequence terms: the same
-                                 for every pp and cut into micro-batches (parallel.tp rejects it,
-                                 test_tensor_parallel checks the message)
+                                 for every tp (each sequence's counts and scores summed over its
+                                 tp ranks), pp and cut into micro-batches
     batch-wise balance loss      f_e and P_e over each micro-batch (Megatron-LM's default): the same
                                  for every tp and pp at a fixed micro-batch count, and a different
                                  gradient for another count, by construction
@@ -38,7 +38,7 @@ TERMS = {"z": {"aux_loss_coef": 0.0, "z_loss_coef": 0.5},
          "sequence": {"aux_loss_type": "sequence", "aux_loss_coef": 0.5, "z_loss_coef": 0.0},
          "batch": {"aux_loss_coef": 0.5, "z_loss_coef": 0.0}}
 """The aux term under test, alone (coefficient 0.5 so its gradient stands well above rounding)."""
-TP_TERMS = ("z", "batch")
+TP_TERMS = ("z", "sequence", "batch")
 PP_MICRO_BATCHES = (2, 4)
 TP_MICRO_BATCHES = (1, 2)
 PP_GLOBAL_BATCH = 8
@@ -125,12 +125,13 @@ def test_token_and_sequence_means_do_not_depend_on_pp_or_micro_batches(world2, t
         _assert_same(_aux_grads_pp(term, m, world2), want, f"[{term}] pp=2, {m} micro-batches:")
 
 
-def test_z_loss_does_not_depend_on_tp_or_micro_batches(world2):
-    want = _aux_grads_tp("z", 1, None)
-    _assert_nonzero_at_routers(want, "[z] reference")
+@pytest.mark.parametrize("term", ["z", "sequence"])
+def test_token_and_sequence_means_do_not_depend_on_tp_or_micro_batches(world2, term):
+    want = _aux_grads_tp(term, 1, None)
+    _assert_nonzero_at_routers(want, f"[{term}] reference")
     for m in TP_MICRO_BATCHES:
-        _assert_same(_aux_grads_tp("z", m, None), want, f"[z] one process, {m} micro-batches:")
-        _assert_same(_aux_grads_tp("z", m, world2), want, f"[z] tp=2, {m} micro-batches:")
+        _assert_same(_aux_grads_tp(term, m, None), want, f"[{term}] one process, {m} micro-batches:")
+        _assert_same(_aux_grads_tp(term, m, world2), want, f"[{term}] tp=2, {m} micro-batches:")
 
 
 def test_batch_balance_loss_follows_the_micro_batch_not_the_layout(world2):

@@ -1,5 +1,5 @@
-"""A pipeline-parallel run (pp=2 x dp=2, experts over ep=2 in each stage, the router bias moving)
-resumed from its checkpoint continues with exactly the losses of the uninterrupted run: each stage
+"""A pipeline-parallel run (pp=2 x dp=2, or pp=2 x tp=2 with the experts on the tp ranks; experts
+over ep=2 in each stage, the router bias moving) resumed from its checkpoint continues with exactly the losses of the uninterrupted run: each stage
 reads its own layers from the checkpoint, its optimizer keeps its own parameters, and the balancer
 counters of every stage come back to the stage that holds those layers."""
 
@@ -16,13 +16,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _train(run: Path) -> subprocess.CompletedProcess:
+def _train(run: Path, layout: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     args = ["train", "--config", "hybrid-dp-ep-pp", "--nproc", "4", "--train.steps=6", "--data.seq_len=64",
             "--train.global_batch_size=16", "--train.micro_batch_size=2", "--train.eval_every=0",
             "--checkpoint.every=3", "--checkpoint.keep_last=0", "--moe.router_bias_update_rate=0.01",
-            "--log.every=1", "--log.progress_bar=false", "--log.tensorboard=false", f"--log.run_dir={run}"]
+            "--log.every=1", "--log.progress_bar=false", "--log.tensorboard=false", f"--log.run_dir={run}", *layout]
     return subprocess.run([sys.executable, "-m", "moetrain.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600, check=False)
 
@@ -36,13 +36,14 @@ def _losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_pipeline_run_resumes_exactly(tmp_path, shakespeare_cached):
+@pytest.mark.parametrize("layout", [[], ["--parallel.tp=2"]], ids=["pp2_dp2_ep2", "pp2_tp2_ep2"])
+def test_pipeline_run_resumes_exactly(tmp_path, shakespeare_cached, layout):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    first = _train(whole)
+    first = _train(whole, layout)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(whole / "checkpoints" / "step_000000003", resumed / "checkpoints" / "step_000000003")
-    second = _train(resumed)
+    second = _train(resumed, layout)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
     assert "resumed from" in second.stdout + second.stderr
     want, got = _losses(whole), _losses(resumed)

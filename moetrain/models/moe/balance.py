@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, *,
@@ -43,21 +44,33 @@ def all_reduce_counts(num_routed_E: torch.Tensor, group) -> torch.Tensor:
     return total_E
 
 
-def sequence_load_balancing_loss(probs_BSE: torch.Tensor, idx_BSK: torch.Tensor) -> torch.Tensor:
+def sequence_load_balancing_loss(probs_BSE: torch.Tensor, idx_BSK: torch.Tensor, *,
+                                 sequence_group=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: the Switch term ``E * sum_e f_e * P_e`` of each
     sequence alone, averaged over the B sequences.
 
     ``f_e`` is the fraction of the sequence's S*K routed copies that chose e (a constant) and
     ``P_e`` the sequence's mean normalised score of e. Each sequence's term needs only its own
-    tokens, so no counts cross ranks: the mean over data-parallel ranks of their per-rank means
-    is the mean over the global batch's sequences (equal sequences per rank).
+    tokens, so no counts cross data-parallel ranks: the mean over them of their per-rank means is
+    the mean over the global batch's sequences (equal sequences per rank).
+
+    ``sequence_group``: the ranks over which every sequence's positions are spread (the tp group
+    under sequence parallelism, each rank holding S of them): the per-sequence counts and score
+    sums are summed over it, so every rank of the group computes the whole sequences' loss. The
+    score sum's backward sums the group's gradients, because each rank's scores enter every
+    rank's loss (the tensor-parallel wrapper then averages the equal losses over the group).
     """
     B, S, E = probs_BSE.shape
     K = idx_BSK.shape[-1]
     counts_BE = torch.zeros(B, E, dtype=torch.float32, device=probs_BSE.device)
     counts_BE.scatter_add_(1, idx_BSK.reshape(B, S * K), torch.ones(B, S * K, device=probs_BSE.device))
+    score_sum_BE = probs_BSE.float().sum(dim=1)
+    if sequence_group is not None:
+        counts_BE = all_reduce_counts(counts_BE, sequence_group)
+        score_sum_BE = dist_nn.all_reduce(score_sum_BE, group=sequence_group)
+        S = S * dist.get_world_size(sequence_group)
     f_BE = counts_BE / (S * K)
-    P_BE = probs_BSE.float().mean(dim=1)
+    P_BE = score_sum_BE / S
     return E * (f_BE * P_BE).sum(dim=-1).mean()
 
 

@@ -103,6 +103,9 @@ class MoELayer(nn.Module):
         # (set by the data/expert-parallel wrappers). With it, the mean of the per-rank losses
         # equals the loss of one process holding the whole global batch.
         self.balance_group = None
+        # Process group over which each sequence's positions are spread (tensor parallelism's
+        # sequence shards), for the sequence-wise balance loss; None: whole sequences here.
+        self.sequence_group = None
         # Routed copies per expert in the last forward; read by metrics, never synced here.
         # int64 so a cast of the module to bf16 cannot round the counts.
         self.register_buffer("tokens_per_expert", torch.zeros(c.num_experts, dtype=torch.int64),
@@ -218,7 +221,7 @@ class MoELayer(nn.Module):
             seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
             B = num_tokens // seq_len
             lb = sequence_load_balancing_loss(routing.probs_TE.view(B, seq_len, -1),
-                                              routing.idx_TK.view(B, seq_len, -1))
+                                              routing.idx_TK.view(B, seq_len, -1), sequence_group=self.sequence_group)
         else:
             lb = load_balancing_loss(routing.probs_TE, num_routed_E, top_k=c.top_k, num_tokens=num_balance_tokens)
         return MoEAux(loss=self.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
