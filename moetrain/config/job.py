@@ -63,6 +63,9 @@ class JobConfig:
         m, par = self.model, self.parallel
         # How parallel.ep splits the world and the experts is ParallelDims's rule (it knows the world).
         require(m.is_moe or par.ep == 1, "parallel.ep", par.ep, "must be 1 for a dense model (model.moe_every = 0)")
+        require(m.is_moe or par.etp == 1, "parallel.etp", par.etp, "must be 1 for a dense model (model.moe_every = 0)")
+        require(par.etp == 1 or self.moe.capacity_factor is None, "moe.capacity_factor", self.moe.capacity_factor,
+                f"must be null with parallel.etp ({par.etp}) > 1: expert tensor parallelism is dropless")
         require(self.data.seq_len <= m.max_seq_len, "data.seq_len", self.data.seq_len,
                 f"must be <= model.max_seq_len ({m.max_seq_len})")
         if m.head == "classifier" and self.data.tokenizer != DataConfig.tokenizer:
@@ -98,6 +101,8 @@ class JobConfig:
             require(not self.data.document_mask, "data.document_mask", self.data.document_mask,
                     'needs model.head = "lm": a classifier\'s examples are not packed')
         lora_experts = self.finetune.lora_rank > 0 and "experts" in self.finetune.lora_targets
+        require(not lora_experts or par.etp == 1, "parallel.etp", par.etp,
+                "must be 1 with LoRA on the routed experts (finetune.lora_targets): the adapters are not split by etp")
         require(not lora_experts or self.moe.expert_lr_scale_max == 1.0, "moe.expert_lr_scale_max",
                 self.moe.expert_lr_scale_max, "must be 1.0 with LoRA on the routed experts (finetune.lora_targets): "
                 "the per-expert learning rate scales the expert weights, which LoRA freezes")

@@ -43,8 +43,13 @@ class ParallelConfig:
     order, so stages may span nodes)."""
 
     etp: int = 1
-    """Expert tensor-parallel degree. Only 1: routed experts keep their hidden dim whole, and the
-    ep groups fold over the dp x tp ranks of a stage instead (`ep` may borrow the tp ranks)."""
+    """Expert tensor-parallel degree: groups of `etp` consecutive ranks (inside the ep layout) split
+    every routed expert's hidden dim (w1/w3 column-wise, w2 row-wise). The group gathers its
+    ranks' routed tokens before the all-to-all and reduce-scatters the partial outputs after it,
+    so each rank computes 1/etp of the expert FLOPs of etp times the tokens and holds 1/etp of
+    the expert weights. `ep * etp` must divide dp * tp; etp = tp puts the split on the tp ranks
+    (Megatron-Core's expert tensor parallelism). Dropless routing only (moe.capacity_factor
+    null), ZeRO stages 0/1."""
 
     pp_schedule: str = "1f1b"
     """Pipeline schedule at parallel.pp > 1 (``torch.distributed.pipelining``): "gpipe" (all
@@ -86,12 +91,10 @@ class ParallelConfig:
         require_bool("parallel.ep_hierarchical", self.ep_hierarchical)
         require(not self.ep_hierarchical or self.ep > 1, "parallel.ep_hierarchical", self.ep_hierarchical,
                 f"needs parallel.ep > 1 (is {self.ep}): without expert parallelism nothing is exchanged")
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "etp"):
             value = getattr(self, name)
             require(isinstance(value, int) and not isinstance(value, bool) and value >= 1, f"parallel.{name}", value,
                     "must be an int >= 1")
-        require(self.etp == 1, "parallel.etp", self.etp,
-                "must be 1: experts are not split by hidden dim (ep folds over the tp ranks instead)")
         require_choice("parallel.pp_schedule", self.pp_schedule, ("gpipe", "1f1b", "interleaved_1f1b"))
         require(isinstance(self.pp_virtual_stages, int) and not isinstance(self.pp_virtual_stages, bool)
                 and self.pp_virtual_stages >= 1, "parallel.pp_virtual_stages", self.pp_virtual_stages,
@@ -105,6 +108,9 @@ class ParallelConfig:
                     "virtual stages need 'interleaved_1f1b'")
         require_choice("parallel.pp_split", self.pp_split, ("layers", "params", "flops"))
         require_choice("parallel.zero_stage", self.zero_stage, (0, 1, 2, 3))
+        require(self.etp == 1 or self.zero_stage <= 1, "parallel.etp", self.etp,
+                f"must be 1 with parallel.zero_stage {self.zero_stage}: FSDP2 does not shard experts split over "
+                "two mesh axes (ep, etp); use ZeRO stage 0 or 1")
         require(isinstance(self.hsdp_replicate, int) and not isinstance(self.hsdp_replicate, bool)
                 and self.hsdp_replicate >= 1, "parallel.hsdp_replicate", self.hsdp_replicate, "must be an int >= 1")
         require(self.hsdp_replicate == 1 or self.zero_stage >= 2, "parallel.hsdp_replicate", self.hsdp_replicate,

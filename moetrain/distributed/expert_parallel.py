@@ -18,6 +18,7 @@ from moetrain.distributed.all_to_all import AllToAllDispatcher
 from moetrain.distributed.comm_stats import CommStats
 from moetrain.distributed.comm_timer import CommTimer
 from moetrain.distributed.ep_exchange import EpExchanges
+from moetrain.distributed.expert_tensor_parallel import ExpertTensorParallelDispatcher, shard_experts_2d
 from moetrain.distributed.hierarchical import hierarchical_dispatcher
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import Dispatcher, LocalDispatcher
@@ -73,7 +74,8 @@ def shard_experts(experts: GroupedExperts, dims: ParallelDims) -> None:
 
 
 def is_expert_shard(p: torch.Tensor) -> bool:
-    """True for expert weights sharded over the ``ep`` mesh axis by :func:`shard_experts`."""
+    """True for expert weights sharded over the ``ep`` mesh axis by :func:`shard_experts` (or over
+    (ep, etp) by ``shard_experts_2d``)."""
     return isinstance(p, DTensor) and "ep" in (p.device_mesh.mesh_dim_names or ())
 
 
@@ -87,15 +89,25 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
             continue
         dims.check_experts(layer.config.num_experts, layer=name)
         layer.dispatcher = build_dispatcher(dims, layer.config)
-        if dims.ep > 1:
+        if dims.etp > 1:
+            layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, num_experts=layer.config.num_experts,
+                                                              group=dims.etp_group, size=dims.etp)
+            shard_experts_2d(layer.experts, dims)
+        elif dims.ep > 1:
             shard_experts(layer.experts, dims)
         if dims.dp_tp > 1:
             layer.balance_group = dims.dp_tp_group
     return model
 
 
+def _dispatchers(model: nn.Module) -> list:
+    """Every MoE layer's dispatcher, the one inside the expert-tensor-parallel gathers included."""
+    found = [m.dispatcher for m in model.modules() if isinstance(m, MoELayer)]
+    return [d.inner if isinstance(d, ExpertTensorParallelDispatcher) else d for d in found]
+
+
 def _exchanging_dispatchers(model: nn.Module) -> list[EpExchanges]:
-    return [m.dispatcher for m in model.modules() if isinstance(m, MoELayer) and isinstance(m.dispatcher, EpExchanges)]
+    return [d for d in _dispatchers(model) if isinstance(d, EpExchanges)]
 
 
 def enable_comm_timing(model: nn.Module, device: torch.device) -> None:
@@ -118,7 +130,7 @@ def collect_comm_times(model: nn.Module, *, reset: bool = True) -> dict[str, flo
 def collect_comm_stats(model: nn.Module, *, reset: bool = True) -> CommStats:
     """Sum of the all-to-all byte counters of every MoE layer of ``model`` on this rank."""
     total = CommStats()
-    for module in model.modules():
-        if isinstance(module, MoELayer) and isinstance(module.dispatcher, AllToAllDispatcher):
-            total = total + module.dispatcher.read_comm_stats(reset=reset)
+    for dispatcher in _dispatchers(model):
+        if isinstance(dispatcher, AllToAllDispatcher):
+            total = total + dispatcher.read_comm_stats(reset=reset)
     return total

@@ -12,12 +12,14 @@ point-to-point sends tolerate the slower link and may cross nodes.
 
 The MoE layers fold over the same ranks (Megatron-Core's "parallel folding"): the ``dp * tp``
 ranks of one pipeline stage hold different tokens at the MoE layer (its input is sharded along
-the sequence over tp), and re-factor as ``edp x ep`` with ``ep`` consecutive:
+the sequence over tp), and re-factor as ``edp x ep x etp`` with ``etp`` innermost:
 
-    rank = pp_index * dp * tp + edp_index * ep + ep_index
+    rank = pp_index * dp * tp + (edp_index * ep + ep_index) * etp + etp_index
 
-so ``ep`` may borrow from ``dp x tp`` (``ep`` must divide ``dp * tp``) and the all-to-alls stay
-inside a node while ``ep`` divides the processes per node. Example with 8 ranks, pp=2, tp=2, ep=2
+so ``ep`` and ``etp`` may borrow from ``dp x tp`` (``ep * etp`` must divide ``dp * tp``) and the
+all-to-alls stay inside a node while ``ep * etp`` divides the processes per node. An etp group
+(``parallel.etp`` consecutive ranks: the tp pairs when etp = tp) splits each expert's hidden dim
+and computes on the tokens of all its ranks (``moetrain.distributed.expert_tensor_parallel``). Example with 8 ranks, pp=2, tp=2, ep=2
 (so dp = 2 and edp = 2):
 
     pp groups  (pipeline stages, p2p):             [0, 4]  [1, 5]  [2, 6]  [3, 7]
@@ -31,7 +33,7 @@ With pp = tp = 1 this is the expert layout alone: 4 ranks, ep=2 give ep groups [
 edp groups [0, 2] [1, 3] and one dp group [0, 1, 2, 3].
 
 Meshes: one 1-D root over all ranks, unflattened twice so that FSDP and DTensor see one root:
-``mesh`` = (pp, dp, tp) for the dense part and ``moe_mesh`` = (pp, edp, ep) for the experts;
+``mesh`` = (pp, dp, tp) for the dense part and ``moe_mesh`` = (pp, edp, ep, etp) for the experts;
 ``dp_tp`` is the (dp, tp) part of ``mesh`` flattened (the dp axis itself when tp = 1).
 
 Nodes hold ``ranks_per_node`` consecutive ranks each (torchrun's LOCAL_WORLD_SIZE, which
@@ -78,8 +80,7 @@ class ParallelDims:
     pp: int = 1
     """Pipeline-parallel degree: stages of ``world / pp`` consecutive ranks."""
     etp: int = 1
-    """Expert tensor-parallel degree; 1 (experts are never split by hidden dim: ep borrows the tp
-    ranks instead)."""
+    """Expert tensor-parallel degree: groups of ``etp`` consecutive ranks split each expert's hidden dim."""
     num_experts: int | None = None
     """Routed experts per MoE layer; ``ep`` must divide it. None skips that check (dense model)."""
     ranks_per_node: int | None = None
@@ -125,15 +126,13 @@ class ParallelDims:
                           f"must equal the world size ({self.world_size})")
         if self.world_size % self.ep != 0:
             errors.append(f"parallel.ep ({self.ep}) must divide the world size ({self.world_size})")
-        elif self.dp_tp % self.ep != 0:
-            errors.append(f"parallel.ep ({self.ep}) must divide parallel.dp * parallel.tp ({self.dp_tp}): "
-                          "expert parallelism folds over the ranks of one pipeline stage")
-        if self.etp != 1:
-            errors.append(f"parallel.etp ({self.etp}) must be 1: experts are not split by hidden dim "
-                          "(ep borrows the tp ranks instead)")
-        if self.ep_hierarchical and (self.tp > 1 or self.pp > 1):
-            errors.append(f"parallel.ep_hierarchical needs parallel.tp = 1 and parallel.pp = 1 (are {self.tp}, "
-                          f"{self.pp}): its node mesh is laid out for one stage without tensor parallelism")
+        elif self.dp_tp % (self.ep * self.etp) != 0:
+            what = f"parallel.ep ({self.ep})" + (f" * parallel.etp ({self.etp})" if self.etp > 1 else "")
+            errors.append(f"{what} must divide parallel.dp * parallel.tp ({self.dp_tp}): expert parallelism folds "
+                          "over the ranks of one pipeline stage")
+        if self.ep_hierarchical and (self.tp > 1 or self.pp > 1 or self.etp > 1):
+            errors.append(f"parallel.ep_hierarchical needs parallel.tp, pp and etp = 1 (are {self.tp}, {self.pp}, "
+                          f"{self.etp}): its node mesh is laid out for one stage without tensor parallelism")
         return errors
 
     def _node_errors(self) -> list[str]:
@@ -217,13 +216,20 @@ class ParallelDims:
         return [list(range(p * self.dp_tp, (p + 1) * self.dp_tp)) for p in range(self.pp)]
 
     def ep_group_ranks(self) -> list[list[int]]:
-        """Ranks of each expert-parallel group: consecutive blocks of ``ep`` (stage by stage)."""
-        return [list(range(g * self.ep, (g + 1) * self.ep)) for g in range(self.world_size // self.ep)]
+        """Ranks of each expert-parallel group, ordered (pp, edp, etp): ``ep`` ranks at stride ``etp``
+        (consecutive blocks of ``ep`` at etp = 1)."""
+        blocks = range(0, self.world_size, self.ep * self.etp)
+        return [list(range(b + t, b + self.ep * self.etp, self.etp)) for b in blocks for t in range(self.etp)]
 
     def edp_group_ranks(self) -> list[list[int]]:
-        """Ranks of each expert-data-parallel group: one rank from every ep group of a stage, stride ``ep``."""
-        return [list(range(p * self.dp_tp + j, (p + 1) * self.dp_tp, self.ep))
-                for p in range(self.pp) for j in range(self.ep)]
+        """Ranks of each expert-data-parallel group, ordered (pp, ep, etp): one rank from every
+        (ep, etp) block of a stage, stride ``ep * etp``."""
+        return [list(range(p * self.dp_tp + j, (p + 1) * self.dp_tp, self.ep * self.etp))
+                for p in range(self.pp) for j in range(self.ep * self.etp)]
+
+    def etp_group_ranks(self) -> list[list[int]]:
+        """Ranks of each expert-tensor-parallel group: consecutive blocks of ``etp``."""
+        return [list(range(g, g + self.etp)) for g in range(0, self.world_size, self.etp)]
 
     # ----- nodes (pure arithmetic) ----------------------------------------------------------------
 
@@ -238,7 +244,7 @@ class ParallelDims:
     @property
     def ep_spans_nodes(self) -> bool:
         """Whether some ep group has ranks on more than one node (its all-to-alls cross nodes)."""
-        return self.ranks_per_node % self.ep != 0
+        return self.ranks_per_node % (self.ep * self.etp) != 0
 
     @property
     def hierarchical_ep(self) -> bool:
@@ -249,7 +255,7 @@ class ParallelDims:
         """Node of each rank of ep group ``group`` (in ep-rank order); None: this rank's group
         (after build_mesh)."""
         if group is None:
-            group = self.pp_rank * self.edp + self.edp_rank
+            group = (self.pp_rank * self.edp + self.edp_rank) * self.etp + self.etp_rank
         return [self.node_of(r) for r in self.ep_group_ranks()[group]]
 
     def ep_node_ranks(self, group: int = 0) -> list[list[int]]:
@@ -283,10 +289,10 @@ class ParallelDims:
         report_ep_nodes(self)
         # One 1-D root, unflattened twice: FSDP and DTensor need every mesh a parameter lives on
         # to share a root, and the dense and expert axes overlap (parallel folding). Row-major
-        # (pp, dp, tp) and (pp, edp, ep) give the rank order of the module docstring.
+        # (pp, dp, tp) and (pp, edp, ep, etp) give the rank order of the module docstring.
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
         mesh = world._unflatten(0, (self.pp, self.dp, self.tp), ("pp", "dp", "tp"))
-        self.moe_mesh = world._unflatten(0, (self.pp, self.edp, self.ep), ("pp", "edp", "ep"))
+        self.moe_mesh = world._unflatten(0, (self.pp, self.edp, self.ep, self.etp), ("pp", "edp", "ep", "etp"))
         # At tp = 1 the stage's ranks are the dp axis itself: no second group over them.
         self._dp_tp_mesh = mesh[("dp", "tp")]._flatten("dp_tp") if self.tp > 1 else mesh["dp"]
         if self.hierarchical_ep:
@@ -310,6 +316,15 @@ class ParallelDims:
     @property
     def edp_mesh(self) -> DeviceMesh:
         return self._sub_mesh("edp", moe=True)
+
+    @property
+    def etp_mesh(self) -> DeviceMesh:
+        return self._sub_mesh("etp", moe=True)
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """What the expert weights are sharded over: the ep axis, and with etp > 1 (ep, etp)."""
+        return self._sub_mesh("ep", moe=True) if self.etp == 1 else self.moe_mesh[("ep", "etp")]
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -378,6 +393,10 @@ class ParallelDims:
         return self.edp_mesh.get_group()
 
     @property
+    def etp_group(self) -> dist.ProcessGroup:
+        return self.etp_mesh.get_group()
+
+    @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.dp_mesh.get_group()
 
@@ -400,6 +419,10 @@ class ParallelDims:
     @property
     def edp_rank(self) -> int:
         return self.edp_mesh.get_local_rank()
+
+    @property
+    def etp_rank(self) -> int:
+        return self.etp_mesh.get_local_rank()
 
     @property
     def dp_rank(self) -> int:

@@ -163,9 +163,9 @@ class Trainer(CheckpointingMixin):
         self.window = MetricsWindow()
         pc = self.param_counts
         log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = pp %d x dp %d x tp %d, "
-                 "ep %d; %d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6, pc.active / 1e6,
+                 "ep %d x etp %d; %d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6, pc.active / 1e6,
                  pc.expert / 1e6, self.world_size, self.dims.pp, self.dp_size, self.dims.tp, self.dims.ep,
-                 self.grad_accum, self.cfg.train.micro_batch_size, self.run_dir)
+                 self.dims.etp, self.grad_accum, self.cfg.train.micro_batch_size, self.run_dir)
 
     # --- one optimizer step -----------------------------------------------------------------------
 

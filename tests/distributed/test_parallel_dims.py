@@ -27,9 +27,10 @@ EP4_W2 = "parallel.ep (4) must divide the world size (2)"
       "pipeline stage")),
     ({"world_size": 4, "tp": 3, "pp": 2}, "parallel.tp (3) * parallel.pp (2) must divide the world size (4)"),
     ({"world_size": 4, "tp": 0}, "parallel.tp (0) must be an integer >= 1"),
-    ({"world_size": 4, "etp": 2}, "parallel.etp (2) must be 1"),
+    ({"world_size": 4, "ep": 4, "etp": 2, "num_experts": 8},
+     "parallel.ep (4) * parallel.etp (2) must divide parallel.dp * parallel.tp (4)"),
     ({"world_size": 4, "tp": 2, "ep": 2, "ep_hierarchical": True},
-     "parallel.ep_hierarchical needs parallel.tp = 1 and parallel.pp = 1 (are 2, 1)"),
+     "parallel.ep_hierarchical needs parallel.tp, pp and etp = 1 (are 2, 1, 1)"),
 ])
 def test_bad_layouts_name_fields_and_values(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -76,15 +77,23 @@ def test_folded_rank_order_of_the_docstring_example():
                                                                                  [[0], [1], [2], [3]])
 
 
-def test_config_accepts_tp_pp_and_rejects_etp():
+def test_config_accepts_tp_pp_and_etp():
     dims = ParallelDims.from_config(ParallelConfig(tp=2, ep=2), world_size=8, num_experts=8)
     assert (dims.tp, dims.pp, dims.dp, dims.edp) == (2, 1, 4, 4)
     dims = ParallelDims.from_config(ParallelConfig(pp=2, ep=2), world_size=8, num_experts=8)
     assert (dims.tp, dims.pp, dims.dp, dims.edp) == (1, 2, 4, 2)
     dims = ParallelDims.from_config(ParallelConfig(tp=2, pp=2, ep=2), world_size=8, num_experts=8)
     assert (dims.tp, dims.pp, dims.dp, dims.edp) == (2, 2, 2, 2)
-    with pytest.raises(ValueError, match=re.escape("parallel.etp (2) must be 1")):
-        ParallelConfig(etp=2)
+    dims = ParallelDims.from_config(ParallelConfig(tp=2, ep=2, etp=2), world_size=8, num_experts=8)
+    assert (dims.dp, dims.edp) == (4, 2)
+    assert dims.etp_group_ranks() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.ep_group_ranks() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.edp_group_ranks() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match=re.escape("parallel.ep (2) * parallel.etp (4) must divide parallel.dp * "
+                                                   "parallel.tp (4)")):
+        ParallelDims(world_size=4, ep=2, etp=4)
+    with pytest.raises(ValueError, match=re.escape("parallel.etp (2) must be 1 with parallel.zero_stage 2")):
+        ParallelConfig(etp=2, zero_stage=2)
     with pytest.raises(ValueError, match=re.escape("parallel.tp (1.5) must be an int >= 1")):
         ParallelConfig(tp=1.5)
 
@@ -99,24 +108,30 @@ def _mesh_worker(rank, world_size, kwargs):
 
     return {"tp": ranks(dims.tp_group), "dp": ranks(dims.dp_group), "pp": ranks(dims.pp_group),
             "ep": ranks(dims.ep_group), "edp": ranks(dims.edp_group), "dp_tp": ranks(dims.dp_tp_group),
-            "coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.edp_rank, dims.ep_rank),
-            "same_root": dims.tp_mesh._get_root_mesh() is dims.ep_mesh._get_root_mesh()}
+            "etp": ranks(dims.etp_group),
+            "coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.edp_rank, dims.ep_rank, dims.etp_rank),
+            "same_root": dims.tp_mesh._get_root_mesh() is dims.expert_mesh._get_root_mesh()}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_meshes_give_the_groups_of_the_rank_arithmetic():
-    kwargs = {"pp": 2, "tp": 2, "ep": 2, "num_experts": 4}
-    dims = ParallelDims(world_size=8, **kwargs)
-    results = run_ranks(_mesh_worker, 8, kwargs, timeout_s=55)
+@pytest.mark.parametrize("kwargs", [{"pp": 2, "tp": 2, "ep": 2}, {"tp": 2, "ep": 2, "etp": 2}],
+                         ids=["pp2_tp2_ep2", "tp2_ep2_etp2"])
+def test_meshes_give_the_groups_of_the_rank_arithmetic(kwargs):
+    dims = ParallelDims(world_size=8, num_experts=4, **kwargs)
+    results = run_ranks(_mesh_worker, 8, {**kwargs, "num_experts": 4}, timeout_s=55)
     for rank, got in enumerate(results):
         def mine(groups, rank=rank):
             return next(g for g in groups if rank in g)
         assert got["tp"] == mine(dims.tp_group_ranks()) and got["dp"] == mine(dims.dp_group_ranks())
         assert got["pp"] == mine(dims.pp_group_ranks()) and got["dp_tp"] == mine(dims.dp_tp_group_ranks())
         assert got["ep"] == mine(dims.ep_group_ranks()) and got["edp"] == mine(dims.edp_group_ranks())
-        pp, rest = divmod(rank, 4)
-        assert got["coords"] == (pp, rest // 2, rest % 2, rest // 2, rest % 2)
+        assert got["etp"] == mine(dims.etp_group_ranks())
+        if dims.etp == 1:
+            pp, rest = divmod(rank, 4)
+            assert got["coords"] == (pp, rest // 2, rest % 2, rest // 2, rest % 2, 0)
+        else:  # 8 ranks = dp 4 x tp 2 = edp 2 x ep 2 x etp 2, etp innermost
+            assert got["coords"] == (0, rank // 2, rank % 2, rank // 4, rank // 2 % 2, rank % 2)
         assert got["same_root"]  # FSDP and DTensor compose the dense and expert meshes
 
 

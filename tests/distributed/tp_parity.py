@@ -38,6 +38,7 @@ class TpRun:
     name: str
     tp: int
     ep: int = 1
+    etp: int = 1
     zero_stage: int = 0
     steps: int = 3
     micro_batches: int = 1
@@ -139,7 +140,7 @@ def run_reference(run: TpRun) -> dict:
 def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
     out = {}
     for run in runs:
-        dims = ParallelDims(world_size=world_size, tp=run.tp, ep=run.ep, num_experts=4)
+        dims = ParallelDims(world_size=world_size, tp=run.tp, ep=run.ep, etp=run.etp, num_experts=4)
         dims.build_mesh("cpu")
         model = build(run)
         train_model = parallelize(model, dims, zero_stage=run.zero_stage, activation_checkpointing=run.ac)
@@ -147,7 +148,10 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
                              dims, zero_stage=run.zero_stage)
         B = GLOBAL_BATCH // dims.dp
         rows = slice(dims.dp_rank * B, (dims.dp_rank + 1) * B)
+        w1 = next(m for m in model.modules() if isinstance(m, MoELayer)).experts.w1
+        local_w1 = tuple(getattr(w1, "_local_tensor", w1).shape)
         res = _train(run, model, train_model, opt, make_batches(run), rows, dims)
+        res["local_w1"] = local_w1
         # The loss and aux loss of the global batch: the means over dp of the dp indices' values.
         losses = torch.tensor(res["loss"] + [res["aux"]])
         dist.all_reduce(losses, group=dims.dp_group)

@@ -1,7 +1,8 @@
 """Checkpoints reshard between tensor-parallel layouts and one process (DCP resharding of the DTensor
 tp shards, the sequence-parallel norm weights and the ep-sharded experts), model and optimizer
-state: tp=2 x ep=2 (folded, world 2) -> world 1, and world 1 -> tp=2. The loaded state equals the
-saved one exactly, and the next steps' losses equal those of the uninterrupted run."""
+state: tp=2 x ep=2 (folded, world 2) -> world 1, world 1 -> tp=2, and the same with the experts'
+hidden dim split over etp = 2. The loaded state equals the saved one exactly, and the next steps'
+losses equal those of the uninterrupted run."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.integration.test_checkpoint import _assert_same_state, _full_state
 RUN = TpRun("reshard", tp=1, steps=6)
 
 
-def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: bool) -> dict | None:
+def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: bool, etp: int = 1) -> dict | None:
     """3 steps then save (``save``) or load step 3; then 3 more steps. Returns (rank 0) the full
     state right after the save or load and the losses of the 3 steps after it."""
     from types import SimpleNamespace
@@ -28,7 +29,7 @@ def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: b
     from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
     from moetrain.train.optim import build_optimizer
 
-    dims = ParallelDims(world_size=world_size, tp=tp, ep=ep, num_experts=4)
+    dims = ParallelDims(world_size=world_size, tp=tp, ep=ep, etp=etp, num_experts=4)
     dims.build_mesh("cpu")
     model = build(RUN)
     train_model = parallelize(model, dims)
@@ -75,3 +76,20 @@ def test_tp2_ep2_to_world1_and_world1_to_tp2(tmp_path):
     _assert_same_state(got["state"], saved["state"])
     assert got["losses"] == pytest.approx(saved["losses"], rel=2e-5)
     assert all(torch.isfinite(torch.tensor(got["losses"])))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_expert_tensor_parallel_to_world1_and_back(tmp_path):
+    """Experts split over (ep, etp): tp=2 x etp=2 (world 2) -> world 1, and world 1 -> dp=2 x etp=2."""
+    split = str(tmp_path / "tp2_etp2")
+    saved = run_ranks(_tp_run, 2, 2, 1, split, True, 2, timeout_s=60)[0]
+    got = run_ranks(_tp_run, 1, 1, 1, split, False, timeout_s=60)[0]
+    _assert_same_state(got["state"], saved["state"])
+    assert got["losses"] == pytest.approx(saved["losses"], rel=2e-5)
+
+    single = str(tmp_path / "world1")
+    saved = run_ranks(_tp_run, 1, 1, 1, single, True, timeout_s=60)[0]
+    got = run_ranks(_tp_run, 2, 1, 1, single, False, 2, timeout_s=60)[0]
+    _assert_same_state(got["state"], saved["state"])
+    assert got["losses"] == pytest.approx(saved["losses"], rel=2e-5)
