@@ -42,7 +42,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.models.moe.dispatcher import Dispatcher, DispatchResult, ExpertsFn, RoutedOutput, count_per_expert
+from moetrain.models.moe.dispatcher import (
+    Dispatcher,
+    DispatchResult,
+    ExpertsFn,
+    RoutedOutput,
+    count_per_expert,
+)
 from moetrain.models.moe.experts import GroupedExperts
 
 HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
