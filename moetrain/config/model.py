@@ -58,6 +58,12 @@ class ModelConfig:
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the LM head (GPT-2 style); ignored by the classifier head."""
 
+    dropout: float = 0.0
+    """Dropout probability on the token embeddings and on every attention and FFN/MoE output
+    before its residual add, while training (0 = off: LLM pretraining, torchtitan's and
+    Megatron's default). A regulariser for small supervised tasks (classification). The masks
+    are drawn per rank, so runs of one job at different layouts differ by them."""
+
     init_std: float = 0.02
     """Std of the normal init of all weight matrices. Residual output projections (attention out,
     FFN/expert down-projections) use init_std / sqrt(2 * num_layers), as GPT-2 and Megatron."""
@@ -161,6 +167,8 @@ class ModelConfig:
         require_positive("model.rope_theta", self.rope_theta)
         require_bool("model.tie_embeddings", self.tie_embeddings)
         require_positive("model.init_std", self.init_std)
+        require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
+                and 0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be a number in [0, 1)")
         require_choice("model.head", self.head, ("lm", "classifier"))
         if self.head == "classifier" or self.num_classes is not None:
             require_int("model.num_classes", self.num_classes, min_value=2,

@@ -157,6 +157,7 @@ class PipelineChunk(nn.Module):
         self.config, self.stage_id = model.config, stage_id
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
         self.tok_embeddings = model.tok_embeddings if self.is_first else None
+        self.embedding_dropout = model.embedding_dropout if self.is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
@@ -195,7 +196,7 @@ class PipelineChunk(nn.Module):
         if self.config.document_separator is not None and tokens_BS is None:
             raise ValueError("model.document_separator masks attention by document: every pipeline stage "
                              "needs the token ids (tokens_BS)")
-        h_BSD = self.tok_embeddings(x) if self.is_first else x
+        h_BSD = self.embedding_dropout(self.tok_embeddings(x)) if self.is_first else x
         # Past the first stage the stream is this rank's sequence shard under tensor parallelism.
         S = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
         # Without a document separator (or padding, which the lm head does not mask) the mask

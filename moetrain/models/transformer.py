@@ -106,16 +106,18 @@ class TransformerBlock(nn.Module):
             MoELayer(config.dim, moe) if self.is_moe
             else FeedForward(config.dim, config.resolved_dense_hidden_dim, activation=config.activation,
                              init_std=config.init_std))
+        # Identity at model.dropout = 0, so the default model has no dropout in its graph.
+        self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
     def forward(self, x_BSD: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
                 mask_B1SK: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, MoEAux | None]:
         """``cos_SP, sin_SP``: the rotary angles of the S positions; ``mask_B1SK``: the forward's
         ``attention_mask``; ``cache``: this block's entry of a ``DecodeCache``, or None."""
-        h_BSD = x_BSD + self.attention(self.attention_norm(x_BSD), cos_SP, sin_SP, mask_B1SK, cache)
+        h_BSD = x_BSD + self.dropout(self.attention(self.attention_norm(x_BSD), cos_SP, sin_SP, mask_B1SK, cache))
         if self.is_moe:
             y_BSD, aux = self.feed_forward(self.ffn_norm(h_BSD))
-            return h_BSD + y_BSD, aux
-        return h_BSD + self.feed_forward(self.ffn_norm(h_BSD)), None
+            return h_BSD + self.dropout(y_BSD), aux
+        return h_BSD + self.dropout(self.feed_forward(self.ffn_norm(h_BSD))), None
 
 
 class Transformer(nn.Module):
@@ -137,6 +139,7 @@ class Transformer(nn.Module):
         moe = MoEConfig() if moe is None else moe
         self.config, self.moe_config = config, moe
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.embedding_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self.layers = nn.ModuleList(TransformerBlock(config, moe, layer_id=i)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
@@ -188,7 +191,7 @@ class Transformer(nn.Module):
                     "must be None with a cache (decode sequences of one length)")
             start, mask_B1SK = cache.begin(input_ids_BS)
             cos_SP, sin_SP = self.rope_cos_SA[start:start + S], self.rope_sin_SA[start:start + S]
-        h_BSD = self.tok_embeddings(input_ids_BS)
+        h_BSD = self.embedding_dropout(self.tok_embeddings(input_ids_BS))
         moe_aux: list[MoEAux] = []
         for i, layer in enumerate(self.layers):
             h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK, None if cache is None else cache.layers[i])
