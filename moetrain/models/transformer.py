@@ -110,12 +110,14 @@ class TransformerBlock(nn.Module):
         self.dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
 
     def forward(self, x_BSD: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
-                mask_B1SK: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, MoEAux | None]:
+                mask_B1SK: torch.Tensor | None = None, cache=None,
+                token_mask_BS: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEAux | None]:
         """``cos_SP, sin_SP``: the rotary angles of the S positions; ``mask_B1SK``: the forward's
-        ``attention_mask``; ``cache``: this block's entry of a ``DecodeCache``, or None."""
+        ``attention_mask``; ``cache``: this block's entry of a ``DecodeCache``, or None;
+        ``token_mask_BS``: the real tokens, the only ones an MoE layer routes (None: all)."""
         h_BSD = x_BSD + self.dropout(self.attention(self.attention_norm(x_BSD), cos_SP, sin_SP, mask_B1SK, cache))
         if self.is_moe:
-            y_BSD, aux = self.feed_forward(self.ffn_norm(h_BSD))
+            y_BSD, aux = self.feed_forward(self.ffn_norm(h_BSD), token_mask_BS)
             return h_BSD + self.dropout(y_BSD), aux
         return h_BSD + self.dropout(self.feed_forward(self.ffn_norm(h_BSD))), None
 
@@ -167,8 +169,9 @@ class Transformer(nn.Module):
 
         ``padding_mask_BS``: bool ``[B, S]``, True = a real token; sequences are right-padded and
         hold at least one real token. None = every token is real. The classifier pools over it
-        (``model.pooling``) and, with ``model.causal`` false, attention hides padded keys. The lm
-        head ignores it: its labels carry ``IGNORE_INDEX`` at padded positions.
+        (``model.pooling``), its MoE layers route only the real tokens and, with ``model.causal``
+        false, attention hides padded keys. The lm head ignores it: its labels carry
+        ``IGNORE_INDEX`` at padded positions.
 
         ``cache``: a ``DecodeCache`` from ``new_cache``; the tokens continue the cached ones (rotary
         angles from ``cache.num_cached`` on) and their keys are appended to it. No padding with it.
@@ -192,9 +195,13 @@ class Transformer(nn.Module):
             start, mask_B1SK = cache.begin(input_ids_BS)
             cos_SP, sin_SP = self.rope_cos_SA[start:start + S], self.rope_sin_SA[start:start + S]
         h_BSD = self.embedding_dropout(self.tok_embeddings(input_ids_BS))
+        # The classifier's padded positions are not routed: they would take expert FLOPs and a
+        # share of the balance losses and load statistics, and pooling drops them anyway.
+        token_mask_BS = padding_mask_BS if self.config.head == "classifier" else None
         moe_aux: list[MoEAux] = []
         for i, layer in enumerate(self.layers):
-            h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK, None if cache is None else cache.layers[i])
+            h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK, None if cache is None else cache.layers[i],
+                               token_mask_BS)
             if aux is not None:
                 moe_aux.append(aux)
         h_BSD = self.norm(h_BSD)

@@ -30,6 +30,7 @@ from moetrain.models.feedforward import FeedForward
 from moetrain.models.moe.balance import (
     all_reduce_counts,
     load_balancing_loss,
+    masked_sequence_load_balancing_loss,
     router_z_loss,
     routing_entropy,
     sequence_load_balancing_loss,
@@ -170,7 +171,27 @@ class MoELayer(nn.Module):
 
     # ----- forward -----------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+    def forward(self, x: torch.Tensor, token_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEAux]:
+        """``x``: ``[..., D]``. ``token_mask``: bool, ``x``'s shape without D, True = a real token
+        (the classifier's padding mask). Then only the real tokens are routed, dispatched and
+        counted: padded positions get a zero output and no share of the aux losses or routing
+        statistics, and the experts compute nothing for them. With a capacity factor every
+        position is routed (capacity is a share of all of them)."""
+        if token_mask is None or self.config.capacity_factor is not None:
+            return self._forward(x)
+        if token_mask.dtype != torch.bool or tuple(token_mask.shape) != tuple(x.shape[:-1]):
+            raise ValueError(f"token_mask ({token_mask.dtype} {list(token_mask.shape)}) must be a bool tensor of "
+                             f"the input's shape without the model dim, {list(x.shape[:-1])}")
+        x_TD = x.reshape(-1, self.dim)
+        kept_N = token_mask.reshape(-1).nonzero().squeeze(1)  # host sync: the real-token count sizes the rest
+        seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
+        out_ND, aux = self._forward(x_TD.index_select(0, kept_N), sequence_ids=torch.div(kept_N, seq_len,
+                                    rounding_mode="floor"), num_sequences=x_TD.shape[0] // seq_len)
+        return out_ND.new_zeros(x_TD.shape).index_copy(0, kept_N, out_ND).view_as(x), aux
+
+    def _forward(self, x: torch.Tensor, *, sequence_ids: torch.Tensor | None = None,
+                 num_sequences: int | None = None) -> tuple[torch.Tensor, MoEAux]:
+        """``sequence_ids``: with a token mask, the sequence of each real token of ``x`` (``[N]``)."""
         c = self.config
         x_TD = x.reshape(-1, self.dim)
         num_tokens = x_TD.shape[0]
@@ -195,7 +216,7 @@ class MoELayer(nn.Module):
         if c.is_expert_choice:
             aux = self._expert_choice_aux(d, z, num_tokens)
         else:
-            aux = self._token_choice_aux(x, routing, d, z, num_tokens)
+            aux = self._token_choice_aux(x, routing, d, z, num_tokens, sequence_ids, num_sequences)
         if self.track_routing_stats and self.training:
             self._record_step_stats(aux, routing, num_tokens)
         return out_TD.view_as(x), aux
@@ -209,21 +230,35 @@ class MoELayer(nn.Module):
         gate_T1 = torch.sigmoid(F.linear(x_TD, self.shared_gate.weight.to(x_TD.dtype)))
         return gate_T1 * y_TD
 
-    def _token_choice_aux(self, x, routing, d, z, num_tokens: int) -> MoEAux:
+    def _token_choice_aux(self, x, routing, d, z, num_tokens: int, sequence_ids: torch.Tensor | None = None,
+                          num_sequences: int | None = None) -> MoEAux:
         c = self.config
         num_routed_E, num_balance_tokens = d.num_routed_per_expert, num_tokens
+        # Masked (real tokens only), the ranks hold different token counts: the global count is
+        # the routed copies over K, and each rank's token means are taken over the mean count per
+        # rank, so that the mean over ranks of their losses is still the global batch's loss.
+        token_share = 1.0
         if self.balance_group is not None:
             num_routed_E = all_reduce_counts(num_routed_E, self.balance_group)
-            num_balance_tokens = num_tokens * dist.get_world_size(self.balance_group)
+            world = dist.get_world_size(self.balance_group)
+            if sequence_ids is None:
+                num_balance_tokens = num_tokens * world
+            else:
+                num_balance_tokens = num_routed_E.sum().float() / c.top_k
+                token_share = num_tokens * world / num_balance_tokens
+                z = z * token_share
         with torch.no_grad():
             self.tokens_per_expert.copy_(num_routed_E)
-        if c.aux_loss_type == "sequence":
+        if c.aux_loss_type == "sequence" and sequence_ids is not None:
+            lb = masked_sequence_load_balancing_loss(routing.probs_TE, routing.idx_TK, sequence_ids, num_sequences)
+        elif c.aux_loss_type == "sequence":
             seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
             B = num_tokens // seq_len
             lb = sequence_load_balancing_loss(routing.probs_TE.view(B, seq_len, -1),
                                               routing.idx_TK.view(B, seq_len, -1), sequence_group=self.sequence_group)
         else:
-            lb = load_balancing_loss(routing.probs_TE, num_routed_E, top_k=c.top_k, num_tokens=num_balance_tokens)
+            lb = load_balancing_loss(routing.probs_TE, num_routed_E, top_k=c.top_k,
+                                     num_tokens=num_balance_tokens) * token_share
         return MoEAux(loss=self.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
                       num_routed_per_expert=num_routed_E, num_dropped=d.num_dropped,
                       num_routed=num_tokens * c.top_k, num_token_rank_sends=d.num_token_rank_sends)
