@@ -37,6 +37,7 @@ class PPCase:
     pp: int = 2
     ep: int = 1
     tp: int = 1
+    etp: int = 1
     zero_stage: int = 0
     schedule: str = "1f1b"
     virtual_stages: int = 1
@@ -135,7 +136,7 @@ def _layout(t: torch.Tensor) -> tuple:
 
 def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dict:
     """One rank of ``case``; a ``dims``-less pp-only world when ``world == case.pp``."""
-    dims = ParallelDims(world_size=world, ep=case.ep, pp=case.pp, tp=case.tp)
+    dims = ParallelDims(world_size=world, ep=case.ep, pp=case.pp, tp=case.tp, etp=case.etp)
     dims.build_mesh("cpu")
     pm = build_pipeline_model(build_model(case, meta=meta), pp_rank=dims.pp_rank, pp=case.pp,
                               virtual_stages=case.virtual_stages, split=case.split, seq_len=SEQ,
