@@ -38,6 +38,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
@@ -67,15 +68,33 @@ class ExpertTensorParallelDispatcher:
 
     def _gather_routing(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor,
                         capacity_factor: float | Fraction | None):
+        """The group's tokens, chosen experts and gate weights, rank by rank, and the ``_Rows`` that
+        take the combined output back. The ranks may hold different token counts (a classifier's
+        real tokens): each pads to the largest, and the padding rows are dropped after the gather."""
         if capacity_factor is not None:
             raise ValueError(f"moe.capacity_factor ({capacity_factor}) must be null with parallel.etp ({self.size}) "
                              "> 1: expert tensor parallelism is dropless")
+        T = x_TD.shape[0]
+        counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0, group=self.group)
+        counts = counts.tolist()  # host sync: the counts size the gathered rows
+        rows = _Rows(T, max(counts), None)
+        if min(counts) != rows.padded:
+            pad = rows.padded - T
+            x_TD, idx_TK, weights_TK = (F.pad(t, (0, 0, 0, pad)) for t in (x_TD, idx_TK, weights_TK))
+            rows.kept = torch.cat([torch.arange(r * rows.padded, r * rows.padded + n, device=x_TD.device)
+                                   for r, n in enumerate(counts)])
+        x_GD, weights_GK = self._gather(x_TD), self._gather(weights_TK)
         idx_GK = funcol.all_gather_single(idx_TK.contiguous(), gather_dim=0, group=self.group)
-        return self._gather(x_TD), idx_GK, self._gather(weights_TK)
+        if rows.kept is not None:
+            x_GD, idx_GK, weights_GK = (t.index_select(0, rows.kept) for t in (x_GD, idx_GK, weights_GK))
+        return (x_GD, idx_GK, weights_GK), rows
 
-    def _scatter(self, out_GD: torch.Tensor) -> torch.Tensor:
+    def _scatter(self, out_GD: torch.Tensor, rows: _Rows) -> torch.Tensor:
+        """The partial outputs summed over the group; this rank's own tokens."""
+        if rows.kept is not None:
+            out_GD = out_GD.new_zeros(self.size * rows.padded, out_GD.shape[1]).index_copy(0, rows.kept, out_GD)
         out_TD = funcol.reduce_scatter_single_autograd(out_GD.contiguous(), "sum", scatter_dim=0, group=self.group)
-        return funcol.wait_tensor(out_TD)
+        return funcol.wait_tensor(out_TD)[:rows.num_local]
 
     def _own_counts(self, idx_TK: torch.Tensor) -> torch.Tensor:
         # This rank's own copies: the stage's counts are then summed once per token.
@@ -84,22 +103,34 @@ class ExpertTensorParallelDispatcher:
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
                  capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
         """The inner dispatch of the etp group's gathered tokens (``x_MD`` holds copies of all of them)."""
-        d = self.inner.dispatch(*self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor),
-                                drop_policy=drop_policy)
-        return dataclasses.replace(d, num_routed_per_expert=self._own_counts(idx_TK))
+        gathered, rows = self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor)
+        d = self.inner.dispatch(*gathered, drop_policy=drop_policy)
+        return dataclasses.replace(d, num_routed_per_expert=self._own_counts(idx_TK), state=(d.state, rows))
 
     def combine(self, y_MD: torch.Tensor, state: object) -> torch.Tensor:
         """The inner combine, then the partial outputs summed over the group, this rank's tokens kept."""
-        return self._scatter(self.inner.combine(y_MD, state))
+        inner_state, rows = state
+        return self._scatter(self.inner.combine(y_MD, inner_state), rows)
 
     def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn, *,
                     capacity_factor: float | Fraction | None = None, drop_policy: str = "position",
                     in_flight: Callable[[], torch.Tensor] | None = None) -> RoutedOutput:
-        routed = self.inner.run_experts(*self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor), experts,
-                                        drop_policy=drop_policy, in_flight=in_flight)
-        return dataclasses.replace(routed, out_TD=self._scatter(routed.out_TD),
+        gathered, rows = self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor)
+        routed = self.inner.run_experts(*gathered, experts, drop_policy=drop_policy, in_flight=in_flight)
+        return dataclasses.replace(routed, out_TD=self._scatter(routed.out_TD, rows),
                                    num_routed_per_expert=self._own_counts(idx_TK),
                                    num_dropped=torch.zeros((), dtype=torch.int64, device=x_TD.device))
+
+
+@dataclasses.dataclass
+class _Rows:
+    """Where this rank's tokens sit among the gathered rows."""
+
+    num_local: int
+    padded: int
+    """Rows each rank contributes to the gather (the group's largest token count)."""
+    kept: torch.Tensor | None
+    """With unequal counts, the gathered rows that are tokens (not padding); None when all are."""
 
 
 def shard_experts_2d(experts: GroupedExperts, dims: ParallelDims) -> None:

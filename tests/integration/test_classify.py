@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config.loader import load_config
 from tests.distributed.dist_launcher import run_ranks
+from tests.distributed.zero_parity import rel_err
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -100,12 +101,15 @@ def runs(tmp_path_factory):
     data = write_data(root / "data")
     ref = run_ranks(_train, 1, overrides(root / "ref", data), timeout_s=200)[0]
     ep2 = run_ranks(_train, 2, overrides(root / "ep2", data, ep=2, micro=4), timeout_s=200)[0]
-    return {"root": root, "data": data, "ref": ref, "ep2": ep2}
+    # The experts' hidden dim over the 2 data-parallel ranks, whose real-token counts differ.
+    etp2 = run_ranks(_train, 2, overrides(root / "etp2", data, micro=4, extra=["--parallel.etp=2"]), timeout_s=200)[0]
+    return {"root": root, "data": data, "ref": ref, "ep2": ep2, "etp2": etp2}
 
 
-def test_expert_parallel_classifier_matches_one_process(runs):
+@pytest.mark.parametrize("layout", ["ep2", "etp2"])
+def test_expert_parallel_classifier_matches_one_process(runs, layout):
     root = runs["root"]
-    want, got = records(root / "ref"), records(root / "ep2")
+    want, got = records(root / "ref"), records(root / layout)
     assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, 7))
     for key in ("loss", "aux_loss", "grad_norm"):
         assert [r[key] for r in got] == pytest.approx([r[key] for r in want], rel=1e-5), key
@@ -113,10 +117,12 @@ def test_expert_parallel_classifier_matches_one_process(runs):
         assert [r["step"] for r in got if key in r] == [r["step"] for r in want if key in r], key
         assert [r[key] for r in got if key in r] == pytest.approx([r[key] for r in want if key in r], rel=1e-5), key
     assert got[-1]["val_examples"] == 8 and got[-1]["test_examples"] == 24  # every example, once
-    ref, ep2 = runs["ref"]["params"], runs["ep2"]["params"]
-    assert sorted(ref) == sorted(ep2)
-    for name in ref:
-        torch.testing.assert_close(ep2[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    ref, got_params = runs["ref"]["params"], runs[layout]["params"]
+    assert sorted(ref) == sorted(got_params)
+    # Norm-wise (zero_parity's rule): AdamW divides by sqrt(v), which turns the rounding of a
+    # gradient entry near zero (the cross-rank sums) into an update of order lr.
+    errors = {name: rel_err(got_params[name], ref[name]) for name in ref}
+    assert max(errors.values()) <= 1e-5, max(errors.items(), key=lambda kv: kv[1])
     assert records(root / "ref")[0]["loss"] > records(root / "ref")[-1]["loss"]  # it learns
 
 
