@@ -34,9 +34,17 @@ def _losses(run: Path) -> dict[int, float]:
     return {d["step"]: d["loss"] for d in lines if "loss" in d}
 
 
+def _val_losses(run: Path) -> dict[int, float]:
+    import json
+
+    lines = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines())
+    return {d["step"]: d["val_loss"] for d in lines if "val_loss" in d}
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [[], ["--parallel.tp=2"]], ids=["pp2_dp2_ep2", "pp2_tp2_ep2"])
+@pytest.mark.parametrize("layout", [[], ["--parallel.tp=2", "--train.eval_every=3", "--train.eval_steps=1"]],
+                         ids=["pp2_dp2_ep2", "pp2_tp2_ep2"])
 def test_pipeline_run_resumes_exactly(tmp_path, shakespeare_cached, layout):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     first = _train(whole, layout)
@@ -49,3 +57,5 @@ def test_pipeline_run_resumes_exactly(tmp_path, shakespeare_cached, layout):
     want, got = _losses(whole), _losses(resumed)
     assert sorted(got) == [4, 5, 6]
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
+    if "--train.eval_every=3" in layout:  # evaluation runs stage after stage on tp-sharded streams
+        assert _val_losses(resumed) == {6: _val_losses(whole)[6]}
