@@ -95,8 +95,9 @@ def _load(args, overrides: list[str]):
             raise ValueError(f"moe.ep_size ({ep}) of {deepspeed} needs a world of at least {ep} processes: "
                              "pass --nproc N, the number of processes of the job")
         # The rules that hold at any world size, checked at the smallest world the layout allows.
-        ParallelDims(world_size=ep * cfg.parallel.tp * cfg.parallel.pp, ep=ep, tp=cfg.parallel.tp,
-                     pp=cfg.parallel.pp, num_experts=num_experts)
+        par = cfg.parallel
+        ParallelDims(world_size=ep * par.etp * par.tp * par.pp, ep=ep, tp=par.tp, pp=par.pp, etp=par.etp,
+                     num_experts=num_experts, ep_hierarchical=par.ep_hierarchical)
         return cfg
     try:
         dims = ParallelDims.from_config(cfg.parallel, world_size=world, num_experts=num_experts)

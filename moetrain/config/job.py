@@ -66,6 +66,9 @@ class JobConfig:
         require(m.is_moe or par.etp == 1, "parallel.etp", par.etp, "must be 1 for a dense model (model.moe_every = 0)")
         require(par.etp == 1 or self.moe.capacity_factor is None, "moe.capacity_factor", self.moe.capacity_factor,
                 f"must be null with parallel.etp ({par.etp}) > 1: expert tensor parallelism is dropless")
+        require(not m.is_moe or self.moe.expert_hidden_dim % par.etp == 0, "moe.expert_hidden_dim",
+                self.moe.expert_hidden_dim, f"must be a multiple of parallel.etp ({par.etp}): each rank holds "
+                "1/etp of every expert's hidden dim")
         require(self.data.seq_len <= m.max_seq_len, "data.seq_len", self.data.seq_len,
                 f"must be <= model.max_seq_len ({m.max_seq_len})")
         if m.head == "classifier" and self.data.tokenizer != DataConfig.tokenizer:

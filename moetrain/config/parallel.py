@@ -15,8 +15,8 @@ class ParallelConfig:
     """Data-parallel degree of the dense parameters. -1 = world / (tp * pp)."""
 
     ep: int = 1
-    """Expert-parallel degree: each EP group of `ep` consecutive ranks splits the experts among
-    itself. Must divide dp * tp (the ranks of a pipeline stage, over which the MoE layers fold)
+    """Expert-parallel degree: each EP group of `ep` ranks (consecutive, or at stride `etp`)
+    splits the experts among itself. Must divide dp * tp (the ranks of a pipeline stage, over which the MoE layers fold)
     and moe.num_experts (checked by ``ParallelDims``, with the
     world size: `moetrain train`, `moetrain config show --nproc N`)."""
 

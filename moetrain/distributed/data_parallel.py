@@ -16,7 +16,8 @@ every gradient must equal (1/W) * sum over ranks of that rank's local gradient.
 * An expert shard receives, through the all-to-all's backward, the gradient contributions of all
   ``ep`` ranks of its ep group. Its ``edp`` copies (one per ep group) together cover all W ranks,
   so the right gradient is (sum over edp) / W. Averaging over edp (sum / edp) instead leaves it
-  ``ep`` times too large: the classic silent EP bug.
+  ``ep`` times too large: the classic silent EP bug. (With ``etp`` the ep x etp block's ranks all
+  feed each slice: the same rule, edp = W / (ep * etp).)
 
 DDP handles the non-expert parameters; the expert shards (DTensors) are hidden from it and
 reduced by hooks here, with the same ``no_sync`` switch. Every gradient reduction overlaps the
@@ -34,7 +35,7 @@ before the momenta are averaged (``onebit_average_``, 1-bit compressed, over dp 
 
 * a replicated parameter's local gradient, as it is: the global loss is the mean of the W
   per-rank losses, so the mean over dp of the local gradients is the global gradient;
-* an expert shard's local gradient times edp / W (= 1 / ep): the mean over its edp copies of
+* an expert shard's local gradient times edp / W (= 1 / (ep * etp)): the mean over its edp copies of
   those is (sum over edp) / W, the rule above. Reducing the momenta with a mean over edp
   is what asks for the edp factor.
 

@@ -84,6 +84,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     and sum the load-balancing counts over the ranks of the stage that hold other tokens (dp x tp,
     so the mean of the per-rank aux losses is the single-process aux loss). In place; returns
     ``model``."""
+    # A language model routes B * S / tp tokens on every rank; a classifier its real tokens only.
+    equal_counts = getattr(getattr(model, "config", None), "head", None) == "lm"
     for name, layer in model.named_modules():
         if not isinstance(layer, MoELayer):
             continue
@@ -91,7 +93,8 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         layer.dispatcher = build_dispatcher(dims, layer.config)
         if dims.etp > 1:
             layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, num_experts=layer.config.num_experts,
-                                                              group=dims.etp_group, size=dims.etp)
+                                                              group=dims.etp_group, size=dims.etp,
+                                                              equal_counts=equal_counts)
             shard_experts_2d(layer.experts, dims)
         elif dims.ep > 1:
             shard_experts(layer.experts, dims)

@@ -24,7 +24,9 @@ of the hidden dim); all-to-all bytes etp times those of etp = 1 for the same loc
 the all-gather and reduce-scatter of ``[T, D]`` over the etp group (keep it inside a node).
 
 Dropless only: with a capacity factor each rank of the group would decide drops over the gathered
-batch, counted etp times over the stage (refused by name in the config).
+batch, counted etp times over the stage (refused by name in the config). The ``token_idx_M`` and
+``num_token_rank_sends`` returned refer to the gathered rows, and the byte counters and timers
+(``log.comm_timing``) cover the inner dispatcher's exchanges, not the etp gather and reduce-scatter.
 
 Shape legend: T local tokens, G = etp * T gathered tokens, D model dim, K experts per token.
 """
@@ -60,8 +62,13 @@ class ExpertTensorParallelDispatcher:
     """A ``Dispatcher`` whose experts hold 1/etp of the hidden dim: gathers the etp group's routed
     tokens around ``inner`` (the dispatcher of this etp index's ep group). See the module docstring."""
 
-    def __init__(self, inner: Dispatcher, *, num_experts: int, group: dist.ProcessGroup, size: int) -> None:
+    def __init__(self, inner: Dispatcher, *, num_experts: int, group: dist.ProcessGroup, size: int,
+                 equal_counts: bool = False) -> None:
         self.inner, self.num_experts, self.group, self.size = inner, num_experts, group, size
+        self.equal_counts = equal_counts
+        """Every rank of the group routes the same token count (a language model's B * S / tp):
+        no count exchange and host sync per layer. False: counts exchanged (a classifier's real
+        tokens differ per rank)."""
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=self.group)
@@ -75,8 +82,11 @@ class ExpertTensorParallelDispatcher:
             raise ValueError(f"moe.capacity_factor ({capacity_factor}) must be null with parallel.etp ({self.size}) "
                              "> 1: expert tensor parallelism is dropless")
         T = x_TD.shape[0]
-        counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0, group=self.group)
-        counts = counts.tolist()  # host sync: the counts size the gathered rows
+        if self.equal_counts:
+            counts = [T] * self.size
+        else:
+            counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0, group=self.group)
+            counts = counts.tolist()  # host sync: the counts size the gathered rows
         rows = _Rows(T, max(counts), None)
         if min(counts) != rows.padded:
             pad = rows.padded - T
@@ -139,6 +149,8 @@ def shard_experts_2d(experts: GroupedExperts, dims: ParallelDims) -> None:
     The model was built full-size with the same seed on every rank, so slicing needs no
     communication and the global model is the same for any (ep, etp)."""
     for name, w in list(experts.named_parameters(recurse=False)):
+        if isinstance(w, DTensor):
+            continue
         if name not in HIDDEN_DIM:
             raise ValueError(f"parallel.etp ({dims.etp}) > 1 splits the expert weights w1, w2, w3 only; the experts "
                              f"also hold {name!r} (LoRA adapters are not split by etp)")
@@ -147,7 +159,8 @@ def shard_experts_2d(experts: GroupedExperts, dims: ParallelDims) -> None:
             raise ValueError(f"parallel.etp ({dims.etp}) must divide moe.expert_hidden_dim ({w.shape[f_dim]})")
         num_local, f_local = w.shape[0] // dims.ep, w.shape[f_dim] // dims.etp
         local = w.detach()[dims.ep_rank * num_local:(dims.ep_rank + 1) * num_local]
-        local = local.narrow(f_dim, dims.etp_rank * f_local, f_local).contiguous()
+        # A copy: a view would keep the whole [E, ...] tensor alive on every rank.
+        local = local.narrow(f_dim, dims.etp_rank * f_local, f_local).clone()
         shard = DTensor.from_local(local, dims.expert_mesh, [Shard(0), Shard(f_dim)], run_check=False,
                                    shape=w.shape, stride=w.stride())
         setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))

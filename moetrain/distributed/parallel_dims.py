@@ -19,8 +19,8 @@ the sequence over tp), and re-factor as ``edp x ep x etp`` with ``etp`` innermos
 so ``ep`` and ``etp`` may borrow from ``dp x tp`` (``ep * etp`` must divide ``dp * tp``) and the
 all-to-alls stay inside a node while ``ep * etp`` divides the processes per node. An etp group
 (``parallel.etp`` consecutive ranks: the tp pairs when etp = tp) splits each expert's hidden dim
-and computes on the tokens of all its ranks (``moetrain.distributed.expert_tensor_parallel``). Example with 8 ranks, pp=2, tp=2, ep=2
-(so dp = 2 and edp = 2):
+and computes on the tokens of all its ranks (``moetrain.distributed.expert_tensor_parallel``).
+Example with 8 ranks, pp=2, tp=2, ep=2 (so dp = 2 and edp = 2):
 
     pp groups  (pipeline stages, p2p):             [0, 4]  [1, 5]  [2, 6]  [3, 7]
     tp groups  (split attention/FFN weights):      [0, 1]  [2, 3]  [4, 5]  [6, 7]
@@ -72,7 +72,8 @@ class ParallelDims:
     world_size: int
     """Number of processes."""
     ep: int = 1
-    """Expert-parallel degree: experts are split over groups of ``ep`` consecutive ranks of a stage."""
+    """Expert-parallel degree: experts are split over groups of ``ep`` ranks of a stage (consecutive,
+    or at stride ``etp``)."""
     dp: int = -1
     """Data-parallel degree of the dense (non-expert) parameters; -1 = world / (tp * pp)."""
     tp: int = 1
@@ -91,7 +92,7 @@ class ParallelDims:
     mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     """The dense mesh (pp, dp, tp), after :meth:`build_mesh`."""
     moe_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    """The expert mesh (pp, edp, ep) over the same ranks, after :meth:`build_mesh`."""
+    """The expert mesh (pp, edp, ep, etp) over the same ranks, after :meth:`build_mesh`."""
     _dp_tp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _hsdp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _ep_node_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
@@ -164,7 +165,7 @@ class ParallelDims:
     @property
     def edp(self) -> int:
         """Data-parallel degree of the expert parameters: ranks of a stage holding copies of the
-        same experts (dp * tp / ep)."""
+        same expert shards (dp * tp / (ep * etp))."""
         return self.dp_tp // (self.ep * self.etp)
 
     @property
@@ -324,7 +325,8 @@ class ParallelDims:
     @property
     def expert_mesh(self) -> DeviceMesh:
         """What the expert weights are sharded over: the ep axis, and with etp > 1 (ep, etp)."""
-        return self._sub_mesh("ep", moe=True) if self.etp == 1 else self.moe_mesh[("ep", "etp")]
+        ep = self._sub_mesh("ep", moe=True)  # checks that the mesh exists
+        return ep if self.etp == 1 else self.moe_mesh[("ep", "etp")]
 
     @property
     def dp_mesh(self) -> DeviceMesh:

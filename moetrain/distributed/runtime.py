@@ -103,15 +103,17 @@ def _restart_safe_store(world_size: int) -> dist.Store | None:
 
 def set_collective_timeout(timeout_s: float, dims: ParallelDims) -> None:
     """``timeout_s`` (``train.collective_timeout_s``) on every process group training uses: the
-    world, the mesh's ep, edp and dp groups, and the hierarchical exchange's two (the mesh creates
-    its groups with torch's default of 30 minutes, whatever the world group's timeout is)."""
+    world, the mesh's ep, edp, etp, dp, tp, pp and dp x tp groups, and the hierarchical exchange's
+    two (the mesh creates its groups with torch's default of 30 minutes, whatever the world group's
+    timeout is)."""
     set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     if set_timeout is None:  # not in every torch release
         log.warning("this torch cannot change a process group's timeout: train.collective_timeout_s "
                     "is ignored")
         return
     timeout = timedelta(seconds=timeout_s)
-    groups = [dist.group.WORLD, dims.ep_group, dims.edp_group, dims.dp_group]
+    groups = [dist.group.WORLD, dims.ep_group, dims.edp_group, dims.etp_group, dims.dp_group, dims.tp_group,
+              dims.pp_group, dims.dp_tp_group]
     if dims.hierarchical_ep:
         groups += [dims.ep_inter_group, dims.ep_intra_group]
     groups = {id(g): g for g in groups}

@@ -10,7 +10,7 @@ Which ranks hold a copy, by kind of parameter (``moetrain.distributed.tensor_par
         norm weights: each tp rank saw S/tp positions)      its dp_tp group       (dp * tp ranks)
     plain (router, shared experts, experts at ep = 1, per-
         head q/k norms: local tokens or heads)              its dp_tp group       (dp * tp ranks)
-    experts sharded over ep                                  its edp group         (dp * tp / ep ranks)
+    experts sharded over ep (and etp)                        its edp group   (dp * tp / (ep * etp) ranks)
 
 so one rule covers all: scale by 1/dp, sum over the copies. (With tp = 1 the same rule is
 ``MoEDataParallel``'s: dense over dp with DDP's mean, experts over edp with 1/W.) A Partial

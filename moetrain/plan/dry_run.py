@@ -117,6 +117,11 @@ def _check(cfg: JobConfig, world: int, rank: int | None) -> None:
         raise ValueError(f"--rank ({rank!r}) must be an int in [0, --nproc ({world}))")
     if cfg.parallel.dp not in (-1, world):
         raise ValueError(f"parallel.dp ({cfg.parallel.dp}) must be -1 or the world size ({world}) for a dry run")
+    for name in ("tp", "pp", "etp"):
+        if getattr(cfg.parallel, name) != 1:
+            raise ValueError(f"parallel.{name} ({getattr(cfg.parallel, name)}) must be 1 for a dry run: it measures "
+                             "the dp x ep layouts the planner's table lists (plan without --dry-run has the tp and "
+                             "pp tables)")
     for name, value in (("zero.offload_optimizer", cfg.zero.offload_optimizer), ("zero.offload_param", cfg.zero.offload_param)):
         if value != "none":
             raise ValueError(f"{name} ({value!r}) must be 'none' for a dry run: offloaded shards are copied to "

@@ -82,12 +82,16 @@ def evaluate_classifier(model: nn.Module, data: PreparedLabelled, split: str, *,
 
 def _eval_layout(cfg: JobConfig, world_size: int) -> JobConfig:
     """The run's parallel layout for evaluation at ``world_size`` processes: no ZeRO sharding (nothing is
-    trained), and expert parallelism kept where it still divides the world and the experts, else 1."""
+    trained), and expert (tensor) parallelism kept where it still divides the ranks of a stage and the
+    experts, else 1."""
     par = cfg.parallel
-    ep = par.ep if world_size % par.ep == 0 and (not cfg.model.is_moe or cfg.moe.num_experts % par.ep == 0) else 1
-    if ep != par.ep:
-        log.info("evaluating at %d process(es): parallel.ep %d -> %d", world_size, par.ep, ep)
-    return replace(cfg, parallel=replace(par, ep=ep, dp=-1, zero_stage=0, hsdp_replicate=1))
+    stage = world_size // (par.tp * par.pp) * par.tp if world_size % (par.tp * par.pp) == 0 else world_size
+    etp = par.etp if stage % (par.ep * par.etp) == 0 else 1
+    ep = par.ep if stage % (par.ep * etp) == 0 and (not cfg.model.is_moe or cfg.moe.num_experts % par.ep == 0) else 1
+    if (ep, etp) != (par.ep, par.etp):
+        log.info("evaluating at %d process(es): parallel.ep %d -> %d, parallel.etp %d -> %d", world_size, par.ep, ep,
+                 par.etp, etp)
+    return replace(cfg, parallel=replace(par, ep=ep, etp=etp, dp=-1, zero_stage=0, hsdp_replicate=1))
 
 
 def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: str | None = None) -> dict | None:

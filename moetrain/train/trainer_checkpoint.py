@@ -112,8 +112,8 @@ class CheckpointingMixin:
             # Taken now, not in the snapshot: skipped steps do not change it, and reading it is a
             # collective (the snapshot is taken after every step).
             trainer_state["balancer"] = self._balancer_state()
-        layout = {"world_size": self.world_size, "dp": self.dp_size, "ep": self.dims.ep, "tp": self.dims.tp,
-                  "pp": self.dims.pp, "zero_stage": self.cfg.parallel.zero_stage}
+        layout = {"world_size": self.world_size, "dp": self.dp_size, "ep": self.dims.ep, "etp": self.dims.etp,
+                  "tp": self.dims.tp, "pp": self.dims.pp, "zero_stage": self.cfg.parallel.zero_stage}
         with self.phase(f"saving the checkpoint of step {snap['step']}"):
             path = save_checkpoint(self.ckpt_dir, snap["step"], model=self.model, optimizer=self.optimizer,
                                    trainer_state=trainer_state, rng_state=rng,

@@ -138,8 +138,9 @@ def test_resumed_classification_run_is_exact(runs):
         assert torch.equal(second["params"][name], want), name
 
 
-def test_eval_at_other_world_sizes_reproduces_the_final_test_metrics(runs):
-    run_dir = runs["root"] / "ep2"
+@pytest.mark.parametrize("layout", ["ep2", "etp2"])
+def test_eval_at_other_world_sizes_reproduces_the_final_test_metrics(runs, layout):
+    run_dir = runs["root"] / layout
     final = records(run_dir)[-1]
     for world in (1, 2):
         result = run_ranks(_evaluate, world, run_dir, timeout_s=200)[0]

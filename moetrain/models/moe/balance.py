@@ -20,8 +20,9 @@ def load_balancing_loss(probs_TE: torch.Tensor, num_tokens_per_expert_E: torch.T
     Perfectly uniform routing gives 1.0.
 
     Under data parallelism pass the counts summed over ranks and the global ``num_tokens``:
-    each rank's loss is then linear in its own probabilities and the mean over ranks equals
-    the single-process loss of the whole batch.
+    each rank's loss is then linear in its own probabilities and, with equal token counts per
+    rank, the mean over ranks equals the single-process loss of the whole batch (with unequal
+    counts the caller scales each rank's loss by its token share, ``MoELayer``'s masked path).
     """
     num_experts = probs_TE.shape[1]
     num_tokens = probs_TE.shape[0] if num_tokens is None else num_tokens
