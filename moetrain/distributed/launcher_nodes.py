@@ -62,9 +62,9 @@ def report_ep_nodes(dims: ParallelDims) -> None:
                       f"(LOCAL_WORLD_SIZE={dims.ranks_per_node}): tensor-parallel collectives cross nodes",
                       stacklevel=3)
     if dims.ep * dims.etp > 1 and dims.ep_spans_nodes and not dims.hierarchical_ep:
-        warnings.warn(f"parallel.ep ({dims.ep}) * parallel.etp ({dims.etp}) does not divide the processes per node "
-                      f"(LOCAL_WORLD_SIZE={dims.ranks_per_node}): expert all-to-alls (and etp gathers) cross nodes",
-                      stacklevel=3)
+        what = f"parallel.ep ({dims.ep})" + (f" * parallel.etp ({dims.etp})" if dims.etp > 1 else "")
+        warnings.warn(f"{what} does not divide the processes per node (LOCAL_WORLD_SIZE={dims.ranks_per_node}): "
+                      "expert all-to-alls cross nodes", stacklevel=3)
     if dims.ep_hierarchical and not dims.ep_spans_nodes:
         # Not an error: one config serves jobs of one node and of many.
         log.warning("parallel.ep_hierarchical: each ep group of %d ranks lies inside a node of %d, so no "
