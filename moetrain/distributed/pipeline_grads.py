@@ -7,10 +7,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
 
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.tp_data_parallel import copies_group
+from moetrain.distributed.tp_data_parallel import copies_group, is_partial_grad, mark_summed
 from moetrain.distributed.utils import clip_to_norm_, global_grad_norm
 from moetrain.utils.tensors import local_tensor
 
@@ -32,10 +31,8 @@ def reduce_stage_gradients(model: nn.Module, dims: ParallelDims) -> None:
         group, _ = copies_group(p, dims)
         if group is not None:
             buckets.setdefault((id(group), grad.dtype), (group, []))[1].append(grad)
-        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-            g = p.grad
-            p.grad = DTensor.from_local(grad, g.device_mesh, [Replicate()] * g.device_mesh.ndim,
-                                        run_check=False, shape=g.shape, stride=g.stride())
+        if is_partial_grad(p):
+            mark_summed(p)  # the local tensor is reduced in place below
     for group, grads in buckets.values():
         flat = torch.cat([g.reshape(-1) for g in grads])
         dist.all_reduce(flat, group=group)

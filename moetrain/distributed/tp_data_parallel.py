@@ -48,6 +48,19 @@ def copies_group(p: torch.Tensor, dims: ParallelDims) -> tuple[dist.ProcessGroup
     return (dims.dp_tp_group if dims.dp_tp > 1 else None), dims.dp_tp
 
 
+def is_partial_grad(p: torch.Tensor) -> bool:
+    """Whether ``p``'s gradient is a Partial DTensor (a sum over ranks still to be taken)."""
+    return isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)
+
+
+def mark_summed(p: torch.Tensor) -> None:
+    """``p``'s Partial gradient, once all-reduced in place, as the Replicate DTensor it now is (no
+    communication): the norm and the optimizer then see an ordinary replicated gradient."""
+    g = p.grad
+    p.grad = DTensor.from_local(g._local_tensor, g.device_mesh, [Replicate()] * g.device_mesh.ndim,
+                                run_check=False, shape=g.shape, stride=g.stride())
+
+
 class TensorParallelDataParallel(nn.Module):
     """Wraps a tensor-parallel model (``apply_tensor_parallel`` and ``apply_expert_parallel``
     applied) and reduces every gradient as the module docstring says. ``module`` is the model."""
@@ -99,7 +112,7 @@ class TensorParallelDataParallel(nn.Module):
             Variable._execution_engine.queue_callback(self._finish)
             self._callback_queued = True
         grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-        if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+        if is_partial_grad(p):
             self._partial.append(p)
         grad.mul_(self._scale)  # before the sum: keeps low-precision gradients in range
         self._ready[self._position[id(p)]] = (grad, self._group[id(p)])
@@ -118,8 +131,6 @@ class TensorParallelDataParallel(nn.Module):
         assert self._num_reduced == len(self._params), \
             f"{self._num_reduced} of {len(self._params)} gradients were reduced: a parameter took no part in the forward"
         for p in self._partial:
-            g = p.grad
-            p.grad = DTensor.from_local(g._local_tensor, g.device_mesh, [Replicate()] * g.device_mesh.ndim,
-                                        run_check=False, shape=g.shape, stride=g.stride())
+            mark_summed(p)
         self._pending, self._partial, self._callback_queued = [], [], False
         self._num_reduced = self._num_launched = 0
