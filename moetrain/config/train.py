@@ -26,8 +26,9 @@ class TrainConfig:
     data-parallel size; when set it is checked against them."""
 
     seed: int = 0
-    """Seed of the weight init and the data order. The same seed gives the same global weights
-    whatever the parallel layout."""
+    """Seed of the weight init, the data order and, with each rank's index, the random draws of
+    training (dropout masks). The same seed gives the same global weights whatever the parallel
+    layout, and the same run on the same layout."""
 
     dtype: str = "fp32"
     """Compute precision: "fp32", "bf16" (mixed precision, fp32 master weights) or "fp16" (mixed

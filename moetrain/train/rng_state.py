@@ -16,6 +16,7 @@ float64), so a resumed run draws the same numbers as one that never stopped.
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
@@ -72,6 +73,18 @@ def rng_state_problems(state: dict[str, torch.Tensor]) -> list[str]:
         elif not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
             problems.append(f"{name} is not a uint8 vector")
     return problems
+
+
+def seed_rng_state(seed: int, rank: int) -> None:
+    """Seed this process's torch (CPU and every CUDA device), numpy and Python RNGs from ``(seed,
+    rank)``: what a fresh run draws at random (dropout masks) then repeats run after run, and each
+    rank draws its own numbers. torch seeds a new process at random, so without it no two runs of
+    a job with dropout are the same."""
+    digest = hashlib.blake2b(f"{seed}/rank{rank}".encode(), digest_size=8).digest()
+    value = int.from_bytes(digest, "little") & (2**63 - 1)
+    torch.manual_seed(value)
+    np.random.seed(value % 2**32)
+    random.seed(value)
 
 
 def restore_rng_state(state: dict[str, torch.Tensor]) -> None:

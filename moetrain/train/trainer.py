@@ -49,6 +49,7 @@ from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, St
 from moetrain.train.optim import build_optimizer, build_scheduler
 from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step_batch
 from moetrain.train.precision import DynamicLossScaler, autocast_context
+from moetrain.train.rng_state import seed_rng_state
 from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
 from moetrain.train.trainer_checkpoint import CheckpointingMixin
 from moetrain.utils.memory import MemoryTracker
@@ -69,9 +70,11 @@ class Trainer(CheckpointingMixin):
         self.build_checkpointing()
         self.build_logging()
         # Last: setup draws random numbers (the peak-FLOPs probe), which would advance a
-        # restored RNG state.
+        # restored or freshly seeded RNG state.
         if self._resumed_rng is not None:
             restore_rng_state(self._resumed_rng)
+        else:
+            seed_rng_state(cfg.train.seed, self.rank)
         self._last_good = self._snapshot()
 
     # --- setup ------------------------------------------------------------------------------------

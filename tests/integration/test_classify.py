@@ -138,6 +138,22 @@ def test_resumed_classification_run_is_exact(runs):
         assert torch.equal(second["params"][name], want), name
 
 
+def test_a_run_with_dropout_repeats_exactly(runs):
+    """Dropout masks come from the global RNG, which the trainer seeds from train.seed and the rank: the
+    same job run twice gives the same losses. Fresh interpreters (the CLI), because torch seeds a new
+    process's RNG at random while forked test ranks would inherit one state."""
+    root, data = runs["root"], runs["data"]
+    extra = ["--model.dropout=0.3", "--classify.token_dropout=0.2", "--train.eval_every=0", "--checkpoint.every=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("dropout_a", "dropout_b"):
+        proc = subprocess.run([sys.executable, "-m", "moetrain.cli", "train", *overrides(root / name, data, extra=extra)],
+                              capture_output=True, text=True, env=env, timeout=200, check=False)
+        assert proc.returncode == 0, proc.stderr
+    losses = [r["loss"] for r in records(root / "dropout_a") if "loss" in r]
+    assert len(losses) == 6 and losses == [r["loss"] for r in records(root / "dropout_b") if "loss" in r]
+    assert losses != [r["loss"] for r in records(root / "ref") if "loss" in r]  # the masks act
+
+
 @pytest.mark.parametrize("layout", ["ep2", "etp2"])
 def test_eval_at_other_world_sizes_reproduces_the_final_test_metrics(runs, layout):
     run_dir = runs["root"] / layout
