@@ -29,7 +29,6 @@ The output is a moetrain export (``write_export``): it starts a run at any layou
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from moetrain.config.convert import build_section
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.interop.export import load_source, model_configs, without_adapters, write_export
 from moetrain.models.lora import merge_lora
+from moetrain.utils.seeds import seeded_generator
 
 EXPERT_TENSORS = ("experts.",)
 """State-dict names under an MoE layer that are stacked ``[E, ...]`` per expert (weights, adapters)."""
@@ -55,8 +55,7 @@ def _moe_prefixes(state_dict: dict[str, torch.Tensor]) -> list[str]:
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.blake2b(f"grow/{seed}/{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return seeded_generator(f"grow/{seed}/{name}")
 
 
 def _grow_tensor(name: str, t_E: torch.Tensor, factor: int, *, noise: float, seed: int) -> torch.Tensor:

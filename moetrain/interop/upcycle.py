@@ -43,7 +43,6 @@ Shape legend: E experts, D model dim, F dense hidden dim, f = F/G expert hidden 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import os
 import re
@@ -71,6 +70,7 @@ from moetrain.interop.hf.registry import family_of, read_hf_config
 from moetrain.interop.sources import ExportTensors
 from moetrain.utils.files import atomic_write_with
 from moetrain.utils.safetensors_io import TensorSpec
+from moetrain.utils.seeds import seeded_generator
 
 _FFN = re.compile(r"layers\.(\d+)\.feed_forward\.(w[123])\.weight")
 
@@ -135,8 +135,7 @@ def upcycle_configs(dense: ModelConfig, *, num_experts: int, top_k: int, granula
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.blake2b(f"upcycle/{seed}/{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return seeded_generator(f"upcycle/{seed}/{name}")
 
 
 def _router(name: str, moe: MoEConfig, dim: int, *, granularity: int, seed: int) -> torch.Tensor:

@@ -27,7 +27,6 @@ Shape legend: I a projection's input dim, O its output dim, R adapter rank, E ex
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
@@ -40,6 +39,7 @@ from moetrain.models.feedforward import FeedForward
 from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.layer import MoELayer
+from moetrain.utils.seeds import seeded_generator
 
 LINEAR_A, LINEAR_B = "lora_a", "lora_b"
 """Attribute names of a ``LoRALinear``'s adapters."""
@@ -48,8 +48,7 @@ LINEAR_A, LINEAR_B = "lora_a", "lora_b"
 def lora_generator(seed: int, name: str) -> torch.Generator:
     """A CPU generator seeded from ``(seed, parameter name)``: one stream per adapter, independent
     of the global RNG, the device and the layout."""
-    digest = hashlib.blake2b(f"lora/{seed}/{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return seeded_generator(f"lora/{seed}/{name}")
 
 
 class LoRALinear(nn.Linear):

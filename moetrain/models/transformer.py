@@ -16,7 +16,6 @@ head.
 
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.layer import MoEAux, MoELayer
 from moetrain.models.moe.router import TopKRouter
+from moetrain.utils.seeds import seeded_generator
 
 # Attention, MultiHeadLatentAttention, RMSNorm, apply_rope and rope_table live in their own
 # modules; importing them from here keeps working.
@@ -399,8 +399,7 @@ def flops_per_token(config: ModelConfig, moe: MoEConfig, *, seq_len: int | None 
 
 
 def _generator(seed: int, name: str) -> torch.Generator:
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return seeded_generator(f"{seed}/{name}")
 
 
 def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:

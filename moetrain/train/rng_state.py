@@ -16,11 +16,12 @@ float64), so a resumed run draws the same numbers as one that never stopped.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import numpy as np
 import torch
+
+from moetrain.utils.seeds import derived_seed
 
 _MT_WORDS = 624
 # name -> (dtype, shape); the cuda<i> entries vary in number and are checked apart.
@@ -80,8 +81,7 @@ def seed_rng_state(seed: int, rank: int) -> None:
     rank)``: what a fresh run draws at random (dropout masks) then repeats run after run, and each
     rank draws its own numbers. torch seeds a new process at random, so without it no two runs of
     a job with dropout are the same."""
-    digest = hashlib.blake2b(f"{seed}/rank{rank}".encode(), digest_size=8).digest()
-    value = int.from_bytes(digest, "little") & (2**63 - 1)
+    value = derived_seed(f"{seed}/rank{rank}")
     torch.manual_seed(value)
     np.random.seed(value % 2**32)
     random.seed(value)

@@ -88,6 +88,13 @@ def _train(rank: int, world_size: int, args: list[str], stop_after: int | None =
     return {"params": params, "loader": loader, "resumed": trainer.resumed_from is not None} if rank == 0 else None
 
 
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``moetrain ARGS`` in a fresh interpreter."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "moetrain.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=200, check=False)
+
+
 def _evaluate(rank: int, world_size: int, run_dir: Path) -> dict | None:
     from moetrain.train.evaluate import evaluate_run
 
@@ -144,10 +151,8 @@ def test_a_run_with_dropout_repeats_exactly(runs):
     process's RNG at random while forked test ranks would inherit one state."""
     root, data = runs["root"], runs["data"]
     extra = ["--model.dropout=0.3", "--classify.token_dropout=0.2", "--train.eval_every=0", "--checkpoint.every=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in ("dropout_a", "dropout_b"):
-        proc = subprocess.run([sys.executable, "-m", "moetrain.cli", "train", *overrides(root / name, data, extra=extra)],
-                              capture_output=True, text=True, env=env, timeout=200, check=False)
+        proc = _cli("train", *overrides(root / name, data, extra=extra))
         assert proc.returncode == 0, proc.stderr
     losses = [r["loss"] for r in records(root / "dropout_a") if "loss" in r]
     assert len(losses) == 6 and losses == [r["loss"] for r in records(root / "dropout_b") if "loss" in r]
@@ -171,9 +176,7 @@ def test_eval_at_other_world_sizes_reproduces_the_final_test_metrics(runs, layou
 def test_cli_eval_prints_the_test_accuracy(runs):
     run_dir = runs["root"] / "ref"
     final = records(run_dir)[-1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "moetrain.cli", "eval", str(run_dir)], capture_output=True,
-                          text=True, env=env, timeout=200, check=False)
+    proc = _cli("eval", str(run_dir))
     assert proc.returncode == 0, proc.stderr
     assert f"test accuracy {final['test_accuracy']:.4f}" in proc.stdout
     assert "c0" in proc.stdout and "eval-test-step6.json" in proc.stdout
