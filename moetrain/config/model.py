@@ -127,8 +127,11 @@ class ModelConfig:
 
     pooling: str = "last"
     """Classifier pooling of the final hidden states: "last", the last real token (with causal
-    attention the only one that saw the whole sequence); "mean", the mean over the real tokens.
-    Only with head "classifier"."""
+    attention the only one that saw the whole sequence); "mean", the mean over the real tokens;
+    "attention", a weighted mean over the real tokens whose weights are a softmax of each hidden
+    state's dot product with a learnt query (one vector of ``dim``, initialised to zero, so training
+    starts from the mean): the model can learn to weigh the words that tell the classes apart above
+    the frequent ones, which a plain mean of normalised states cannot. Only with head "classifier"."""
 
     causal: bool = True
     """Causal attention. False (only with head "classifier"): every real token attends to every
@@ -220,7 +223,7 @@ class ModelConfig:
                 f"must be a list of block ids in [0, model.num_layers ({self.num_layers}))")
         require(len(set(self.dense_layers)) == len(self.dense_layers), "model.dense_layers", self.dense_layers,
                 "must not name a block twice")
-        require_choice("model.pooling", self.pooling, ("last", "mean"))
+        require_choice("model.pooling", self.pooling, ("last", "mean", "attention"))
         require(self.pooling == "last" or self.head == "classifier", "model.pooling", self.pooling,
                 f'acts only with model.head "classifier" (model.head is {self.head!r})')
         require_bool("model.causal", self.causal)

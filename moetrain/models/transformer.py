@@ -146,6 +146,8 @@ class Transformer(nn.Module):
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
         if config.head == "classifier":
+            if config.pooling == "attention":
+                self.pool_query = nn.Parameter(torch.zeros(config.dim))
             self.output = nn.Linear(config.dim, config.num_classes, bias=False)
         else:
             self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
@@ -261,7 +263,15 @@ class Transformer(nn.Module):
 
     def _pool(self, h_BSD: torch.Tensor, padding_mask_BS: torch.Tensor | None) -> torch.Tensor:
         """``[B, D]``: the last real token's hidden state (with causal attention the only one that
-        saw the whole sequence) or the mean over the real tokens (``model.pooling``)."""
+        saw the whole sequence), or the plain or attention-weighted mean over the real tokens
+        (``model.pooling``)."""
+        if self.config.pooling == "attention":
+            # fp32 softmax: the weights of a long padded row must not underflow in bf16.
+            score_BS = (h_BSD @ self.pool_query.to(h_BSD.dtype)).float()
+            if padding_mask_BS is not None:
+                score_BS = score_BS.masked_fill(~padding_mask_BS, float("-inf"))
+            weight_BS1 = torch.softmax(score_BS, dim=1).to(h_BSD.dtype)[..., None]
+            return (h_BSD * weight_BS1).sum(dim=1)
         if self.config.pooling == "mean":
             if padding_mask_BS is None:
                 return h_BSD.mean(dim=1)
@@ -285,7 +295,7 @@ class Transformer(nn.Module):
         parallel layout later holds it. Weights are normal(init_std), the residual output
         projections (attention out, FFN/expert down) normal(init_std / sqrt(2 * num_layers)) as
         GPT-2/Megatron, routers normal(moe.router_init_std), norm scales (q/k and latent norms too)
-        1, q/k/v biases 0.
+        1, q/k/v biases and the attention-pooling query 0.
         """
         cfg = self.config
         std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
@@ -306,6 +316,8 @@ class Transformer(nn.Module):
                 std_of[id(module.w2.weight)] = out_std
             elif isinstance(module, GroupedExperts):
                 std_of[id(module.w2)] = out_std
+        if hasattr(self, "pool_query"):
+            std_of[id(self.pool_query)] = "zeros"  # uniform weights: training starts from mean pooling
         for name, param in self.named_parameters():
             p_std = std_of.get(id(param), std)
             if p_std == "ones":
@@ -354,7 +366,10 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
     num_moe = len(config.moe_layer_ids)
 
     embedding = V * D
-    head = D * config.num_classes if config.head == "classifier" else (0 if config.tie_embeddings else V * D)
+    if config.head == "classifier":
+        head = D * config.num_classes + (D if config.pooling == "attention" else 0)  # + the pooling query
+    else:
+        head = 0 if config.tie_embeddings else V * D
     non_expert = (embedding + head + D + L * (attention + norms)
                   + (L - num_moe) * dense_ffn + num_moe * (shared + router))
     expert = num_moe * moe.num_experts * one_expert

@@ -50,9 +50,9 @@ def write_data(folder: Path) -> Path:
 
 
 def overrides(run_dir: Path, data: Path, *, steps: int = 6, ep: int = 1, micro: int = 8, extra=()) -> list[str]:
-    """A 2-block MoE classifier (4 experts top-2), bidirectional, mean pooling, batch 8 of 16 tokens."""
+    """A 2-block MoE classifier (4 experts top-2), bidirectional, attention pooling, batch 8 of 16 tokens."""
     return ["--model.dim=32", "--model.num_layers=2", "--model.num_heads=4", "--model.max_seq_len=16",
-            "--model.head=classifier", "--model.num_classes=3", "--model.pooling=mean", "--model.causal=false",
+            "--model.head=classifier", "--model.num_classes=3", "--model.pooling=attention", "--model.causal=false",
             "--moe.num_experts=4", "--moe.top_k=2", "--moe.expert_hidden_dim=32", "--moe.collapse_threshold=0.75",
             "--data.corpus=path", f"--data.path={data}", "--data.seq_len=16", "--data.val_fraction=0.125",
             f"--data.cache_dir={data / 'cache'}",

@@ -106,10 +106,13 @@ def test_first_document_equals_the_document_alone_and_later_ones_the_plain_model
     torch.testing.assert_close(a[:, :7], alone1, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pooling", ["last", "mean"])
+@pytest.mark.parametrize("pooling", ["last", "mean", "attention"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_padded_classifier_batch_equals_each_sequence_alone(pooling, causal):
     m = build(head="classifier", num_classes=5, pooling=pooling, causal=causal)
+    if pooling == "attention":  # a trained query (the initial zero one weighs every real token alike)
+        with torch.no_grad():
+            m.pool_query.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
     lengths = [12, 7, 3]
     S = max(lengths)
     x = torch.randint(1, V, (len(lengths), S), generator=torch.Generator().manual_seed(5))  # padding: any ids
@@ -161,3 +164,23 @@ def test_padding_mask_errors():
     with pytest.raises(ValueError, match=r"padding_mask_BS \('torch.bool \[2, 5\]'\) must be a bool tensor "
                                          r"of the input's shape \[2, 6\]"):
         m(x, padding_mask_BS=torch.ones(2, 5, dtype=torch.bool))
+
+
+def test_attention_pooling_starts_as_the_mean_and_learns_its_query():
+    mean = build(head="classifier", num_classes=4, pooling="mean", causal=False)
+    attention = build(head="classifier", num_classes=4, pooling="attention", causal=False)  # same seed
+    assert torch.equal(attention.pool_query, torch.zeros(attention.config.dim))
+    x = torch.randint(1, V, (3, 9), generator=torch.Generator().manual_seed(9))
+    padding = torch.arange(9)[None] < torch.tensor([[9], [5], [2]])
+    torch.testing.assert_close(attention(x, padding_mask_BS=padding).logits,
+                               mean(x, padding_mask_BS=padding).logits, rtol=1e-6, atol=1e-6)
+    attention(x, torch.tensor([0, 1, 3]), padding_mask_BS=padding).loss.backward()
+    assert attention.pool_query.grad is not None and attention.pool_query.grad.abs().sum() > 0
+    # A query along one token's final state puts most of the weight on that token.
+    hidden = []
+    attention.norm.register_forward_hook(lambda mod, args, out: hidden.append(out.detach()))
+    with torch.no_grad():
+        attention(x[:1])
+        attention.pool_query.copy_(hidden[0][0, 4] * 3)
+        logits = attention(x[:1]).logits
+    torch.testing.assert_close(logits, attention.output(hidden[-1][0, 4])[None], rtol=1e-3, atol=1e-3)

@@ -27,6 +27,7 @@ VARIANTS = [
     {"model": {"moe_layer_offset": 1, "moe_every": 1, "num_layers": 3}},
     {"model": {"moe_every": 0}},
     {"model": {"head": "classifier", "num_classes": 7, "tie_embeddings": True}},
+    {"model": {"head": "classifier", "num_classes": 7, "pooling": "attention", "causal": False}},
     {"model": {"num_kv_heads": 2, "qkv_bias": True}},  # Qwen2-MoE
     {"model": {"num_kv_heads": 2, "head_dim": 12, "qk_norm": "head"}},  # Qwen3-MoE
     {"model": {"num_kv_heads": 2, "qk_norm": "full", "clip_qkv": 8.0}},  # OLMoE
