@@ -228,6 +228,8 @@ def cmd_eval(args, argv: list[str]) -> int:
         runtime.shutdown()
     if result is not None:
         split, where = result["split"], f"step {result['step']}, {result['world_size']} process(es)"
+        if result["weights"] == "average":
+            where += ", averaged weights"
         if f"{split}_accuracy" in result:
             print(f"{split} accuracy {result[f'{split}_accuracy']:.4f}  macro-F1 {result[f'{split}_macro_f1']:.4f}  "
                   f"loss {result[f'{split}_loss']:.4f}  ({result[f'{split}_examples']} examples; {where})")

@@ -39,7 +39,9 @@ class ExportTensors(SafetensorsFolder):
 
 class CheckpointTensors:
     """The model tensors of one moetrain checkpoint (``model.<fqn>`` entries), read lazily in one
-    process without a process group; ``trainer_state`` holds the step and the resolved config."""
+    process without a process group; ``trainer_state`` holds the step and the resolved config. A run
+    with optim.ema_decay is read with its averaged weights (the ``ema.<fqn>`` entries, what it
+    evaluated) in place of the raw ones."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -48,6 +50,7 @@ class CheckpointTensors:
         entries = metadata.state_dict_metadata
         self._meta = {k[len("model."):]: md for k, md in entries.items()
                       if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+        self.averaged = {k[len("ema."):] for k in entries if k.startswith("ema.")} & set(self._meta)
         if "trainer" not in entries:
             raise CheckpointError(f"checkpoint {str(self.path)!r} has no trainer entry")
         trainer = torch.empty(entries["trainer"].size, dtype=torch.uint8)
@@ -83,7 +86,7 @@ class CheckpointTensors:
         if self._cached is not None and self._cached[0] == name:
             return self._cached[1]
         tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
-        self._load({"model": {name: tensor}})
+        self._load({"ema" if name in self.averaged else "model": {name: tensor}})
         # One tensor kept: the per-expert export reads an expert stack E times in a row.
         self._cached = (name, tensor)
         return tensor

@@ -17,6 +17,8 @@ What a checkpoint holds (DCP keys; tensors only, so that loading unpickles nothi
     model.<fqn>                parameters and persistent buffers (router state such as expert biases);
                                expert weights are DTensors sharded over ``ep``, so DCP stores them by
                                *global* expert index and any other layout can read them back
+    ema.<fqn>                  with optim.ema_decay: the moving average of each trainable parameter,
+                               sharded like it (``moetrain.train.weight_average``)
     optim.state.<fqn>.<name>   AdamW moments and step counts, keyed by parameter name, also global
     optim.param_groups         JSON text (a uint8 tensor): learning rate, betas, ... of each group
     trainer                    JSON text (a uint8 tensor): step, LR schedule, loss scaler, data
@@ -126,7 +128,8 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
 
 
 def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
-                   rng: dict[str, torch.Tensor], rank: int, grad_compression: dict[str, torch.Tensor]) -> dict:
+                   rng: dict[str, torch.Tensor], rank: int, grad_compression: dict[str, torch.Tensor],
+                   ema: dict[str, torch.Tensor] | None) -> dict:
     """The DCP state dict of a save: tensors only (see ``moetrain.train.checkpoint_index``)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
@@ -139,6 +142,8 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_s
              "rng": {f"rank{rank}": rng}}
     if grad_compression:
         state["grad_compression"] = {f"rank{rank}": grad_compression}
+    if ema is not None:
+        state["ema"] = ema
     others = sorted(k for k, v in flatten_state_dict(state)[0].items() if not isinstance(v, torch.Tensor))
     if others:
         raise ValueError(f"checkpoint entries {others[:8]} are not tensors: DCP would pickle them, and "
@@ -168,11 +173,13 @@ def _commit_on_main(tmp: Path, final: Path, gathered: list, metadata: Metadata, 
 def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
                     optimizer: torch.optim.Optimizer, trainer_state: dict,
                     rng_state: dict[str, torch.Tensor] | None = None, keep_last: int = 0,
-                    layout: dict | None = None, grad_compression_state: dict[str, torch.Tensor] | None = None) -> Path:
+                    layout: dict | None = None, grad_compression_state: dict[str, torch.Tensor] | None = None,
+                    ema_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Write checkpoint ``step`` of ``model`` (unwrapped: no DDP wrapper) and ``optimizer`` into
     ``folder`` atomically, point ``latest`` at it and keep the newest ``keep_last`` (0 = all).
     ``rng_state`` comes from ``capture_rng_state`` (default: the current state);
-    ``grad_compression_state`` from ``grad_compression_state`` (this rank's residuals, if any).
+    ``grad_compression_state`` from ``grad_compression_state`` (this rank's residuals, if any);
+    ``ema_state`` from ``WeightAverage.state_dict`` (the weight average, if the run keeps one).
 
     Collective. All ranks write into ``.step_N.tmp``; once DCP has written its index, every rank
     hashes the files it wrote, rank 0 writes the manifest and renames the folder into place, then
@@ -202,7 +209,7 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
 
     # 2. DCP writes every rank's shards (replicated entries once) and, on rank 0, the index.
     rng = rng_state if rng_state is not None else capture_rng_state()
-    state = _state_to_save(model, optimizer, trainer_state, rng, rank, grad_compression_state or {})
+    state = _state_to_save(model, optimizer, trainer_state, rng, rank, grad_compression_state or {}, ema_state)
     metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True,
                                                                    sync_files=True))
 
@@ -238,6 +245,9 @@ class LoadedCheckpoint:
     grad_compression_state: dict[str, torch.Tensor] | None = None
     """This rank's saved gradient-compression residuals (for ``load_grad_compression_state``), or
     None when the checkpoint holds none for this rank."""
+    ema_state: dict[str, torch.Tensor] | None = None
+    """The saved weight average read into tensors shaped like ``ema_like`` (for
+    ``WeightAverage.load_state_dict``), or None when none was asked for or the checkpoint has none."""
 
 
 def _fresh_like(obj: Any) -> Any:
@@ -321,7 +331,8 @@ def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
 
 
 def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Module,
-                optimizer: torch.optim.Optimizer, rank: int, pipeline_group=None) -> tuple[dict, list[dict]]:
+                optimizer: torch.optim.Optimizer, rank: int, pipeline_group=None,
+                ema_like: dict[str, torch.Tensor] | None = None) -> tuple[dict, list[dict]]:
     """This rank's part of the checkpoint, read into fresh tensors; also the live optimizer's
     param groups (the shape the saved ones must take). With ``pipeline_group`` the model is one
     stage's share: the entries the other stages read are expected too (a collective over it)."""
@@ -341,6 +352,8 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
                  if k.startswith(prefix)}
     if residuals:
         state["grad_compression"] = {f"rank{rank}": residuals}
+    if ema_like is not None and has_weight_average(metadata):
+        state["ema"] = _fresh_like(ema_like)
     expected = flatten_state_dict(state)[0]
     held_elsewhere: frozenset[str] = frozenset()
     if pipeline_group is not None:
@@ -358,11 +371,17 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
     return state, optim_sd["param_groups"]
 
 
+def has_weight_average(metadata: Metadata) -> bool:
+    return any(k.startswith("ema.") for k in metadata.state_dict_metadata)
+
+
 def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    verify: bool = True, pipeline_group=None) -> LoadedCheckpoint:
+                    verify: bool = True, pipeline_group=None,
+                    ema_like: dict[str, torch.Tensor] | None = None) -> LoadedCheckpoint:
     """Load checkpoint ``path`` into ``model`` (unwrapped) and ``optimizer``, whatever layout
     (world size, ep, pp) saved it. Collective. ``pipeline_group``: the model is this rank's
     pipeline stages (the pp group over which the stages together hold the whole model).
+    ``ema_like``: read the saved weight average too, into tensors like these (``WeightAverage.state_dict``).
 
     All or nothing: the files are checked against the manifest, the entries against the index,
     and DCP reads into fresh tensors; only when all of that succeeded are the values copied into
@@ -386,7 +405,7 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         del optimizer.state[p]
     fresh_optimizer = not optimizer.state
     try:
-        state, live_groups = _read_state(path, reader, metadata, model, optimizer, rank, pipeline_group)
+        state, live_groups = _read_state(path, reader, metadata, model, optimizer, rank, pipeline_group, ema_like)
         # 3. The JSON and RNG entries must decode before anything goes live.
         groups = _param_groups(path, live_groups, _json_entry(path, state, "optim.param_groups"))
         trainer_state = _json_entry(path, state, "trainer")
@@ -409,13 +428,15 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
         zero.load_consolidated(optimizer)
     residuals = state["grad_compression"][f"rank{rank}"] if "grad_compression" in state else None
     return LoadedCheckpoint(path=path, step=int(trainer_state["step"]), trainer_state=trainer_state,
-                            rng_state=rng_state, manifest=manifest, grad_compression_state=residuals)
+                            rng_state=rng_state, manifest=manifest, grad_compression_state=residuals,
+                            ema_state=state.get("ema"))
 
 
 def load_model_weights(path: str | os.PathLike, *,
                        verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
     """Full (consolidated) model tensors of checkpoint ``path`` in one process, without building the
-    model or a process group, plus its trainer state (which holds the resolved config). For export."""
+    model or a process group, plus its trainer state (which holds the resolved config). For export:
+    where the checkpoint holds a weight average, the averaged weights (what the run evaluated)."""
     path = Path(path)
     # Local checks only: this runs in one process, even where a process group happens to exist.
     verify_local(path) if verify else read_manifest(path)
@@ -423,9 +444,9 @@ def load_model_weights(path: str | os.PathLike, *,
     metadata = reader.read_metadata()
     if "trainer" not in metadata.state_dict_metadata:
         raise CheckpointError(f"checkpoint {str(path)!r} has no trainer entry")
-    tensors = {key[len("model."):]: _saved_like(metadata, key) for key in metadata.state_dict_metadata
-               if key.startswith("model.")}
-    state = {"model": tensors, "trainer": _saved_like(metadata, "trainer", torch.uint8)}
+    state = {part: {key[len(part) + 1:]: _saved_like(metadata, key) for key in metadata.state_dict_metadata
+                    if key.startswith(part + ".")} for part in ("model", "ema")}
+    state["trainer"] = _saved_like(metadata, "trainer", torch.uint8)
     try:
         with warnings.catch_warnings():
             # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
@@ -433,4 +454,4 @@ def load_model_weights(path: str | os.PathLike, *,
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
-    return state["model"], _json_entry(path, state, "trainer")
+    return {**state["model"], **state["ema"]}, _json_entry(path, state, "trainer")

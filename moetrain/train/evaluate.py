@@ -8,6 +8,7 @@ resume, so a run trained on 2 processes with ep=2 evaluates on 1 (or 4) to the s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ from moetrain.train.classification import confusion_matrix, metrics_from_confusi
 from moetrain.train.optim import build_optimizer
 from moetrain.train.precision import autocast_context
 from moetrain.train.task import build_model, build_task_data, is_classifier
+from moetrain.train.weight_average import WeightAverage
 from moetrain.utils.files import atomic_write_text
 
 log = logging.getLogger("moetrain")
@@ -126,18 +128,28 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
     # The optimizer is read too (the checkpoint loader restores model and optimizer as one state);
     # nothing steps it.
     optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
-    loaded = load_checkpoint(path, model=model, optimizer=optimizer)
+    # A run that kept a weight average evaluated it: so does this.
+    ema = WeightAverage(model, decay=o.ema_decay) if o.ema_decay > 0 else None
+    loaded = load_checkpoint(path, model=model, optimizer=optimizer,
+                             ema_like=ema.state_dict() if ema is not None else None)
+    if ema is not None and loaded.ema_state is None:
+        log.warning("checkpoint %s holds no weight average (optim.ema_decay %s): evaluating its weights", path,
+                    o.ema_decay)
+        ema = None
+    if ema is not None:
+        ema.load_state_dict(loaded.ema_state, num_updates=int(loaded.trainer_state.get("ema_updates", 0)))
     model.eval()
     t = cfg.train
-    if is_classifier(cfg):
-        metrics = evaluate_classifier(model, data, split, batch_size=t.micro_batch_size, dims=dims,
-                                      device=proc.device, dtype=t.dtype)
-    else:
-        loader = data.val_loader(global_batch_size=t.micro_batch_size * dims.dp, dp_rank=dims.dp_rank,
-                                 dp_size=dims.dp)
-        metrics = evaluate_lm(model, loader.epoch_batches(), dims=dims, device=proc.device, dtype=t.dtype)
+    with ema.applied() if ema is not None else contextlib.nullcontext():
+        if is_classifier(cfg):
+            metrics = evaluate_classifier(model, data, split, batch_size=t.micro_batch_size, dims=dims,
+                                          device=proc.device, dtype=t.dtype)
+        else:
+            loader = data.val_loader(global_batch_size=t.micro_batch_size * dims.dp, dp_rank=dims.dp_rank,
+                                     dp_size=dims.dp)
+            metrics = evaluate_lm(model, loader.epoch_batches(), dims=dims, device=proc.device, dtype=t.dtype)
     result = {"run": str(run_dir), "checkpoint": str(path), "step": loaded.step, "split": split,
-              "world_size": proc.world_size, **metrics}
+              "world_size": proc.world_size, "weights": "average" if ema is not None else "raw", **metrics}
     if not proc.is_main:
         return None
     atomic_write_text(run_dir / f"eval-{split}-step{loaded.step}.json", json.dumps(result, indent=1) + "\n")

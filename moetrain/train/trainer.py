@@ -52,6 +52,7 @@ from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.train.rng_state import seed_rng_state
 from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
 from moetrain.train.trainer_checkpoint import CheckpointingMixin
+from moetrain.train.weight_average import WeightAverage
 from moetrain.utils.memory import MemoryTracker
 
 log = logging.getLogger("moetrain")
@@ -152,6 +153,8 @@ class Trainer(CheckpointingMixin):
         self.balancer = install_balancing(self.optimizer, self.model, self.dims) if self.model_config.is_moe else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_norm: torch.Tensor | None = None
+        # From the weights as they start (an init_from export's included); a resume replaces it.
+        self.ema = WeightAverage(self.model, decay=o.ema_decay) if o.ema_decay > 0 else None
 
     def build_logging(self) -> None:
         lc = self.cfg.log
@@ -228,6 +231,8 @@ class Trainer(CheckpointingMixin):
                                    stop=self.stop, device=self.device)
         if good:
             self.optimizer.step()
+            if self.ema is not None:
+                self.ema.update()
         elif self.balancer is not None:
             self.balancer.discard_step()  # a skipped step's routing counts must not move the bias
         self.scaler.update(good)
@@ -252,13 +257,18 @@ class Trainer(CheckpointingMixin):
         metrics of every example of ``split`` ("val", or "test" at the end of the run). Collective."""
         self.parallel_model.eval()
         t = self.cfg.train
-        if self.pipeline is not None:
-            return self.pipeline.evaluate(self.val_loader.epoch_batches(t.eval_steps))
-        if self.classifier:
-            return evaluate_classifier(self.model, self.data, split, batch_size=t.micro_batch_size, dims=self.dims,
-                                       device=self.device, dtype=t.dtype)
-        return evaluate_lm(self.model, self.val_loader.epoch_batches(t.eval_steps), dims=self.dims,
-                           device=self.device, dtype=t.dtype)
+        with self.averaged_weights():
+            if self.pipeline is not None:
+                return self.pipeline.evaluate(self.val_loader.epoch_batches(t.eval_steps))
+            if self.classifier:
+                return evaluate_classifier(self.model, self.data, split, batch_size=t.micro_batch_size,
+                                           dims=self.dims, device=self.device, dtype=t.dtype)
+            return evaluate_lm(self.model, self.val_loader.epoch_batches(t.eval_steps), dims=self.dims,
+                               device=self.device, dtype=t.dtype)
+
+    def averaged_weights(self):
+        """With optim.ema_decay, the weight average in the model for the block; else nothing changes."""
+        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
 
     # --- logging ----------------------------------------------------------------------------------
 
@@ -358,9 +368,10 @@ class Trainer(CheckpointingMixin):
             raise ValueError("data.path holds pre-tokenised .bin files: no tokenizer to decode samples")
         assert self.pipeline is None, "sampling needs the whole model (the command line refuses it under pp)"
         self.parallel_model.eval()
-        return sample_text(self.model, self.data.tokenizer, prompt, context=self.cfg.data.seq_len,
-                           device=self.device, fallback_id=self.data.eos_id or 0, max_new_tokens=max_new_tokens,
-                           temperature=temperature, top_k=top_k, seed=seed)
+        with self.averaged_weights():
+            return sample_text(self.model, self.data.tokenizer, prompt, context=self.cfg.data.seq_len,
+                               device=self.device, fallback_id=self.data.eos_id or 0, max_new_tokens=max_new_tokens,
+                               temperature=temperature, top_k=top_k, seed=seed)
 
     def barrier(self) -> None:
         runtime.barrier()

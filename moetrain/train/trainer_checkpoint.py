@@ -63,7 +63,8 @@ class CheckpointingMixin:
         """Load checkpoint ``path`` (saved at any layout) and continue exactly where it stopped."""
         with self.phase(f"loading checkpoint {path}"):
             loaded = load_checkpoint(path, model=self.model, optimizer=self.optimizer,
-                                     pipeline_group=self.dims.pp_group if self.dims.pp > 1 else None)
+                                     pipeline_group=self.dims.pp_group if self.dims.pp > 1 else None,
+                                     ema_like=self.ema.state_dict() if self.ema is not None else None)
         data_parallel.load_grad_compression_state(self.parallel_model, loaded.grad_compression_state)
         state = loaded.trainer_state
         self.train_loader.load_state_dict(state["data"])
@@ -73,6 +74,12 @@ class CheckpointingMixin:
         self.skips.total = int(state.get("skipped_total", 0))
         if self.balancer is not None and "balancer" in state:
             self._load_balancer_state(state["balancer"])
+        if self.ema is not None:
+            if loaded.ema_state is not None:
+                self.ema.load_state_dict(loaded.ema_state, num_updates=int(state.get("ema_updates", 0)))
+            else:
+                self.ema.restart()
+                log.warning("checkpoint %s holds no weight average: optim.ema_decay starts one from its weights", path)
         if loaded.rng_state is not None:
             self._resumed_rng = loaded.rng_state  # restored at the end of __init__
         else:  # a rank the saving run did not have
@@ -108,6 +115,8 @@ class CheckpointingMixin:
         config = config_to_dict(self.cfg)
         config["model"]["vocab_size"] = self.model_config.vocab_size  # a checkpoint alone can be exported
         trainer_state = {**snap, "config": config, "time": time.time()}
+        if self.ema is not None:
+            trainer_state["ema_updates"] = self.ema.num_updates  # skipped steps do not change it
         if self.balancer is not None:
             # Taken now, not in the snapshot: skipped steps do not change it, and reading it is a
             # collective (the snapshot is taken after every step).
@@ -118,7 +127,8 @@ class CheckpointingMixin:
             path = save_checkpoint(self.ckpt_dir, snap["step"], model=self.model, optimizer=self.optimizer,
                                    trainer_state=trainer_state, rng_state=rng,
                                    keep_last=self.cfg.checkpoint.keep_last, layout=layout,
-                                   grad_compression_state=data_parallel.grad_compression_state(self.parallel_model))
+                                   grad_compression_state=data_parallel.grad_compression_state(self.parallel_model),
+                                   ema_state=self.ema.state_dict() if self.ema is not None else None)
         self._last_saved_step = snap["step"]
         return path
 

@@ -1,7 +1,9 @@
 """A pipeline-parallel run (pp=2 x dp=2, or pp=2 x tp=2 with the experts on the tp ranks; experts
 over ep=2 in each stage, the router bias moving) resumed from its checkpoint continues with exactly the losses of the uninterrupted run: each stage
 reads its own layers from the checkpoint, its optimizer keeps its own parameters, and the balancer
-counters of every stage come back to the stage that holds those layers."""
+counters of every stage come back to the stage that holds those layers. The pp=2 x tp=2 run keeps a
+weight average (optim.ema_decay), which its evaluations use: each stage saves and reloads its layers'
+tp-sharded averages."""
 
 from __future__ import annotations
 
@@ -43,7 +45,8 @@ def _val_losses(run: Path) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", [[], ["--parallel.tp=2", "--train.eval_every=3", "--train.eval_steps=1"]],
+@pytest.mark.parametrize("layout", [[], ["--parallel.tp=2", "--train.eval_every=3", "--train.eval_steps=1",
+                                         "--optim.ema_decay=0.9"]],
                          ids=["pp2_dp2_ep2", "pp2_tp2_ep2"])
 def test_pipeline_run_resumes_exactly(tmp_path, shakespeare_cached, layout):
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
@@ -58,4 +61,4 @@ def test_pipeline_run_resumes_exactly(tmp_path, shakespeare_cached, layout):
     assert sorted(got) == [4, 5, 6]
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]
     if "--train.eval_every=3" in layout:  # evaluation runs stage after stage on tp-sharded streams
-        assert _val_losses(resumed) == {6: _val_losses(whole)[6]}
+        assert _val_losses(resumed) == {6: _val_losses(whole)[6]}  # with the averaged weights
