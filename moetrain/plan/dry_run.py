@@ -92,7 +92,7 @@ def layout_of(cfg: JobConfig, world: int) -> Layout:
     """The planner's ``Layout`` of the job ``cfg`` run on ``world`` processes."""
     return Layout(world=world, ep=cfg.parallel.ep, zero_stage=cfg.parallel.zero_stage,
                   hsdp_replicate=cfg.parallel.hsdp_replicate, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
-                  offload_params=cfg.zero.offload_param == "cpu")
+                  offload_params=cfg.zero.offload_param == "cpu", weight_average=cfg.optim.ema_decay > 0)
 
 
 def largest_rank(cfg: JobConfig, world: int, *, specs=None) -> tuple[int, str]:
@@ -174,9 +174,10 @@ def dry_run(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> DryRun:
         rank, note = largest_rank(cfg, nproc, specs=specs)
     t0 = time.perf_counter()
     with fake_process_group(world=nproc, rank=rank):
-        model, wrapped, optimizer = _build(cfg, model_cfg, nproc)
+        model, wrapped, optimizer, average = _build(cfg, model_cfg, nproc)
         measured = StateBytes(param=_param_bytes(model), grad=_grad_bytes(model, wrapped),
-                              optim=_optim_bytes(optimizer))
+                              optim=_optim_bytes(optimizer),
+                              average=sum(_storage_bytes(t) for t in average.values()))
         buffers = sum(_storage_bytes(b) for b in model.buffers())
         devices = sorted({_local(p).device.type for p in model.parameters()})
         num_params = sum(1 for _ in model.parameters())
@@ -189,7 +190,8 @@ def dry_run(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> DryRun:
 
 
 def _build(cfg: JobConfig, model_cfg, world: int):
-    """The trainer's build_model + build_optimizer for this rank, on the meta device."""
+    """The trainer's build_model + build_optimizer (and weight average) for this rank, on the meta
+    device. Returns the model, its wrapper, the stepped optimizer and the average's tensors by name."""
     import torch
 
     from moetrain.distributed.data_parallel import wrap_optimizer, zero_settings
@@ -197,6 +199,7 @@ def _build(cfg: JobConfig, model_cfg, world: int):
     from moetrain.distributed.parallelize import parallelize
     from moetrain.models.transformer import Transformer
     from moetrain.train.optim import build_optimizer
+    from moetrain.train.weight_average import WeightAverage
 
     dims = ParallelDims.from_config(cfg.parallel, world_size=world,
                                     num_experts=cfg.moe.num_experts if model_cfg.is_moe else None)
@@ -220,7 +223,8 @@ def _build(cfg: JobConfig, model_cfg, world: int):
     optimizer.step()
     for p in params:
         p.grad = None
-    return model, wrapped, optimizer
+    average = WeightAverage(model, decay=o.ema_decay).state_dict() if o.ema_decay > 0 else {}
+    return model, wrapped, optimizer, {id(t): t for t in average.values()}  # a tied weight once
 
 
 def _local(t):
@@ -303,7 +307,9 @@ def format_dry_run(d: DryRun, *, name: str | None = None) -> str:
              f"parameter tensors on {', '.join(d.param_devices)} (nothing allocated)"),
              f"{'':10s} {'dry run (bytes)':>18s} {'planner (bytes)':>18s} {'dry run GiB':>12s} {'diff':>8s}"]
     rows = [("param", d.measured.param, d.planned.param), ("grad", d.measured.grad, d.planned.grad),
-            ("optim", d.measured.optim, d.planned.optim), ("total", d.measured.total, d.planned.total),
+            ("optim", d.measured.optim, d.planned.optim),
+            *([("average", d.measured.average, d.planned.average)] if d.measured.average or d.planned.average else []),
+            ("total", d.measured.total, d.planned.total),
             ("buffers", d.measured_buffer_bytes, d.planned_buffer_bytes)]
     for label, m, p in rows:
         lines.append(f"{label:10s} {m:18d} {p:18d} {m / gib:12.3f} {m - p:8d}")

@@ -19,6 +19,8 @@ instantiates. The sharding rules are those of the code that trains:
   evenly (``expert_shard_dim``); at ep = 1 they stay in their block's unit (over dp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` like the (local) parameter, plus a 4-byte fp32 ``step``
   per parameter tensor, also for an empty shard.
+* optim.ema_decay (``WeightAverage``): one more copy of each parameter as this rank holds it, whole
+  at stages 0/1 (ZeRO-1 slices only the optimizer states), the unpadded local shard at stages 2/3.
 
 Everything is fp32 at rest (mixed precision computes in bf16 from fp32 master parameters), so
 the bytes per parameter are 4 (param) + 4 (grad) + 8 (AdamW) = 16 -- the ZeRO paper's (Rajbhandari et
@@ -71,6 +73,8 @@ class Layout:
     hsdp_replicate: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
+    weight_average: bool = False
+    """optim.ema_decay > 0: the rank keeps a moving average of the parameters it holds."""
 
     @property
     def edp(self) -> int:
@@ -87,13 +91,16 @@ class StateBytes:
     param: int = 0
     grad: int = 0
     optim: int = 0
+    average: int = 0
+    """The weight average of optim.ema_decay (0 without one)."""
 
     @property
     def total(self) -> int:
-        return self.param + self.grad + self.optim
+        return self.param + self.grad + self.optim + self.average
 
     def as_dict(self) -> dict[str, int]:
-        return {"param_bytes": self.param, "grad_bytes": self.grad, "optim_bytes": self.optim}
+        return {"param_bytes": self.param, "grad_bytes": self.grad, "optim_bytes": self.optim,
+                "average_bytes": self.average}
 
 
 def _meta_model(model: ModelConfig, moe: MoEConfig):
@@ -149,12 +156,14 @@ def _collapse(specs: list[ParamSpec]) -> list[tuple[ParamSpec, int]]:
 
 
 def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> StateBytes:
-    """Parameter, gradient (after a backward) and AdamW-state (after a step) bytes on ``rank``."""
+    """Parameter, gradient (after a backward), AdamW-state (after a step) and weight-average bytes on
+    ``rank``."""
     return _rank_state_bytes(_collapse(specs), layout, rank)
 
 
 def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, rank: int) -> StateBytes:
     ep, edp, stage = layout.ep, layout.edp, layout.zero_stage
+    avg_bytes = PARAM_BYTES if layout.weight_average else 0
     edp_rank = rank // ep
     total = StateBytes()
     for s, count in collapsed:
@@ -166,6 +175,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
             local = rows * s.row_numel
             out.param += local * PARAM_BYTES
             out.grad += local * GRAD_BYTES
+            out.average += local * avg_bytes
             if stage == 0:
                 held = local
             else:
@@ -185,6 +195,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
                 out.param += local * PARAM_BYTES
                 out.grad += local * GRAD_BYTES
                 out.optim += local * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+                out.average += local * avg_bytes
                 _add(total, out, count)
                 continue
         else:
@@ -194,6 +205,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
         out.param += padded_rows * s.row_numel * PARAM_BYTES
         out.grad += padded_rows * s.row_numel * GRAD_BYTES
         out.optim += local_rows * s.row_numel * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+        out.average += local_rows * s.row_numel * avg_bytes
         _add(total, out, count)
     return total
 
@@ -202,6 +214,7 @@ def _add(total: StateBytes, part: StateBytes, count: int) -> None:
     total.param += part.param * count
     total.grad += part.grad * count
     total.optim += part.optim * count
+    total.average += part.average * count
 
 
 def state_bytes_per_rank(specs: list[ParamSpec], layout: Layout) -> list[StateBytes]:

@@ -61,6 +61,8 @@ class PlanRow:
     """Per rank, the largest over ranks: sharded/replicated parameters on the device."""
     grad_bytes: int = 0
     optim_bytes: int = 0
+    average_bytes: int = 0
+    """The weight average of optim.ema_decay, shown in the optimizer column."""
     gathered_param_bytes: int = 0
     """Parameters FSDP gathers on top of the shards at the height of a step (stages 2/3)."""
     transient_bytes: int = 0
@@ -277,11 +279,13 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
           compute_bytes: int, per_node: int, device_memory: int | None, states) -> None:
     c = row.choice
     layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
-                    offload_optimizer=c.offload != "none", offload_params=c.offload == "params")
+                    offload_optimizer=c.offload != "none", offload_params=c.offload == "params",
+                    weight_average=cfg.optim.ema_decay > 0)
     per_rank = states(layout)
     row.per_rank_states = [s.as_dict() for s in per_rank]
     worst = max(per_rank, key=lambda s: s.total)
     row.param_bytes, row.grad_bytes, row.optim_bytes = worst.param, worst.grad, worst.optim
+    row.average_bytes = worst.average
     row.gathered_param_bytes = unsharded_param_peak_bytes(specs, layout, compute_bytes=compute_bytes)
     T = micro * cfg.data.seq_len
     act = estimate_activations(model, cfg.moe, micro_batch_size=micro,
@@ -293,8 +297,8 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
     if c.offload == "none":
         host = 0
         device_states = worst.total
-    elif c.zero_stage == 1:
-        host, device_states = worst.optim, worst.param + worst.grad
+    elif c.zero_stage == 1:  # the weight average stays with the weights, on the device
+        host, device_states = worst.optim, worst.param + worst.grad + worst.average
     else:
         host, device_states = worst.total, 0
     row.host_bytes = host
@@ -383,6 +387,8 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
     if plan.device_memory is not None:
         lines.append(f"device memory {plan.device_memory / gib:.2f} GiB per rank")
     lines.append(f"per rank, {unit} (the largest rank); communication: {unit} this rank sends per step")
+    if any(r.average_bytes for r in valid):
+        lines.append("optim includes the weight average of optim.ema_decay (one more copy of the rank's weights)")
     hdr = (f"{'#':>3} {'choice':44s} {'param':>8} {'grad':>8} {'optim':>8} {'gather':>8} {'transnt':>8} {'activ':>8} "
            f"{'a2a buf':>8} {'device':>8} {'host':>8} | {'a2a':>8} {'allred':>8} {'redsc':>8} {'allgat':>8} "
            f"{'total':>8} {'inter':>8} fits")
@@ -394,7 +400,7 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
     def line(i: int, r: PlanRow) -> str:
         cm = r.comm
         fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
-        return (f"{i:>3} {r.choice.label():44s} {g(r.param_bytes)} {g(r.grad_bytes)} {g(r.optim_bytes)} "
+        return (f"{i:>3} {r.choice.label():44s} {g(r.param_bytes)} {g(r.grad_bytes)} {g(r.optim_bytes + r.average_bytes)} "
                 f"{g(r.gathered_param_bytes)} {g(r.transient_bytes)} {g(r.activation_bytes)} {g(r.a2a_buffer_bytes)} "
                 f"{g(r.device_bytes)} {g(r.host_bytes)} | {g(cm['all_to_all'])} {g(cm['all_reduce'])} "
                 f"{g(cm['reduce_scatter'])} {g(cm['all_gather'])} {g(cm['total'])} {g(cm['inter_node'])} {fits:4s}"

@@ -59,6 +59,24 @@ def test_dry_run_of_a_chosen_rank(config, world, stage, rank):
     assert d.measured == d.planned
 
 
+@pytest.mark.parametrize("stage,rank", [(0, 63), (1, 5), (2, 1023), (3, 517)])
+def test_weight_average_bytes_equal_the_planner(stage, rank):
+    """optim.ema_decay adds the rank's copy of its weights (whole at stages 0/1, the unpadded shard at
+    2/3): counted on the built WeightAverage, planned by the shard arithmetic."""
+    world = 64 if stage == 0 else 1024
+    base = dry_run(_cfg("mixtral-8x7b", f"--parallel.zero_stage={stage}"), nproc=world, rank=rank)
+    d = dry_run(_cfg("mixtral-8x7b", f"--parallel.zero_stage={stage}", "--optim.ema_decay=0.999"), nproc=world,
+                rank=rank)
+    assert d.measured == d.planned, (d.measured, d.planned)
+    assert base.measured.average == 0 and d.measured.average > 0
+    assert (d.measured.param, d.measured.grad, d.measured.optim) == (base.measured.param, base.measured.grad,
+                                                                       base.measured.optim)
+    if stage <= 1:
+        assert d.measured.average == d.measured.param  # every held weight, whole
+    else:
+        assert d.measured.average <= d.measured.param  # FSDP2 pads its shards; the average does not
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_default_rank_is_the_largest_of_every_rank(stage):
     """Every rank of a small world with uneven shards (dim 256 over 12 ranks), dry-run one by one:
