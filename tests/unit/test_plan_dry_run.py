@@ -59,11 +59,11 @@ def test_dry_run_of_a_chosen_rank(config, world, stage, rank):
     assert d.measured == d.planned
 
 
-@pytest.mark.parametrize("stage,rank", [(0, 63), (1, 5), (2, 1023), (3, 517)])
+@pytest.mark.parametrize("stage,rank", [(1, 5), (3, 517)])
 def test_weight_average_bytes_equal_the_planner(stage, rank):
     """optim.ema_decay adds the rank's copy of its weights (whole at stages 0/1, the unpadded shard at
     2/3): counted on the built WeightAverage, planned by the shard arithmetic."""
-    world = 64 if stage == 0 else 1024
+    world = 1024
     base = dry_run(_cfg("mixtral-8x7b", f"--parallel.zero_stage={stage}"), nproc=world, rank=rank)
     d = dry_run(_cfg("mixtral-8x7b", f"--parallel.zero_stage={stage}", "--optim.ema_decay=0.999"), nproc=world,
                 rank=rank)
