@@ -47,7 +47,6 @@ import logging
 import os
 import shutil
 import time
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,7 +57,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moetrain.distributed.zero import ZeroShardedOptimizer
@@ -77,9 +76,16 @@ from moetrain.train.checkpoint_files import (
     resolve_checkpoint,
     step_dir_name,
     verify_checkpoint,
-    verify_local,
 )
-from moetrain.train.checkpoint_index import INDEX, SafeReader, index_to_json, tensor_text, text_tensor
+from moetrain.train.checkpoint_index import (
+    INDEX,
+    SafeReader,
+    index_to_json,
+    json_entry,
+    load_model_weights,
+    saved_like,
+    text_tensor,
+)
 from moetrain.train.rng_state import capture_rng_state, restore_rng_state, rng_state_problems
 from moetrain.utils.files import atomic_write_text
 
@@ -263,15 +269,6 @@ def _fresh_like(obj: Any) -> Any:
     return copy.deepcopy(obj)
 
 
-def _saved_like(metadata: Metadata, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A fresh tensor shaped like saved entry ``key`` (empty when there is none: the check against
-    the index then reports it missing)."""
-    md = metadata.state_dict_metadata.get(key)
-    if not isinstance(md, TensorStorageMetadata):
-        return torch.empty(0, dtype=dtype or torch.uint8)
-    return torch.empty(md.size, dtype=dtype or md.properties.dtype)
-
-
 def _listed(keys: list[str], what: str) -> list[str]:
     if not keys:
         return []
@@ -299,16 +296,6 @@ def _check_against_metadata(path: Path, expected: dict[str, torch.Tensor], metad
                 + _listed(mismatched, "entries of another shape"))
     if problems:
         raise _mismatch(path, problems)
-
-
-def _json_entry(path: Path, state: dict, key: str) -> Any:
-    t = state
-    for part in key.split("."):
-        t = t[part]
-    try:
-        return json.loads(tensor_text(t))
-    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
-        raise CheckpointError(f"checkpoint {str(path)!r}: entry {key} is not JSON text ({e})") from e
 
 
 def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
@@ -339,16 +326,16 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
     # get_state_dict gives a fresh optimizer its state with one zero-learning-rate step.
     model_sd, optim_sd = get_state_dict(model, optimizer)
     prefix = f"rng.rank{rank}."
-    rng = {k[len(prefix):]: _saved_like(metadata, k) for k in metadata.state_dict_metadata
+    rng = {k[len(prefix):]: saved_like(metadata, k) for k in metadata.state_dict_metadata
            if k.startswith(prefix)}
     state = {"model": _fresh_like(model_sd),
              "optim": {"state": _fresh_like(optim_sd["state"]),
-                       "param_groups": _saved_like(metadata, "optim.param_groups", torch.uint8)},
-             "trainer": _saved_like(metadata, "trainer", torch.uint8)}
+                       "param_groups": saved_like(metadata, "optim.param_groups", torch.uint8)},
+             "trainer": saved_like(metadata, "trainer", torch.uint8)}
     if rng:
         state["rng"] = {f"rank{rank}": rng}
     prefix = f"grad_compression.rank{rank}."
-    residuals = {k[len(prefix):]: _saved_like(metadata, k) for k in metadata.state_dict_metadata
+    residuals = {k[len(prefix):]: saved_like(metadata, k) for k in metadata.state_dict_metadata
                  if k.startswith(prefix)}
     if residuals:
         state["grad_compression"] = {f"rank{rank}": residuals}
@@ -407,8 +394,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     try:
         state, live_groups = _read_state(path, reader, metadata, model, optimizer, rank, pipeline_group, ema_like)
         # 3. The JSON and RNG entries must decode before anything goes live.
-        groups = _param_groups(path, live_groups, _json_entry(path, state, "optim.param_groups"))
-        trainer_state = _json_entry(path, state, "trainer")
+        groups = _param_groups(path, live_groups, json_entry(path, state, "optim.param_groups"))
+        trainer_state = json_entry(path, state, "trainer")
         rng_state = state["rng"][f"rank{rank}"] if "rng" in state else None
         if not isinstance(trainer_state, dict) or "step" not in trainer_state:
             raise CheckpointError(f"checkpoint {str(path)!r}: the trainer entry has no step")
@@ -431,27 +418,3 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
                             rng_state=rng_state, manifest=manifest, grad_compression_state=residuals,
                             ema_state=state.get("ema"))
 
-
-def load_model_weights(path: str | os.PathLike, *,
-                       verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
-    """Full (consolidated) model tensors of checkpoint ``path`` in one process, without building the
-    model or a process group, plus its trainer state (which holds the resolved config). For export:
-    where the checkpoint holds a weight average, the averaged weights (what the run evaluated)."""
-    path = Path(path)
-    # Local checks only: this runs in one process, even where a process group happens to exist.
-    verify_local(path) if verify else read_manifest(path)
-    reader = SafeReader(path)
-    metadata = reader.read_metadata()
-    if "trainer" not in metadata.state_dict_metadata:
-        raise CheckpointError(f"checkpoint {str(path)!r} has no trainer entry")
-    state = {part: {key[len(part) + 1:]: _saved_like(metadata, key) for key in metadata.state_dict_metadata
-                    if key.startswith(part + ".")} for part in ("model", "ema")}
-    state["trainer"] = _saved_like(metadata, "trainer", torch.uint8)
-    try:
-        with warnings.catch_warnings():
-            # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
-            warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
-    return {**state["model"], **state["ema"]}, _json_entry(path, state, "trainer")

@@ -1,5 +1,6 @@
 """The DCP index of a checkpoint as JSON, and the reader that uses it: loading a checkpoint never
-unpickles anything.
+unpickles anything. Also reading single entries (``saved_like``, ``json_entry``) and the one-process
+``load_model_weights``.
 
 DCP indexes its files with ``.metadata``, a Python pickle that ``FileSystemReader`` loads with
 ``pickle.load``, and it stores every non-tensor entry as a pickle that its load planner reads with
@@ -14,11 +15,14 @@ read the folder, but moetrain never opens it.
 from __future__ import annotations
 
 import json
+import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -29,7 +33,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from moetrain.train.checkpoint_files import CheckpointError
+from moetrain.train.checkpoint_files import CheckpointError, read_manifest, verify_local
 
 INDEX = "index.json"
 INDEX_FORMAT = "moetrain-dcp-index/1"
@@ -129,3 +133,48 @@ class SafeReader(dcp.FileSystemReader):
         metadata = read_index(Path(self.path))
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def saved_like(metadata: Metadata, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A fresh tensor shaped like saved entry ``key`` (empty when there is none: the check against
+    the index then reports it missing)."""
+    md = metadata.state_dict_metadata.get(key)
+    if not isinstance(md, TensorStorageMetadata):
+        return torch.empty(0, dtype=dtype or torch.uint8)
+    return torch.empty(md.size, dtype=dtype or md.properties.dtype)
+
+
+def json_entry(path: Path, state: dict, key: str) -> Any:
+    """The JSON value stored as text in the (dotted) entry ``key`` of a loaded ``state``."""
+    t = state
+    for part in key.split("."):
+        t = t[part]
+    try:
+        return json.loads(tensor_text(t))
+    except ValueError as e:  # UnicodeDecodeError and JSONDecodeError alike
+        raise CheckpointError(f"checkpoint {str(path)!r}: entry {key} is not JSON text ({e})") from e
+
+
+def load_model_weights(path: str | os.PathLike, *,
+                       verify: bool = True) -> tuple[dict[str, torch.Tensor], dict]:
+    """Full (consolidated) model tensors of checkpoint ``path`` in one process, without building the
+    model or a process group, plus its trainer state (which holds the resolved config). The raw
+    ``model.`` entries: a weight average (``ema.``) is read by ``moetrain.interop.sources``."""
+    path = Path(path)
+    # Local checks only: this runs in one process, even where a process group happens to exist.
+    verify_local(path) if verify else read_manifest(path)
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    if "trainer" not in metadata.state_dict_metadata:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no trainer entry")
+    tensors = {key[len("model."):]: saved_like(metadata, key) for key in metadata.state_dict_metadata
+               if key.startswith("model.")}
+    state = {"model": tensors, "trainer": saved_like(metadata, "trainer", torch.uint8)}
+    try:
+        with warnings.catch_warnings():
+            # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
+            warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    return state["model"], json_entry(path, state, "trainer")
