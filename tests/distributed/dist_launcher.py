@@ -1,10 +1,10 @@
 """Run a function on N real processes joined by a gloo process group.
 
-Processes come from a forkserver that has torch and torch.distributed preloaded: a child then
-starts with torch imported (a 4-rank test takes ~7 s instead of ~17 s with spawn), but is forked
-from a clean server, not from the test process. Forking the test process itself hangs or
-segfaults the children once that process has used gloo (an in-process Trainer, a world-1 group):
-gloo's threads and state do not survive fork. The rendezvous goes through a
+Processes come from a forkserver that has torch, torch.distributed and the trainer's modules
+preloaded: a child then starts with them imported (a 4-rank test takes ~7 s instead of ~17 s with
+spawn), but is forked from a clean server, not from the test process. Forking the test process
+itself hangs or segfaults the children once that process has used gloo (an in-process Trainer, a
+world-1 group): gloo's threads and state do not survive fork. The rendezvous goes through a
 file store in a fresh temporary directory, so concurrent tests never race for a TCP port.
 
 A rank's return value comes back through ``torch.save`` bytes (not shared-memory tensors, whose
@@ -57,7 +57,9 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 90.0, threads: int 
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks and return
     the per-rank results in rank order. ``fn`` must be a module-level function."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.distributed.dist_launcher"])
+    # The trainer's import chain (DTensor, FSDP2, DCP: ~2 s of CPU) is paid once, not by every rank.
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.distributed.dist_launcher",
+                                "moetrain.train.trainer"])
     tmp = tempfile.mkdtemp(prefix="moetrain-dist-")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, daemon=True,
