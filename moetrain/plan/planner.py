@@ -335,7 +335,8 @@ def _step_estimate(specs, model: ModelConfig, cfg: JobConfig, c: Choice, *, npro
 
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
-    layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate)
+    layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
+                    weight_average=cfg.optim.ema_decay > 0)
     return estimate_step_time(specs, layout, model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                               grad_accum=grad_accum, profile=profile, dtype=cfg.train.dtype, ac=c.ac,
                               ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,

@@ -36,7 +36,7 @@ cores); what does not fit under the compute is exposed too. The ZeRO-1 parameter
 after the step is exposed.
 
 **Fixed**: the optimizer step (``OPTIMIZER_BYTES_PER_ELEMENT`` per element this rank updates,
-plus gradient clipping, at memory bandwidth), the step's small collectives (global norm,
+plus gradient clipping and the weight average's update, at memory bandwidth), the step's small collectives (global norm,
 agreement on the step) and host syncs (one per MoE layer and micro-batch: the all-to-all's split
 sizes).
 
@@ -66,6 +66,8 @@ OPTIMIZER_BYTES_PER_ELEMENT = 80 + 12
 """AdamW (per tensor, as ``train.optim`` builds it): lerp of exp_avg 12, scale of exp_avg_sq 8, its
 addcmul 12, weight decay 8, sqrt/bias-correction/eps of the denominator 24, the addcdiv update 16;
 global-norm clipping: the norm 4 and the scaling 8."""
+WEIGHT_AVERAGE_BYTES_PER_ELEMENT = 12
+"""optim.ema_decay's lerp: the average and the weight read, the average written (fp32)."""
 ATTENTION_BACKWARD_RATIO = 2.5
 """Flash-attention backward FLOPs over forward: 5 matmuls (probabilities recomputed) against 2."""
 
@@ -418,7 +420,9 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
     # 3. Fixed costs: the optimizer over this rank's slice, the step's small collectives, host syncs.
     worst = max(state_bytes_per_rank(specs, layout), key=lambda s: s.total)
     owned = worst.optim / ADAM_STATE_BYTES
-    optimizer_s = (owned * (OPTIMIZER_BYTES_PER_ELEMENT - 12) + worst.grad / 4 * 12) / profile.optimizer_bandwidth
+    averaged = worst.average / 4 * WEIGHT_AVERAGE_BYTES_PER_ELEMENT
+    optimizer_s = ((owned * (OPTIMIZER_BYTES_PER_ELEMENT - 12) + worst.grad / 4 * 12 + averaged)
+                   / profile.optimizer_bandwidth)
     host_syncs = (num_moe + recomputed) * grad_accum if layout.ep > 1 else 0
     small = profile.inter_node if layout.world > per_node else profile.intra_node
     sync_s = (STEP_COLLECTIVES * small.latency if layout.world > 1 else 0.0) + host_syncs * profile.host_sync_s
@@ -442,7 +446,7 @@ def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | 
     p = cfg.parallel
     layout = Layout(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate,
                     offload_optimizer=cfg.zero.offload_optimizer != "none",
-                    offload_params=cfg.zero.offload_param != "none")
+                    offload_params=cfg.zero.offload_param != "none", weight_average=cfg.optim.ema_decay > 0)
     specs = param_specs(model, cfg.moe)
     return estimate_step_time(specs, layout, model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                               grad_accum=accum, profile=profile, dtype=cfg.train.dtype,

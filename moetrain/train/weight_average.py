@@ -49,6 +49,10 @@ class WeightAverage:
                     self._avg.append(t.detach().clone())
                 self._index[name] = seen[id(t)]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The averages, one per distinct weight (as placed as the weights: for memory accounting)."""
+        return list(self._avg)
+
     def next_decay(self) -> float:
         """The decay of the next update: ``decay``, lowered early on so that the first updates
         replace most of the (random or pretrained) initial weights."""

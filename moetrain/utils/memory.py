@@ -6,8 +6,9 @@ high-water mark also holds the Python interpreter and torch's libraries). So the
 counted at the tensor level, the same way on CPU and CUDA:
 
 * ``model_state_bytes`` adds up the distinct storages of the parameters, gradients and optimizer
-  states this rank holds: the local shards of DTensors, FSDP2's padded shard storage, DDP's
-  gradient buckets. No hooks, no overhead: exact at the moment it is called.
+  states this rank holds (with other optimizer-side states the caller names: a weight average):
+  the local shards of DTensors, FSDP2's padded shard storage, DDP's gradient buckets. No hooks,
+  no overhead: exact at the moment it is called.
 * ``MemoryTracker`` is a ``TorchDispatchMode`` that sees every tensor an operator returns, keeps a
   weak reference to each new storage (freed storages drop out through the weakref callback) and
   follows ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates gathered parameters that way,
@@ -17,7 +18,8 @@ counted at the tensor level, the same way on CPU and CUDA:
     buffer and the unsharded parameters);
   - ``grad``: gradients once they are a parameter's ``.grad``, DDP buckets, and FSDP2's
     reduce-scatter buffers;
-  - ``optim``: optimizer states, and whatever ``optimizer.step`` allocates;
+  - ``optim``: optimizer states, other states the caller names (a weight average), and whatever
+    ``optimizer.step`` allocates;
   - ``act``: everything else made by the forward and backward: saved activations, the
     all-to-all buffers, activation gradients, temporaries. Its peak is the "activation peak".
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -82,9 +85,11 @@ def _sum_distinct(tensors, seen: set[int]) -> int:
     return total
 
 
-def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
-    """Bytes of the distinct storages of this rank's parameters, gradients (those that exist now)
-    and optimizer states, and buffers. A storage shared by several tensors (a tied embedding, a
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                      states: Sequence[torch.Tensor] = ()) -> dict[str, int]:
+    """Bytes of the distinct storages of this rank's parameters, gradients (those that exist now),
+    optimizer states plus ``states`` (a weight average: optimizer memory, as the planner counts it),
+    and buffers. A storage shared by several tensors (a tied embedding, a
     DDP bucket holding many gradients, a shard view) counts once, in the first category that holds
     it (parameters first). Under FSDP2 the parameters are the sharded ones between steps."""
     seen: set[int] = set()
@@ -92,7 +97,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None 
     return {
         "param_bytes": _sum_distinct(params, seen),
         "grad_bytes": _sum_distinct([p.grad for p in params if p.grad is not None], seen),
-        "optim_bytes": _sum_distinct(_optimizer_tensors(optimizer), seen),
+        "optim_bytes": _sum_distinct([*_optimizer_tensors(optimizer), *states], seen),
         "buffer_bytes": _sum_distinct(list(model.buffers()), seen),
     }
 
@@ -133,13 +138,16 @@ class MemoryTracker(TorchDispatchMode):
 
     ``model`` (the module that trains: the DDP wrapper, the FSDP root or a plain model) and
     ``optimizer`` give the storages that exist before the region (their parameters, gradients
-    and states) and the hooks that label gradients and optimizer allocations. Works with plain,
+    and states) and the hooks that label gradients and optimizer allocations; ``states`` are
+    other optimizer-side tensors that live through the region (a weight average), counted as
+    ``optim``. Works with plain,
     DDP and FSDP2 models and DTensor (expert-parallel) parameters. Not re-entrant.
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 states: Sequence[torch.Tensor] = ()) -> None:
         super().__init__()
-        self.model, self.optimizer = model, optimizer
+        self.model, self.optimizer, self.states = model, optimizer, list(states)
         self._info = WeakIdKeyDictionary()
         self._refs: list[weakref.ref] = []
         self.current = dict.fromkeys((*CATEGORIES, "pre"), 0)
@@ -224,7 +232,7 @@ class MemoryTracker(TorchDispatchMode):
         for p in params:
             if p.grad is not None:
                 self._track(p.grad, "grad")
-        for t in _optimizer_tensors(self.optimizer):
+        for t in [*_optimizer_tensors(self.optimizer), *self.states]:
             self._track(t, "optim")
         # 2. Gradients: relabel a parameter's .grad as it is accumulated (the first one is the
         #    backward's own output tensor, allocated in the "act" phase).

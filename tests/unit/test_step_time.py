@@ -15,7 +15,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.config.presets import get_preset
 from moetrain.plan.calibrate import profile_from_measurement
 from moetrain.plan.comm import comm_per_step
-from moetrain.plan.model_states import Layout, param_specs
+from moetrain.plan.model_states import Layout, param_specs, state_bytes_per_rank
 from moetrain.plan.step_time import (
     H100_SXM,
     H200,
@@ -192,6 +192,24 @@ def test_config_layouts_and_what_is_not_modelled():
     off = load_config("tiny", ["--parallel.zero_stage=2", "--zero.offload_optimizer=cpu"])
     with pytest.raises(ValueError, match="offload"):
         estimate_for_config(off, world=2, profile=H200)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_the_weight_average_adds_its_lerp_to_the_optimizer_time(stage):
+    """optim.ema_decay: 12 bytes per averaged element (read the average and the weight, write the
+    average) at the optimizer bandwidth, over the elements this rank averages; nothing else moves."""
+    cfg = load_config("tiny", ["--parallel.ep=2", f"--parallel.zero_stage={stage}"])
+    averaged = load_config("tiny", ["--parallel.ep=2", f"--parallel.zero_stage={stage}", "--optim.ema_decay=0.99"])
+    plain, est = estimate_for_config(cfg, world=4, profile=H200), estimate_for_config(averaged, world=4, profile=H200)
+    model, moe = _tiny(cfg.data.vocab_size)
+    states = state_bytes_per_rank(param_specs(model, moe), Layout(world=4, ep=2, zero_stage=stage,
+                                                                  weight_average=True))
+    average_bytes = max(states, key=lambda s: s.total).average
+    assert average_bytes > 0
+    assert est.optimizer_s - plain.optimizer_s == pytest.approx(average_bytes / 4 * 12 / H200.optimizer_bandwidth,
+                                                                rel=1e-9)
+    assert (est.forward_s, est.backward_s, est.comm_s, est.sync_s) == (
+        plain.forward_s, plain.backward_s, plain.comm_s, plain.sync_s)
 
 
 @pytest.mark.slow

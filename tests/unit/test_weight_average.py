@@ -97,3 +97,34 @@ def test_state_round_trip_and_restart():
 def test_decay_outside_the_unit_interval_is_refused(bad):
     with pytest.raises(ValueError, match=r"optim\.ema_decay .* must be in \[0, 1\)"):
         OptimConfig(ema_decay=bad)
+
+
+def test_memory_accounting_counts_the_average_once_as_optimizer_memory():
+    """The trainer's mem/* metrics (MemoryTracker) and model_state_bytes add the average's bytes to
+    the optimizer's, exactly: one copy per distinct trainable weight (the tied one once)."""
+    from copy import deepcopy
+
+    from moetrain.utils.memory import MemoryTracker, model_state_bytes
+
+    torch.manual_seed(0)
+    base = Tied()
+    avg_bytes = (5 * 3 + 3 + 3) * 4  # the embedding (= the head), the norm's weight and bias
+
+    def step(with_average: bool):
+        model = deepcopy(base)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+        ema = WeightAverage(model, decay=0.9)
+        states = ema.tensors() if with_average else ()
+        with MemoryTracker(model, opt, states) as tracker:
+            model.head(model.norm(model.embed(torch.tensor([0, 3, 4])))).square().sum().backward()
+            opt.step()
+            ema.update()
+        return tracker.report(), model_state_bytes(model, opt, states)
+
+    (plain, plain_states), (averaged, averaged_states) = step(False), step(True)
+    assert averaged.optim_bytes - plain.optim_bytes == avg_bytes
+    assert averaged.peak_bytes - plain.peak_bytes == avg_bytes
+    assert (averaged.param_bytes, averaged.grad_bytes, averaged.activation_peak_bytes) == (
+        plain.param_bytes, plain.grad_bytes, plain.activation_peak_bytes)
+    assert averaged_states["optim_bytes"] - plain_states["optim_bytes"] == avg_bytes
+    assert sum(t.nbytes for t in WeightAverage(base, decay=0.9).tensors()) == avg_bytes
