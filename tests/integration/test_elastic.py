@@ -32,7 +32,7 @@ from tests.distributed.dist_launcher import run_ranks
 from tests.distributed.torchrun_agents import free_port, torchrun
 from tests.integration.conftest import job_overrides
 
-STEPS = 400
+STEPS = 200
 EXTRA = ("--moe.aux_loss_coef=0", "--train.deterministic=true", "--checkpoint.every=10",
          "--checkpoint.keep_last=20", "--train.collective_timeout_s=60")
 
