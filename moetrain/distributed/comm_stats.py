@@ -1,4 +1,5 @@
-"""Traffic counters of the expert-parallel exchanges (``AllToAllDispatcher.stats``)."""
+"""Traffic counters of the expert-parallel exchanges (``AllToAllDispatcher.stats``, and the
+expert-tensor-parallel gathers around them)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,11 @@ class CommStats:
     rest, ``intra_node_bytes``, stays inside the node."""
     inter_node_dispatch_bytes: int = 0
     """Of inter_node_bytes, the forward dispatch payload (token rows, with their fp8 scales)."""
+    etp_bytes: int = 0
+    """Outside the counters above: the expert-tensor-parallel collectives (``parallel.etp``), sent
+    plus received, forward only: the all-gather of the group's tokens, chosen experts and gate
+    weights (and token counts when the ranks' differ) and the reduce-scatter of the partial outputs,
+    each ``etp - 1`` chunks out and ``etp - 1`` in (padding rows included)."""
 
     @property
     def ratio(self) -> float:
@@ -94,6 +100,10 @@ class CommStats:
             if dispatch_row_elements is not None:
                 self.inter_node_dispatch_bytes += far * row_bytes
 
+    def count_group_collective(self, *, chunk_bytes: int, group_size: int) -> None:
+        """Add one etp all-gather or reduce-scatter of ``chunk_bytes`` per rank (see ``etp_bytes``)."""
+        self.etp_bytes += 2 * (group_size - 1) * chunk_bytes
+
     def count_minimum(self, *, remote_rows: int, dim: int, element_bytes: int, num_counts: int) -> None:
         """Add the minimum of one dispatch: ``remote_rows`` rows (sent plus received) of ``dim``
         elements there and back, and ``num_counts`` routing counts each way."""
@@ -109,7 +119,7 @@ class CommStats:
                 "a2a_routing_bytes": self.bytes_sent + self.bytes_received - self.dispatch_bytes - self.combine_bytes,
                 "a2a_dispatch_ratio_vs_fp32": self.dispatch_ratio_vs_fp32,
                 "a2a_inter_node_bytes": self.inter_node_bytes, "a2a_intra_node_bytes": self.intra_node_bytes,
-                "a2a_inter_node_dispatch_bytes": self.inter_node_dispatch_bytes}
+                "a2a_inter_node_dispatch_bytes": self.inter_node_dispatch_bytes, "etp_bytes": self.etp_bytes}
 
     def __add__(self, other: CommStats) -> CommStats:
         return CommStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))

@@ -131,9 +131,16 @@ def collect_comm_times(model: nn.Module, *, reset: bool = True) -> dict[str, flo
 
 
 def collect_comm_stats(model: nn.Module, *, reset: bool = True) -> CommStats:
-    """Sum of the all-to-all byte counters of every MoE layer of ``model`` on this rank."""
+    """Sum of the byte counters of every MoE layer of ``model`` on this rank: its all-to-alls, and
+    the etp gathers around them."""
     total = CommStats()
-    for dispatcher in _dispatchers(model):
+    for layer in model.modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        dispatcher = layer.dispatcher
+        if isinstance(dispatcher, ExpertTensorParallelDispatcher):
+            total = total + dispatcher.read_comm_stats(reset=reset)
+            dispatcher = dispatcher.inner
         if isinstance(dispatcher, AllToAllDispatcher):
             total = total + dispatcher.read_comm_stats(reset=reset)
     return total

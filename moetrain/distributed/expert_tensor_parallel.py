@@ -25,8 +25,9 @@ the all-gather and reduce-scatter of ``[T, D]`` over the etp group (keep it insi
 
 Dropless only: with a capacity factor each rank of the group would decide drops over the gathered
 batch, counted etp times over the stage (refused by name in the config). The ``token_idx_M`` and
-``num_token_rank_sends`` returned refer to the gathered rows, and the byte counters and timers
-(``log.comm_timing``) cover the inner dispatcher's exchanges, not the etp gather and reduce-scatter.
+``num_token_rank_sends`` returned refer to the gathered rows. The gather and reduce-scatter bytes
+are counted apart (``CommStats.etp_bytes``); the timers (``log.comm_timing``) cover the inner
+dispatcher's exchanges only.
 
 Shape legend: T local tokens, G = etp * T gathered tokens, D model dim, K experts per token.
 """
@@ -44,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from moetrain.distributed.comm_stats import CommStats, row_bytes
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import (
     Dispatcher,
@@ -69,6 +71,14 @@ class ExpertTensorParallelDispatcher:
         """Every rank of the group routes the same token count (a language model's B * S / tp):
         no count exchange and host sync per layer. False: counts exchanged (a classifier's real
         tokens differ per rank)."""
+        self.stats = CommStats()
+
+    def read_comm_stats(self, *, reset: bool = True) -> CommStats:
+        """The bytes of the etp gathers and reduce-scatters since the last reset (``etp_bytes``)."""
+        stats = self.stats
+        if reset:
+            self.stats = CommStats()
+        return stats
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=self.group)
@@ -88,6 +98,9 @@ class ExpertTensorParallelDispatcher:
             counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0, group=self.group)
             counts = counts.tolist()  # host sync: the counts size the gathered rows
         rows = _Rows(T, max(counts), None)
+        chunk = rows.padded * (row_bytes(x_TD) + row_bytes(idx_TK) + row_bytes(weights_TK))
+        counts_bytes = 0 if self.equal_counts else 8
+        self.stats.count_group_collective(chunk_bytes=chunk + counts_bytes, group_size=self.size)
         if min(counts) != rows.padded:
             pad = rows.padded - T
             x_TD, idx_TK, weights_TK = (F.pad(t, (0, 0, 0, pad)) for t in (x_TD, idx_TK, weights_TK))
@@ -103,6 +116,7 @@ class ExpertTensorParallelDispatcher:
         """The partial outputs summed over the group; this rank's own tokens."""
         if rows.kept is not None:
             out_GD = out_GD.new_zeros(self.size * rows.padded, out_GD.shape[1]).index_copy(0, rows.kept, out_GD)
+        self.stats.count_group_collective(chunk_bytes=rows.padded * row_bytes(out_GD), group_size=self.size)
         out_TD = funcol.reduce_scatter_single_autograd(out_GD.contiguous(), "sum", scatter_dim=0, group=self.group)
         return funcol.wait_tensor(out_TD)[:rows.num_local]
 

@@ -297,7 +297,7 @@ class Trainer(CheckpointingMixin):
         m.update(data_parallel.grad_comm_metrics(self.parallel_model))  # grad_bytes, grad_bytes_ratio_vs_fp32
         m.update(self.memory_metrics)
         self.memory_metrics = {}
-        if self.dims.ep_enabled:
+        if self.dims.ep_enabled or self.dims.etp > 1:
             m.update(collect_comm_stats(self.model).as_metrics())  # over the window
             m["a2a_bytes_per_step"] = m["a2a_bytes"] / max(w.steps, 1)
         times = collect_comm_times(self.model, self.parallel_model, self.optimizer)

@@ -12,7 +12,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.distributed.tensor_parallel import check_tensor_parallel
 from moetrain.models.transformer import Transformer
 from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.tp_parity import NORM_GROUPS, TpRun, run_reference, tp_worker
+from tests.distributed.tp_parity import GLOBAL_BATCH, NORM_GROUPS, TpRun, run_reference, tp_worker
 from tests.distributed.zero_parity import rel_err
 
 RTOL = 2e-5
@@ -87,6 +87,14 @@ def test_expert_tensor_parallel_matches_one_process(world):
         _check(run, results, param_rtol=3e-5)
         # Each rank holds E/ep experts and F/etp of their hidden dim: w1 [E, D, F] = [4, 32, 32].
         assert all(r[run.name]["local_w1"] == (4 // run.ep, 32, 32 // run.etp) for r in results), run.name
+        # etp_bytes, per forward of the MoE block: the gather of T fp32 token rows (D = 32), int64
+        # expert ids and fp32 gate weights (K = 2), and the reduce-scatter of T fp32 output rows,
+        # each etp - 1 chunks out and in; T = this rank's tokens (B sequences of 8 over tp).
+        dp = world // run.tp
+        T = GLOBAL_BATCH // dp // run.micro_batches * run.seq_len // run.tp
+        per_forward = 2 * (run.etp - 1) * (T * (32 * 4 + 2 * 8 + 2 * 4) + T * 32 * 4)
+        want = run.steps * run.micro_batches * per_forward
+        assert [r[run.name]["etp_bytes"] for r in results] == [want] * world, run.name
 
 
 @pytest.mark.slow

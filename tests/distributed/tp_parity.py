@@ -21,7 +21,14 @@ import torch.distributed as dist
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed import ParallelDims, global_grad_norm, no_sync, parallelize, wrap_optimizer
+from moetrain.distributed import (
+    ParallelDims,
+    collect_comm_stats,
+    global_grad_norm,
+    no_sync,
+    parallelize,
+    wrap_optimizer,
+)
 from moetrain.distributed.utils import clip_global_grad_norm_
 from moetrain.models.moe import MoELayer
 from moetrain.models.transformer import Transformer
@@ -152,6 +159,7 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
         local_w1 = tuple(getattr(w1, "_local_tensor", w1).shape)
         res = _train(run, model, train_model, opt, make_batches(run), rows, dims)
         res["local_w1"] = local_w1
+        res["etp_bytes"] = collect_comm_stats(model).etp_bytes
         # The loss and aux loss of the global batch: the means over dp of the dp indices' values.
         losses = torch.tensor(res["loss"] + [res["aux"]])
         dist.all_reduce(losses, group=dims.dp_group)

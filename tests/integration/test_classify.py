@@ -124,6 +124,9 @@ def test_expert_parallel_classifier_matches_one_process(runs, layout):
         assert [r["step"] for r in got if key in r] == [r["step"] for r in want if key in r], key
         assert [r[key] for r in got if key in r] == pytest.approx([r[key] for r in want if key in r], rel=1e-5), key
     assert got[-1]["val_examples"] == 8 and got[-1]["test_examples"] == 24  # every example, once
+    # The etp group's gathers are counted apart from the all-to-alls (which etp = 2 at ep = 1 has none of).
+    etp_bytes = [r["etp_bytes"] for r in got]
+    assert all(b > 0 for b in etp_bytes) if layout == "etp2" else not any(etp_bytes), etp_bytes
     ref, got_params = runs["ref"]["params"], runs[layout]["params"]
     assert sorted(ref) == sorted(got_params)
     # Norm-wise (zero_parity's rule): AdamW divides by sqrt(v), which turns the rounding of a
