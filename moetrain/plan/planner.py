@@ -100,6 +100,8 @@ class Plan:
     """Sequences per micro-batch the plan assumes (see ``planned_micro_batch``)."""
     batch_note: str | None = None
     """Why the plan assumes another micro-batch than the config's (None when it does not)."""
+    layout_note: str | None = None
+    """The config's parallel.tp / pp / etp that the main table does not plan (None when all are 1)."""
     tp_rows: list[TpChoice] = field(default_factory=list)
     """The tensor-parallel choices (``moetrain.plan.tensor_parallel``), tp = 1 first."""
     pp_rows: list[PipelineChoice] = field(default_factory=list)
@@ -125,7 +127,7 @@ class Plan:
         return {
             "world": self.world, "nodes": self.nodes, "device_memory": self.device_memory,
             "tokens_per_micro_batch": self.tokens_per_micro_batch, "grad_accum": self.grad_accum,
-            "micro_batch_size": self.micro_batch_size, "batch_note": self.batch_note,
+            "micro_batch_size": self.micro_batch_size, "batch_note": self.batch_note, "layout_note": self.layout_note,
             "params": self.counts,
             "ranked": [_row_dict(r) for r in self.ranked],
             "choices": [_row_dict(r) for r in self.rows],
@@ -233,8 +235,17 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
                          full_recompute=cfg.train.activation_checkpointing == "full")
     return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
                 grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note,
+                layout_note=_layout_note(cfg),
                 tp_rows=tp_rows, pp_rows=_pipeline_rows(cfg, model, nproc=nproc, micro=micro,
                                                          compute_bytes=compute_bytes, device_memory=device_memory))
+
+
+def _layout_note(cfg: JobConfig) -> str | None:
+    axes = [f"parallel.{n} ({getattr(cfg.parallel, n)})" for n in ("tp", "pp", "etp") if getattr(cfg.parallel, n) != 1]
+    if not axes:
+        return None
+    return (f"this config sets {', '.join(axes)}; the table plans every rank data-parallel (dp x ep, tp = pp = "
+            "etp = 1); the tensor- and pipeline-parallel tables below size tp and pp; etp is not planned")
 
 
 def _pipeline_rows(cfg: JobConfig, model: ModelConfig, *, nproc: int, micro: int, compute_bytes: int,
@@ -383,8 +394,7 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
     lines = [(f"world {plan.world} processes on {plan.nodes} node(s); {plan.tokens_per_micro_batch} tokens per "
              f"micro-batch ({plan.micro_batch_size} sequence(s)), {plan.grad_accum} micro-batch(es) per step; "
              f"parameters {plan.counts['total'] / 1e9:.3f}B ({plan.counts['expert'] / 1e9:.3f}B in experts)")]
-    if plan.batch_note is not None:
-        lines.append("note: " + plan.batch_note)
+    lines += ["note: " + n for n in (plan.batch_note, plan.layout_note) if n is not None]
     if plan.device_memory is not None:
         lines.append(f"device memory {plan.device_memory / gib:.2f} GiB per rank")
     lines.append(f"per rank, {unit} (the largest rank); communication: {unit} this rank sends per step")

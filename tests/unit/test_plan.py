@@ -252,6 +252,16 @@ def test_planned_micro_batch_by_hand(global_bs, micro, accum, dp, planned, named
         assert f"the {global_bs // dp} sequences per rank (train.global_batch_size ({global_bs}) / {dp} ranks)" in note
 
 
+def test_a_configured_tp_pp_or_etp_is_named_as_outside_the_main_table():
+    plain = make_plan(load_config("tiny", []), nproc=4)
+    assert plain.layout_note is None and "layout_note" in plain.to_dict()
+    plan = make_plan(load_config("tiny", ["--parallel.tp=2", "--parallel.etp=2"]), nproc=4)
+    assert plan.layout_note.startswith("this config sets parallel.tp (2), parallel.etp (2); the table plans every "
+                                       "rank data-parallel")
+    assert "note: " + plan.layout_note in format_plan(plan)
+    assert plan.to_dict()["layout_note"] == plan.layout_note
+
+
 def test_default_config_plans_on_eight_ranks_with_the_micro_batch_it_assumed(capsys):
     """16 sequences of 8 do not split over 8 ranks: the plan assumes 2 per rank and says so."""
     import argparse
