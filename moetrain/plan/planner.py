@@ -127,7 +127,8 @@ class Plan:
         return {
             "world": self.world, "nodes": self.nodes, "device_memory": self.device_memory,
             "tokens_per_micro_batch": self.tokens_per_micro_batch, "grad_accum": self.grad_accum,
-            "micro_batch_size": self.micro_batch_size, "batch_note": self.batch_note, "layout_note": self.layout_note,
+            "micro_batch_size": self.micro_batch_size, "batch_note": self.batch_note,
+            "layout_note": self.layout_note,
             "params": self.counts,
             "ranked": [_row_dict(r) for r in self.ranked],
             "choices": [_row_dict(r) for r in self.rows],
@@ -241,11 +242,13 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
 
 
 def _layout_note(cfg: JobConfig) -> str | None:
-    axes = [f"parallel.{n} ({getattr(cfg.parallel, n)})" for n in ("tp", "pp", "etp") if getattr(cfg.parallel, n) != 1]
+    p = cfg.parallel
+    axes = [f"parallel.{n} ({getattr(p, n)})" for n in ("tp", "pp", "etp") if getattr(p, n) != 1]
     if not axes:
         return None
-    return (f"this config sets {', '.join(axes)}; the table plans every rank data-parallel (dp x ep, tp = pp = "
-            "etp = 1); the tensor- and pipeline-parallel tables below size tp and pp; etp is not planned")
+    return (f"this config sets {', '.join(axes)}; the table plans every rank data-parallel (dp x ep, "
+            "tp = pp = etp = 1); the tensor- and pipeline-parallel tables below size tp and pp; etp is not "
+            "planned")
 
 
 def _pipeline_rows(cfg: JobConfig, model: ModelConfig, *, nproc: int, micro: int, compute_bytes: int,

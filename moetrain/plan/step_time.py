@@ -36,9 +36,9 @@ cores); what does not fit under the compute is exposed too. The ZeRO-1 parameter
 after the step is exposed.
 
 **Fixed**: the optimizer step (``OPTIMIZER_BYTES_PER_ELEMENT`` per element this rank updates,
-plus gradient clipping and the weight average's update, at memory bandwidth), the step's small collectives (global norm,
-agreement on the step) and host syncs (one per MoE layer and micro-batch: the all-to-all's split
-sizes).
+plus gradient clipping and the weight average's update, at memory bandwidth), the step's small
+collectives (global norm, agreement on the step) and host syncs (one per MoE layer and
+micro-batch: the all-to-all's split sizes).
 
 What it cannot know: kernel efficiency on a device it never measured (the GPU profiles' are stated
 assumptions), imbalanced routing (the busiest expert rank sets the step), congestion, stragglers,

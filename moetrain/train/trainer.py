@@ -181,8 +181,10 @@ class Trainer(CheckpointingMixin):
         # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
         # watches), and not in the first two steps, where DDP still rebuilds its buckets.
         track = self.cfg.log.memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0
-        averages = self.ema.tensors() if self.ema is not None else ()
-        tracker = MemoryTracker(self.parallel_model, self.optimizer, averages) if track else contextlib.nullcontext()
+        tracker = contextlib.nullcontext()
+        if track:
+            averages = self.ema.tensors() if self.ema is not None else ()
+            tracker = MemoryTracker(self.parallel_model, self.optimizer, averages)
         with tracker:
             with self.phase(f"forward/backward of step {self.step + 1}"):
                 if self.pipeline is not None:  # the schedule runs the step's micro-batches

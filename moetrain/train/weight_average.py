@@ -50,7 +50,8 @@ class WeightAverage:
                 self._index[name] = seen[id(t)]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The averages, one per distinct weight (as placed as the weights: for memory accounting)."""
+        """The averages, one per distinct weight, placed and sharded as the weights are (for memory
+        accounting)."""
         return list(self._avg)
 
     def next_decay(self) -> float:
