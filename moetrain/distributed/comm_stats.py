@@ -125,6 +125,19 @@ class CommStats:
         return CommStats(*(getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)))
 
 
+class CountedExchanges:
+    """Holds the ``stats`` (``CommStats``) of an object's exchanges and hands them out."""
+
+    stats: CommStats
+
+    def read_comm_stats(self, *, reset: bool = True) -> CommStats:
+        """The counters since the last reset (started again when ``reset``)."""
+        stats = self.stats
+        if reset:
+            self.stats = CommStats()
+        return stats
+
+
 def _ratio(actual: int, reference: int) -> float:
     """``actual / reference``; 1.0 when nothing moved, inf when something moved that needed not."""
     if reference == 0:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.distributed.async_exchange import launch_rows
-from moetrain.distributed.comm_stats import CommStats, row_bytes
+from moetrain.distributed.comm_stats import CommStats, CountedExchanges, row_bytes
 from moetrain.distributed.comm_timer import CommTimer, timed_exchange
 from moetrain.distributed.compressed_exchange import (
     DISPATCH_DTYPES,
@@ -26,7 +26,7 @@ from moetrain.distributed.compressed_exchange import (
 from moetrain.distributed.utils import all_gather_single
 
 
-class EpExchanges:
+class EpExchanges(CountedExchanges):
     """Counted exchanges over ``ep_group`` (None: ep=1, nothing travels) and all-gathers over
     ``dp_group``, token rows in the wire format ``dispatch_dtype`` (moe.dispatch_dtype).
     ``ep_nodes``/``dp_nodes``: the node of each ep / dp rank (``ParallelDims.ep_rank_nodes``,
@@ -47,12 +47,6 @@ class EpExchanges:
         self.ep_nodes, self.dp_nodes = ep_nodes, dp_nodes
         self.stats = CommStats()
         self.timer = CommTimer()
-
-    def read_comm_stats(self, *, reset: bool = True) -> CommStats:
-        stats = self.stats
-        if reset:
-            self.stats = CommStats()
-        return stats
 
     def _all_to_all(self, x_MX: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
                     payload: str | None = None) -> torch.Tensor:

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moetrain.distributed.comm_stats import CommStats, row_bytes
+from moetrain.distributed.comm_stats import CommStats, CountedExchanges, row_bytes
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import (
     Dispatcher,
@@ -60,7 +60,7 @@ HIDDEN_DIM = {"w1": 2, "w3": 2, "w2": 1}
 """The hidden (F) dim of each stacked expert weight: w1/w3 ``[E, D, F]``, w2 ``[E, F, D]``."""
 
 
-class ExpertTensorParallelDispatcher:
+class ExpertTensorParallelDispatcher(CountedExchanges):
     """A ``Dispatcher`` whose experts hold 1/etp of the hidden dim: gathers the etp group's routed
     tokens around ``inner`` (the dispatcher of this etp index's ep group). See the module docstring."""
 
@@ -72,13 +72,7 @@ class ExpertTensorParallelDispatcher:
         no count exchange and host sync per layer. False: counts exchanged (a classifier's real
         tokens differ per rank)."""
         self.stats = CommStats()
-
-    def read_comm_stats(self, *, reset: bool = True) -> CommStats:
-        """The bytes of the etp gathers and reduce-scatters since the last reset (``etp_bytes``)."""
-        stats = self.stats
-        if reset:
-            self.stats = CommStats()
-        return stats
+        """The bytes of the etp gathers and reduce-scatters (``etp_bytes``)."""
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=self.group)
