@@ -18,7 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """``"80GiB"`` -> 85899345920; ``"80GB"`` -> 8e10; a plain number is bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"--device-memory ({text!r}) must be a size like 80GiB, 40GB or 512MiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def add_plan_parser(subparsers) -> argparse.ArgumentParser:
@@ -48,7 +62,7 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_plan(args, overrides=()) -> int:
     from moetrain.config.loader import load_config
-    from moetrain.plan.planner import format_plan, make_plan, parse_bytes
+    from moetrain.plan.planner import format_plan, make_plan
 
     cfg = load_config(args.config, list(overrides))
     if args.rank is not None and not args.dry_run:

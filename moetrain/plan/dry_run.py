@@ -88,13 +88,6 @@ class DryRun:
         return cls(**{**d, "measured": StateBytes(**d["measured"]), "planned": StateBytes(**d["planned"])})
 
 
-def layout_of(cfg: JobConfig, world: int) -> Layout:
-    """The planner's ``Layout`` of the job ``cfg`` run on ``world`` processes."""
-    return Layout(world=world, ep=cfg.parallel.ep, zero_stage=cfg.parallel.zero_stage,
-                  hsdp_replicate=cfg.parallel.hsdp_replicate, offload_optimizer=cfg.zero.offload_optimizer == "cpu",
-                  offload_params=cfg.zero.offload_param == "cpu", weight_average=cfg.optim.ema_decay > 0)
-
-
 def largest_rank(cfg: JobConfig, world: int, *, specs=None) -> tuple[int, str]:
     """The rank with the most model-state bytes (the lowest such rank on ties), and a note on how
     it was found: from the exact per-rank shard arithmetic of ``model_states`` over all ``world``
@@ -102,7 +95,7 @@ def largest_rank(cfg: JobConfig, world: int, *, specs=None) -> tuple[int, str]:
     only in which chunk of each sharded tensor they keep: ``torch.chunk``-style shards give the
     full chunks to the first ranks and the remainder (maybe nothing) to the last."""
     specs = specs if specs is not None else param_specs(resolve_vocab(cfg), cfg.moe)
-    per_rank = state_bytes_per_rank(specs, layout_of(cfg, world))
+    per_rank = state_bytes_per_rank(specs, Layout.of_config(cfg, world))
     totals = [s.total for s in per_rank]
     rank = totals.index(max(totals))
     spread = f"{min(totals)}..{max(totals)} bytes over the {world} ranks" if min(totals) != max(totals) \
@@ -182,7 +175,7 @@ def dry_run(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> DryRun:
         devices = sorted({_local(p).device.type for p in model.parameters()})
         num_params = sum(1 for _ in model.parameters())
     build_s = time.perf_counter() - t0
-    planned = rank_state_bytes(specs, layout_of(cfg, nproc), rank)
+    planned = rank_state_bytes(specs, Layout.of_config(cfg, nproc), rank)
     return DryRun(world=nproc, rank=rank, rank_note=note, ep=cfg.parallel.ep, zero_stage=cfg.parallel.zero_stage,
                   hsdp_replicate=cfg.parallel.hsdp_replicate, dtype=cfg.train.dtype, measured=measured,
                   planned=planned, measured_buffer_bytes=buffers, planned_buffer_bytes=buffer_bytes(model_cfg, cfg.moe),

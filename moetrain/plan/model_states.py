@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.fsdp import expert_shard_dim
@@ -75,6 +76,14 @@ class Layout:
     offload_params: bool = False
     weight_average: bool = False
     """optim.ema_decay > 0: the rank keeps a moving average of the parameters it holds."""
+
+    @classmethod
+    def of_config(cls, cfg: JobConfig, world: int) -> Layout:
+        """The layout of the job ``cfg`` run on ``world`` processes."""
+        p, z = cfg.parallel, cfg.zero
+        return cls(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate,
+                   offload_optimizer=z.offload_optimizer != "none", offload_params=z.offload_param != "none",
+                   weight_average=cfg.optim.ema_decay > 0)
 
     @property
     def edp(self) -> int:

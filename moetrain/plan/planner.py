@@ -11,7 +11,6 @@ few percent of the measured peak on the tested presets), communication the ring 
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import asdict, dataclass, field
 
 from moetrain.config.job import JobConfig
@@ -144,20 +143,6 @@ def _row_dict(r: PlanRow) -> dict:
     return d
 
 
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """``"80GiB"`` -> 85899345920; ``"80GB"`` -> 8e10; a plain number is bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--device-memory ({text!r}) must be a size like 80GiB, 40GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 def resolve_vocab(cfg: JobConfig) -> ModelConfig:
     """The model config with vocab_size set: its own, else the tokenizer's (what training uses)."""
     if cfg.model.vocab_size is not None:
@@ -241,14 +226,18 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
                                                          compute_bytes=compute_bytes, device_memory=device_memory))
 
 
+def _layout(c: Choice, cfg: JobConfig, nproc: int) -> Layout:
+    return Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
+                  offload_optimizer=c.offload != "none", offload_params=c.offload == "params",
+                  weight_average=cfg.optim.ema_decay > 0)
+
+
 def _layout_note(cfg: JobConfig) -> str | None:
     p = cfg.parallel
     axes = [f"parallel.{n} ({getattr(p, n)})" for n in ("tp", "pp", "etp") if getattr(p, n) != 1]
-    if not axes:
-        return None
-    return (f"this config sets {', '.join(axes)}; the table plans every rank data-parallel (dp x ep, "
-            "tp = pp = etp = 1); the tensor- and pipeline-parallel tables below size tp and pp; etp is not "
-            "planned")
+    return (f"this config sets {', '.join(axes)}; the table plans every rank data-parallel (dp x ep, tp = pp "
+            "= etp = 1); the tensor- and pipeline-parallel tables below size tp and pp; etp is not planned"
+            ) if axes else None
 
 
 def _pipeline_rows(cfg: JobConfig, model: ModelConfig, *, nproc: int, micro: int, compute_bytes: int,
@@ -292,9 +281,7 @@ def _invalid(c: Choice, model: ModelConfig, moe, world: int, *, per_node: int, h
 def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int, micro: int, grad_accum: int,
           compute_bytes: int, per_node: int, device_memory: int | None, states) -> None:
     c = row.choice
-    layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
-                    offload_optimizer=c.offload != "none", offload_params=c.offload == "params",
-                    weight_average=cfg.optim.ema_decay > 0)
+    layout = _layout(c, cfg, nproc)
     per_rank = states(layout)
     row.per_rank_states = [s.as_dict() for s in per_rank]
     worst = max(per_rank, key=lambda s: s.total)
@@ -349,9 +336,7 @@ def _step_estimate(specs, model: ModelConfig, cfg: JobConfig, c: Choice, *, npro
 
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
-    layout = Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
-                    weight_average=cfg.optim.ema_decay > 0)
-    return estimate_step_time(specs, layout, model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+    return estimate_step_time(specs, _layout(c, cfg, nproc), model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                               grad_accum=grad_accum, profile=profile, dtype=cfg.train.dtype, ac=c.ac,
                               ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,
                               dispatch_chunks=cfg.moe.dispatch_chunks).as_dict()

@@ -443,12 +443,8 @@ def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | 
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
     micro, accum, _ = planned_micro_batch(cfg.train, world)
-    p = cfg.parallel
-    layout = Layout(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate,
-                    offload_optimizer=cfg.zero.offload_optimizer != "none",
-                    offload_params=cfg.zero.offload_param != "none", weight_average=cfg.optim.ema_decay > 0)
     specs = param_specs(model, cfg.moe)
-    return estimate_step_time(specs, layout, model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+    return estimate_step_time(specs, Layout.of_config(cfg, world), model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                               grad_accum=accum, profile=profile, dtype=cfg.train.dtype,
                               ac=cfg.train.activation_checkpointing, ac_every=cfg.train.activation_checkpointing_every,
                               procs_per_node=per_node, dispatch_chunks=cfg.moe.dispatch_chunks)
