@@ -19,6 +19,13 @@ from moetrain.config.train import TrainConfig
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.plan.activations import estimate_activations
 from moetrain.plan.comm import comm_per_step
+from moetrain.plan.expert_tensor_parallel import (
+    EtpChoice,
+    etp_advice,
+    etp_choices,
+    format_etp,
+    moe_layers_recomputed,
+)
 from moetrain.plan.model_states import (
     Layout,
     _meta_model,
@@ -101,6 +108,8 @@ class Plan:
     """Why the plan assumes another micro-batch than the config's (None when it does not)."""
     layout_note: str | None = None
     """The config's parallel.tp / pp / etp that the main table does not plan (None when all are 1)."""
+    etp_rows: list[EtpChoice] = field(default_factory=list)
+    """The expert tensor-parallel choices at the config's ep (``moetrain.plan.expert_tensor_parallel``)."""
     tp_rows: list[TpChoice] = field(default_factory=list)
     """The tensor-parallel choices (``moetrain.plan.tensor_parallel``), tp = 1 first."""
     pp_rows: list[PipelineChoice] = field(default_factory=list)
@@ -134,6 +143,8 @@ class Plan:
             "tensor_parallel": [{**asdict(c), "total_bytes": c.total_bytes} for c in self.tp_rows],
             "tp_advice": tp_advice(self.tp_rows),
             "pipeline_parallel": [asdict(c) for c in self.pp_rows],
+            "expert_tensor_parallel": [{**asdict(c), "total_bytes": c.total_bytes} for c in self.etp_rows],
+            "etp_advice": etp_advice(self.etp_rows),
         }
 
 
@@ -222,6 +233,8 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
     return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
                 grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note,
                 layout_note=_layout_note(cfg),
+                etp_rows=etp_choices(specs, cfg, model, world=nproc, per_node=per_node, tokens_per_micro_batch=T,
+                                     grad_accum=grad_accum, compute_bytes=compute_bytes, device_memory=device_memory),
                 tp_rows=tp_rows, pp_rows=_pipeline_rows(cfg, model, nproc=nproc, micro=micro,
                                                          compute_bytes=compute_bytes, device_memory=device_memory))
 
@@ -236,7 +249,7 @@ def _layout_note(cfg: JobConfig) -> str | None:
     p = cfg.parallel
     axes = [f"parallel.{n} ({getattr(p, n)})" for n in ("tp", "pp", "etp") if getattr(p, n) != 1]
     return (f"this config sets {', '.join(axes)}; the table plans every rank data-parallel (dp x ep, tp = pp "
-            "= etp = 1); the tensor- and pipeline-parallel tables below size tp and pp; etp is not planned"
+            "= etp = 1); the tables below size tp, pp and etp (at the config's ep)"
             ) if axes else None
 
 
@@ -305,12 +318,7 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
     row.host_bytes = host
     row.transient_bytes = transient_state_bytes(specs, layout, bucket_numel=cfg.zero.allgather_bucket_size)
     row.device_bytes = device_states + row.gathered_param_bytes + row.transient_bytes + row.activation_bytes
-    recomputed = 0
-    if c.ac in ("full", "moe"):
-        recomputed = len(model.moe_layer_ids)
-    elif c.ac == "every_n":
-        recomputed = sum(1 for i in range(0, model.num_layers, cfg.train.activation_checkpointing_every)
-                         if model.is_moe_layer(i))
+    recomputed = moe_layers_recomputed(model, c.ac, cfg.train.activation_checkpointing_every)
     row.comm = comm_per_step(specs, layout, model, cfg.moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
                              compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed,
                              procs_per_node=per_node, ep_hierarchical=cfg.parallel.ep_hierarchical,
@@ -427,6 +435,8 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
         lines.append("advice: " + advice)
     if len(plan.tp_rows) > 1:
         lines += format_tp(plan.tp_rows)
+    if len(plan.etp_rows) > 1:
+        lines += format_etp(plan.etp_rows)
     if plan.pp_rows:
         lines += format_pipeline_choices(plan.pp_rows)
         if plan.device_memory is not None and not any(r.fits for r in plan.rows if r.valid):

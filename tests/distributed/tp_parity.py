@@ -160,6 +160,11 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
         res = _train(run, model, train_model, opt, make_batches(run), rows, dims)
         res["local_w1"] = local_w1
         res["etp_bytes"] = collect_comm_stats(model).etp_bytes
+        if run.etp > 1:  # what crosses the wire under bf16 autocast: one forward of the rank's rows
+            tokens = make_batches(run)[0][rows]
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                train_model(tokens[:, :-1], tokens[:, 1:])
+            res["etp_bytes_bf16"] = collect_comm_stats(model).etp_bytes
         # The loss and aux loss of the global batch: the means over dp of the dp indices' values.
         losses = torch.tensor(res["loss"] + [res["aux"]])
         dist.all_reduce(losses, group=dims.dp_group)

@@ -1,0 +1,178 @@
+"""Expert tensor-parallel choices for ``moetrain plan``: what ``parallel.etp`` saves in the routed
+experts' model states and what it costs on the wire, per the layout of
+``moetrain.distributed.expert_tensor_parallel`` (each expert's hidden dim split over ``etp``
+consecutive ranks, the group's routed tokens gathered around the experts).
+
+Memory. A rank holds E/ep experts and 1/etp of their hidden dim: the expert states divide by
+ep * etp. Model states at ZeRO stage 0, as in the tensor-parallel table: fp32 parameter, gradient
+and two AdamW moments, 16 bytes an element (etp allows stages 0 and 1 only).
+
+Communication per MoE layer and micro-batch, the bytes one rank sends as a ring moves them, with
+``T`` the rank's tokens, ``K`` = top_k, ``c`` the compute dtype's bytes, ``f = etp - 1``:
+
+    forward   all-gather of the tokens (D * c), expert ids (int64) and gate weights (fp32):
+              f * T * (D * c + 8 * K + 4 * K); reduce-scatter of the partial outputs: f * T * D * c
+    backward  the reduce-scatter's backward all-gathers the output gradient (f * T * D * c); the
+              all-gather's backward reduce-scatters the token and gate-weight gradients
+              (f * T * (D * c + 4 * K)); expert ids carry no gradient
+    recompute a checkpointed MoE layer repeats its forward
+    all-to-all with ep > 1 every rank dispatches the etp * T gathered tokens: etp times the bytes of
+              etp = 1 for the same local tokens (``comm``'s volume at etp * T tokens)
+
+The forward volume is what ``CommStats.etp_bytes`` counts on a real run, sent plus received (twice
+this). A classifier routes its real tokens only, so ``T = micro-batch * seq_len`` is its upper bound;
+its per-layer exchange of token counts (8 bytes per rank) is too small to list.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config.job import JobConfig
+from moetrain.config.model import ModelConfig
+from moetrain.plan.comm import _all_to_all_bytes
+from moetrain.plan.model_states import ParamSpec
+
+STATE_BYTES_PER_ELEMENT = 16
+"""fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq (ZeRO stage 0)."""
+EXPERT_ID_BYTES = 8
+"""The gathered expert ids are int64."""
+GATE_WEIGHT_BYTES = 4
+"""Gate weights leave the router in fp32 whatever the compute dtype."""
+
+
+@dataclass(frozen=True)
+class EtpChoice:
+    etp: int
+    ep: int
+    valid: bool
+    reason: str | None
+    expert_state_bytes: int
+    """Routed-expert model states on one rank: its E/ep experts' 1/etp share, stage 0."""
+    other_state_bytes: int
+    """Model states of everything else (not split by ep or etp), stage 0."""
+    gather_bytes: int
+    scatter_bytes: int
+    """Bytes this rank sends per optimizer step in etp's all-gathers and reduce-scatters."""
+    all_to_all_bytes: int
+    """Expert all-to-all bytes this rank sends per step at this (ep, etp) (0 at ep = 1)."""
+    fits: bool | None = None
+    """Whether expert + other states fit the device memory (None without one, or when invalid)."""
+    spans_nodes: bool = False
+    """The ep * etp block of ranks exceeds a node: the all-to-all crosses nodes."""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.gather_bytes + self.scatter_bytes + self.all_to_all_bytes
+
+
+def moe_layers_recomputed(model: ModelConfig, ac: str, every: int) -> int:
+    """MoE layers whose forward activation checkpointing ``ac`` repeats in backward."""
+    if ac in ("full", "moe"):
+        return len(model.moe_layer_ids)
+    if ac == "every_n":
+        return sum(1 for i in range(0, model.num_layers, every) if model.is_moe_layer(i))
+    return 0
+
+
+def etp_forward_bytes(*, dim: int, etp: int, tokens: int, top_k: int, compute_bytes: int) -> tuple[int, int]:
+    """``(all_gather, reduce_scatter)`` bytes one rank sends in one MoE layer's forward."""
+    f, T, K = etp - 1, tokens, top_k
+    return f * T * (dim * compute_bytes + EXPERT_ID_BYTES * K + GATE_WEIGHT_BYTES * K), f * T * dim * compute_bytes
+
+
+def etp_bytes_per_micro_batch(model: ModelConfig, *, etp: int, tokens: int, top_k: int, compute_bytes: int,
+                              num_recomputed: int = 0) -> tuple[int, int]:
+    """``(all_gather, reduce_scatter)`` bytes one rank sends for one micro-batch of ``tokens``
+    routed tokens, over every MoE layer (see the module docstring)."""
+    gather_fwd, scatter_fwd = etp_forward_bytes(dim=model.dim, etp=etp, tokens=tokens, top_k=top_k,
+                                                compute_bytes=compute_bytes)
+    f, T, D, K, c = etp - 1, tokens, model.dim, top_k, compute_bytes
+    forwards = len(model.moe_layer_ids) + num_recomputed
+    backwards = len(model.moe_layer_ids)
+    gather = forwards * gather_fwd + backwards * f * T * D * c
+    scatter = forwards * scatter_fwd + backwards * f * T * (D * c + GATE_WEIGHT_BYTES * K)
+    return gather, scatter
+
+
+def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int) -> str | None:
+    """Why (ep, etp) cannot train ``cfg`` on ``world`` processes (the config's rules), or None. The
+    table is at ZeRO stage 0, which etp allows, whatever the config's ``parallel.zero_stage``."""
+    moe = cfg.moe
+    if world % (ep * etp):
+        return f"parallel.ep ({ep}) * parallel.etp ({etp}) must divide the world size ({world})"
+    if moe.num_experts % ep:
+        return f"parallel.ep ({ep}) must divide moe.num_experts ({moe.num_experts})"
+    if etp == 1:
+        return None
+    if moe.expert_hidden_dim % etp:
+        return f"parallel.etp ({etp}) must divide moe.expert_hidden_dim ({moe.expert_hidden_dim})"
+    if moe.capacity_factor is not None:
+        return f"parallel.etp ({etp}) > 1 needs moe.capacity_factor null (is {moe.capacity_factor}): it is dropless"
+    if cfg.finetune.lora_rank > 0 and "experts" in cfg.finetune.lora_targets:
+        return f"parallel.etp ({etp}) > 1 does not split LoRA adapters on the experts (finetune.lora_targets)"
+    return None
+
+
+def etp_choices(specs: list[ParamSpec], cfg: JobConfig, model: ModelConfig, *, world: int, per_node: int,
+                tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
+                device_memory: int | None = None) -> list[EtpChoice]:
+    """One ``EtpChoice`` per etp dividing the processes per node (its collectives stay in a node),
+    etp = 1 first, at the config's ``parallel.ep``; none for a dense model."""
+    if not model.is_moe:
+        return []
+    ep, moe, train = cfg.parallel.ep, cfg.moe, cfg.train
+    experts = sum(s.numel for s in specs if s.expert)
+    other = sum(s.numel for s in specs if not s.expert)
+    recomputed = moe_layers_recomputed(model, train.activation_checkpointing, train.activation_checkpointing_every)
+    out = []
+    for etp in (e for e in range(1, per_node + 1) if per_node % e == 0):
+        reason = etp_invalid(cfg, ep=ep, etp=etp, world=world)
+        expert_bytes = -(-experts // (ep * etp)) * STATE_BYTES_PER_ELEMENT
+        other_bytes = other * STATE_BYTES_PER_ELEMENT
+        gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens_per_micro_batch, top_k=moe.top_k,
+                                                    compute_bytes=compute_bytes, num_recomputed=recomputed)
+        # Every rank dispatches the etp group's gathered tokens.
+        a2a = 0 if ep == 1 else _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=etp * tokens_per_micro_batch,
+                                                  grad_accum=grad_accum, compute_bytes=compute_bytes,
+                                                  num_recomputed=recomputed)
+        fits = None if device_memory is None or reason else expert_bytes + other_bytes <= device_memory
+        out.append(EtpChoice(etp, ep, reason is None, reason, expert_bytes, other_bytes, gather * grad_accum,
+                             scatter * grad_accum, a2a, fits, per_node % (ep * etp) != 0))
+    return out
+
+
+def etp_advice(choices: list[EtpChoice]) -> str | None:
+    """Recommend the smallest valid etp whose states fit when etp = 1 does not; None when etp = 1
+    fits or no device memory was given."""
+    if not choices or choices[0].fits is not False:
+        return None
+    fitting = [c for c in choices if c.valid and c.fits]
+    if not fitting:
+        return f"the stage-0 model states do not fit at ep={choices[0].ep} with any etp within a node"
+    best = fitting[0]
+    return (f"the stage-0 model states do not fit at ep={best.ep}, etp=1: parallel.etp={best.etp} splits each expert's "
+            "hidden dim "
+            f"({best.expert_state_bytes / 2**30:.2f} GiB of expert states per rank, {best.total_bytes / 2**30:.2f} GiB "
+            "of etp and all-to-all traffic per step); a larger parallel.ep, where moe.num_experts allows, splits "
+            "the experts without gathering tokens")
+
+
+def format_etp(choices: list[EtpChoice]) -> list[str]:
+    """Lines of the plan's expert tensor-parallel section."""
+    ep = choices[0].ep
+    lines = [(f"expert tensor parallelism at ep={ep} (each expert's hidden dim split over etp; stage-0 states, etp "
+             "allows stages 0 and 1; per step, GiB):"),
+             f"  {'etp':>3} {'experts':>8} {'other':>8} {'allgat':>8} {'redsc':>8} {'a2a':>8} fits"]
+    for c in choices:
+        if not c.valid:
+            lines.append(f"  {c.etp:>3} invalid: {c.reason}")
+            continue
+        fits = "-" if c.fits is None else ("yes" if c.fits else "NO")
+        lines.append(f"  {c.etp:>3} {c.expert_state_bytes / 2**30:8.3f} {c.other_state_bytes / 2**30:8.3f} "
+                     f"{c.gather_bytes / 2**30:8.3f} {c.scatter_bytes / 2**30:8.3f} {c.all_to_all_bytes / 2**30:8.3f} "
+                     f"{fits}" + ("  (ep x etp spans nodes: the all-to-all crosses them)" if c.spans_nodes else ""))
+    advice = etp_advice(choices)
+    if advice:
+        lines.append("advice: " + advice)
+    return lines
