@@ -109,14 +109,17 @@ def _dispatchers(model: nn.Module) -> list:
     return [d.inner if isinstance(d, ExpertTensorParallelDispatcher) else d for d in found]
 
 
-def _exchanging_dispatchers(model: nn.Module) -> list[EpExchanges]:
-    return [d for d in _dispatchers(model) if isinstance(d, EpExchanges)]
+def _timed_dispatchers(model: nn.Module) -> list[EpExchanges | ExpertTensorParallelDispatcher]:
+    """The dispatchers that communicate: the all-to-all ones and the etp gathers around them."""
+    found = [m.dispatcher for m in model.modules() if isinstance(m, MoELayer)]
+    outer = [d for d in found if isinstance(d, ExpertTensorParallelDispatcher)]
+    return outer + [d for d in _dispatchers(model) if isinstance(d, EpExchanges)]
 
 
 def enable_comm_timing(model: nn.Module, device: torch.device) -> None:
     """Time every exchange of every MoE layer's dispatcher (``log.comm_timing``): each is then
     waited for at once, so the all-to-alls no longer overlap compute (see ``comm_timer``)."""
-    for dispatcher in _exchanging_dispatchers(model):
+    for dispatcher in _timed_dispatchers(model):
         dispatcher.timer = CommTimer(enabled=True, device=device)
 
 
@@ -124,7 +127,7 @@ def collect_comm_times(model: nn.Module, *, reset: bool = True) -> dict[str, flo
     """Seconds (``comm_time/<kind>``) and spans (``comm_calls/<kind>``) of the exchanges of every MoE
     layer on this rank since the last read, summed over layers; empty when not timed."""
     total: dict[str, float] = {}
-    for dispatcher in _exchanging_dispatchers(model):
+    for dispatcher in _timed_dispatchers(model):
         for key, value in dispatcher.timer.read(reset=reset).items():
             total[key] = total.get(key, 0.0) + value
     return total

@@ -26,8 +26,8 @@ the all-gather and reduce-scatter of ``[T, D]`` over the etp group (keep it insi
 Dropless only: with a capacity factor each rank of the group would decide drops over the gathered
 batch, counted etp times over the stage (refused by name in the config). The ``token_idx_M`` and
 ``num_token_rank_sends`` returned refer to the gathered rows. The gather and reduce-scatter bytes
-are counted apart (``CommStats.etp_bytes``); the timers (``log.comm_timing``) cover the inner
-dispatcher's exchanges only.
+are counted apart (``CommStats.etp_bytes``) and timed apart (``log.comm_timing``: "etp_gather",
+"etp_scatter" and their backward; the inner dispatcher's exchanges keep their own kinds).
 
 Shape legend: T local tokens, G = etp * T gathered tokens, D model dim, K experts per token.
 """
@@ -46,6 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.distributed.comm_stats import CommStats, CountedExchanges, row_bytes
+from moetrain.distributed.comm_timer import CommTimer, timed_exchange, waited
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import (
     Dispatcher,
@@ -73,9 +74,12 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
         tokens differ per rank)."""
         self.stats = CommStats()
         """The bytes of the etp gathers and reduce-scatters (``etp_bytes``)."""
+        self.timer = CommTimer()
+        """Off unless ``log.comm_timing`` (``enable_dispatch_timing``)."""
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
-        return funcol.all_gather_single_autograd(t.contiguous(), gather_dim=0, group=self.group)
+        return timed_exchange(lambda x: funcol.all_gather_single_autograd(x, gather_dim=0, group=self.group),
+                              t.contiguous(), self.timer, kind="etp_gather")
 
     def _gather_routing(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor,
                         capacity_factor: float | Fraction | None):
@@ -89,8 +93,10 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
         if self.equal_counts:
             counts = [T] * self.size
         else:
-            counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0, group=self.group)
-            counts = counts.tolist()  # host sync: the counts size the gathered rows
+            with self.timer.span("etp_gather"):
+                counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0,
+                                                  group=self.group)
+                counts = counts.tolist()  # host sync: the counts size the gathered rows
         rows = _Rows(T, max(counts), None)
         chunk = rows.padded * (row_bytes(x_TD) + row_bytes(idx_TK) + row_bytes(weights_TK))
         counts_bytes = 0 if self.equal_counts else 8
@@ -101,7 +107,8 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
             rows.kept = torch.cat([torch.arange(r * rows.padded, r * rows.padded + n, device=x_TD.device)
                                    for r, n in enumerate(counts)])
         x_GD, weights_GK = self._gather(x_TD), self._gather(weights_TK)
-        idx_GK = funcol.all_gather_single(idx_TK.contiguous(), gather_dim=0, group=self.group)
+        with self.timer.span("etp_gather"):
+            idx_GK = waited(funcol.all_gather_single(idx_TK.contiguous(), gather_dim=0, group=self.group))
         if rows.kept is not None:
             x_GD, idx_GK, weights_GK = (t.index_select(0, rows.kept) for t in (x_GD, idx_GK, weights_GK))
         return (x_GD, idx_GK, weights_GK), rows
@@ -111,8 +118,9 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
         if rows.kept is not None:
             out_GD = out_GD.new_zeros(self.size * rows.padded, out_GD.shape[1]).index_copy(0, rows.kept, out_GD)
         self.stats.count_group_collective(chunk_bytes=rows.padded * row_bytes(out_GD), group_size=self.size)
-        out_TD = funcol.reduce_scatter_single_autograd(out_GD.contiguous(), "sum", scatter_dim=0, group=self.group)
-        return funcol.wait_tensor(out_TD)[:rows.num_local]
+        out_TD = timed_exchange(lambda x: funcol.wait_tensor(funcol.reduce_scatter_single_autograd(
+            x, "sum", scatter_dim=0, group=self.group)), out_GD.contiguous(), self.timer, kind="etp_scatter")
+        return out_TD[:rows.num_local]
 
     def _own_counts(self, idx_TK: torch.Tensor) -> torch.Tensor:
         # This rank's own copies: the stage's counts are then summed once per token.

@@ -61,3 +61,23 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
             dispatch * (2 * 64 if extra and "fp8" in extra[0] else 4 * 64)
         assert record["a2a_bytes_per_step"] == record["a2a_bytes"] / 2
     assert not any(k.startswith("comm_") for r in plain["records"] for k in r)  # off by default
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_timed_expert_tensor_parallel_gathers(tmp_path, shakespeare_cached):
+    # ep = 1, etp = 2: no all-to-all, only the gathers and reduce-scatters around the experts.
+    base = ("--log.every=2", "--train.deterministic=true", "--parallel.etp=2")
+    plain = run_ranks(_run, 2, job_overrides(tmp_path / "plain", steps=4, extra=base), timeout_s=150)[0]
+    timed = run_ranks(_run, 2, job_overrides(tmp_path / "timed", steps=4, extra=(*base, "--log.comm_timing=true")),
+                      timeout_s=150)[0]
+    assert [r["loss"] for r in timed["records"]] == [r["loss"] for r in plain["records"]]
+    assert [r["etp_bytes"] for r in timed["records"]] == [r["etp_bytes"] for r in plain["records"]]
+    for record in timed["records"]:
+        # Per step and MoE layer (2): the gathers of the tokens, gate weights and expert ids, the
+        # backward of the first two; one reduce-scatter of the outputs and its backward.
+        want = {"etp_gather": 6, "etp_gather_backward": 4, "etp_scatter": 2, "etp_scatter_backward": 2}
+        for kind, calls in want.items():
+            assert record[f"comm_calls/{kind}"] == calls, (kind, record)
+            assert record[f"comm_time/{kind}"] > 0
+        assert not any(k.startswith("comm_calls/dispatch") for k in record)
