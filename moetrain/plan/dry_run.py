@@ -8,7 +8,8 @@ What runs is the trainer's own setup for one rank ``R`` of ``N``, in the trainer
 1. a fake process group of world N (torch's ``FakeStore`` and backend "fake": every collective
    returns at once, nothing leaves the process), and ``ParallelDims`` builds its mesh on it;
 2. the model, built on the meta device (shapes, no storage);
-3. ``parallelize``: expert parallelism (dispatchers, experts sharded over ep), checkpointing,
+3. ``parallelize``: expert parallelism (dispatchers, experts sharded over ep, and with
+   ``parallel.etp`` their hidden dim over etp), checkpointing,
    compile, then DDP (ZeRO 0/1) or the FSDP2 units (ZeRO 2/3), with the job's settings;
 4. the optimizer, ``build_optimizer`` + ``wrap_optimizer`` (ZeRO-1: ``ZeroShardedOptimizer``),
    stepped once on placeholder meta gradients, so AdamW creates its states itself.
@@ -75,6 +76,7 @@ class DryRun:
     """Devices of every parameter's local tensor: ["meta"] when nothing was allocated."""
     build_s: float
     """Seconds from the fake process group to the stepped optimizer."""
+    etp: int = 1
 
     @property
     def matches(self) -> bool:
@@ -110,11 +112,11 @@ def _check(cfg: JobConfig, world: int, rank: int | None) -> None:
         raise ValueError(f"--rank ({rank!r}) must be an int in [0, --nproc ({world}))")
     if cfg.parallel.dp not in (-1, world):
         raise ValueError(f"parallel.dp ({cfg.parallel.dp}) must be -1 or the world size ({world}) for a dry run")
-    for name in ("tp", "pp", "etp"):
+    for name in ("tp", "pp"):
         if getattr(cfg.parallel, name) != 1:
             raise ValueError(f"parallel.{name} ({getattr(cfg.parallel, name)}) must be 1 for a dry run: it measures "
-                             "the dp x ep layouts the planner's table lists (plan without --dry-run has the tp and "
-                             "pp tables)")
+                             "the dp x ep (x etp) layouts of the planner's shard arithmetic (plan without --dry-run "
+                             "has the tp and pp tables)")
     for name, value in (("zero.offload_optimizer", cfg.zero.offload_optimizer), ("zero.offload_param", cfg.zero.offload_param)):
         if value != "none":
             raise ValueError(f"{name} ({value!r}) must be 'none' for a dry run: offloaded shards are copied to "
@@ -179,7 +181,7 @@ def dry_run(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> DryRun:
     return DryRun(world=nproc, rank=rank, rank_note=note, ep=cfg.parallel.ep, zero_stage=cfg.parallel.zero_stage,
                   hsdp_replicate=cfg.parallel.hsdp_replicate, dtype=cfg.train.dtype, measured=measured,
                   planned=planned, measured_buffer_bytes=buffers, planned_buffer_bytes=buffer_bytes(model_cfg, cfg.moe),
-                  num_param_tensors=num_params, param_devices=devices, build_s=build_s)
+                  num_param_tensors=num_params, param_devices=devices, build_s=build_s, etp=cfg.parallel.etp)
 
 
 def _build(cfg: JobConfig, model_cfg, world: int):
@@ -294,7 +296,9 @@ def dry_run_isolated(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> 
 def format_dry_run(d: DryRun, *, name: str | None = None) -> str:
     gib = 2**30
     stage = f"ZeRO-{d.zero_stage}" + (f", HSDP {d.hsdp_replicate} replicas" if d.hsdp_replicate > 1 else "")
-    lines = [(f"dry run{' of ' + name if name else ''}: world {d.world} = ep {d.ep} x edp {d.world // d.ep}, {stage}, "
+    etp = f" x etp {d.etp}" if d.etp > 1 else ""
+    lines = [(f"dry run{' of ' + name if name else ''}: world {d.world} = ep {d.ep}{etp} x edp {d.world // (d.ep * d.etp)}, "
+              f"{stage}, "
              f"{d.dtype}; rank {d.rank}: {d.rank_note}"),
              (f"built in {d.build_s:.2f} s on the meta device under a fake process group; {d.num_param_tensors} "
              f"parameter tensors on {', '.join(d.param_devices)} (nothing allocated)"),

@@ -17,6 +17,8 @@ instantiates. The sharding rules are those of the code that trains:
   Dense units shard over dp (or the shard axis of HSDP); at ep > 1 the experts' own unit shards
   their ep-local ``E/ep`` rows over edp -- or, with fewer local experts than edp ranks, dim 1
   evenly (``expert_shard_dim``); at ep = 1 they stay in their block's unit (over dp).
+* parallel.etp (stages 0/1 only): each expert weight also splits its hidden dim over etp, so a rank
+  holds 1/(ep * etp) of the experts' elements, and ZeRO-1 slices them over edp = world / (ep * etp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` like the (local) parameter, plus a 4-byte fp32 ``step``
   per parameter tensor, also for an empty shard.
 * optim.ema_decay (``WeightAverage``): one more copy of each parameter as this rank holds it, whole
@@ -66,12 +68,14 @@ class ParamSpec:
 
 @dataclass(frozen=True)
 class Layout:
-    """Where one rank sits: ``rank = edp_index * ep + ep_index`` (see ``ParallelDims``)."""
+    """Where one rank sits: ``rank = (edp_index * ep + ep_index) * etp + etp_index`` (see ``ParallelDims``)."""
 
     world: int
     ep: int
     zero_stage: int
     hsdp_replicate: int = 1
+    etp: int = 1
+    """parallel.etp: each expert's hidden dim split over etp consecutive ranks (stages 0/1 only)."""
     offload_optimizer: bool = False
     offload_params: bool = False
     weight_average: bool = False
@@ -81,13 +85,13 @@ class Layout:
     def of_config(cls, cfg: JobConfig, world: int) -> Layout:
         """The layout of the job ``cfg`` run on ``world`` processes."""
         p, z = cfg.parallel, cfg.zero
-        return cls(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate,
+        return cls(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate, etp=p.etp,
                    offload_optimizer=z.offload_optimizer != "none", offload_params=z.offload_param != "none",
                    weight_average=cfg.optim.ema_decay > 0)
 
     @property
     def edp(self) -> int:
-        return self.world // self.ep
+        return self.world // (self.ep * self.etp)
 
     @property
     def dense_shard_size(self) -> int:
@@ -171,17 +175,20 @@ def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> State
 
 
 def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, rank: int) -> StateBytes:
-    ep, edp, stage = layout.ep, layout.edp, layout.zero_stage
+    ep, edp, stage, etp = layout.ep, layout.edp, layout.zero_stage, layout.etp
+    if etp > 1 and stage > 1:
+        raise ValueError(f"parallel.etp ({etp}) > 1 needs parallel.zero_stage 0 or 1 (is {stage})")
     avg_bytes = PARAM_BYTES if layout.weight_average else 0
-    edp_rank = rank // ep
+    edp_rank = rank // (ep * etp)
     total = StateBytes()
     for s, count in collapsed:
         out = StateBytes()
         # The tensor this rank holds before any ZeRO sharding: experts are ep-sharded on dim 0
-        # (which experts depends on the ep index; how many does not).
+        # (which experts depends on the ep index; how many does not), and split over etp along
+        # their hidden dim.
         rows = s.shape[0] // ep if s.expert else s.shape[0]
         if stage in (0, 1):
-            local = rows * s.row_numel
+            local = rows * s.row_numel // (etp if s.expert else 1)
             out.param += local * PARAM_BYTES
             out.grad += local * GRAD_BYTES
             out.average += local * avg_bytes
@@ -259,7 +266,7 @@ def transient_state_bytes(specs: list[ParamSpec], layout: Layout, *, bucket_nume
     """
     ep = layout.ep
     if layout.zero_stage in (0, 1):
-        out = max((s.numel // ep if s.expert else s.numel) for s in specs) * GRAD_BYTES
+        out = max((s.numel // (ep * layout.etp) if s.expert else s.numel) for s in specs) * GRAD_BYTES
         if layout.zero_stage == 1:
             dense = sum(s.numel for s in specs if not (s.expert and ep > 1))
             gathered = min(bucket_numel, dense)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from moetrain.cli import main as cli_main
 from moetrain.config.loader import load_config
-from moetrain.plan.dry_run import DryRun, dry_run, dry_run_isolated
+from moetrain.plan.dry_run import DryRun, dry_run, dry_run_isolated, format_dry_run
 from moetrain.plan.model_states import ADAM_STEP_BYTES, Layout, _meta_model, param_specs, rank_state_bytes
 from moetrain.plan.planner import resolve_vocab
 
@@ -143,6 +143,21 @@ def test_cli_prints_the_comparison(capsys):
 
     d = DryRun.from_dict(json.loads(capsys.readouterr().out))
     assert (d.rank, d.zero_stage, d.measured == d.planned) == (7, 1, True)
+
+
+@pytest.mark.parametrize("stage,etp,rank", [(0, 2, None), (1, 2, None), (1, 4, 63), (0, 8, 17)])
+def test_expert_tensor_parallel_bytes_equal_the_planner(stage, etp, rank):
+    """parallel.etp: each rank holds 1/etp of its E/ep experts' hidden dim (2-D DTensors on the (ep,
+    etp) mesh), and ZeRO-1 slices their optimizer states over edp = world / (ep * etp)."""
+    world, ep = 64, 8
+    cfg = _cfg("mixtral-8x7b", f"--parallel.zero_stage={stage}", f"--parallel.etp={etp}")
+    d = dry_run(cfg, nproc=world, rank=rank)
+    assert (d.etp, d.ep) == (etp, ep) and d.measured == d.planned, (d.measured, d.planned)
+    # Against etp = 1 on the same rank: the expert weights shrink by exactly (etp - 1) / etp.
+    base = dry_run(_cfg("mixtral-8x7b", f"--parallel.zero_stage={stage}"), nproc=world, rank=d.rank)
+    expert_numel = sum(s.numel for s in param_specs(resolve_vocab(cfg), cfg.moe) if s.expert) // ep
+    assert base.measured.param - d.measured.param == expert_numel * 4 * (etp - 1) // etp
+    assert f"world 64 = ep 8 x etp {etp} x edp {64 // (8 * etp)}" in format_dry_run(d)
 
 
 @pytest.mark.parametrize("args,match", [
