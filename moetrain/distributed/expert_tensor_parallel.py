@@ -75,7 +75,7 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
         self.stats = CommStats()
         """The bytes of the etp gathers and reduce-scatters (``etp_bytes``)."""
         self.timer = CommTimer()
-        """Off unless ``log.comm_timing`` (``enable_dispatch_timing``)."""
+        """Off unless ``log.comm_timing`` (``expert_parallel.enable_comm_timing``)."""
 
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         return timed_exchange(lambda x: funcol.all_gather_single_autograd(x, gather_dim=0, group=self.group),

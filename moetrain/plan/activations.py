@@ -146,3 +146,13 @@ def _checkpointed(ac: str, blocks: list[tuple[int, bool]], every: int) -> dict[i
     if ac == "every_n":
         return {i: "block" for i, _ in blocks[::every]}
     raise ValueError(f"train.activation_checkpointing ({ac!r}) must be one of 'none', 'full', 'moe', 'every_n'")
+
+
+def moe_layers_recomputed(model: ModelConfig, ac: str, every: int) -> int:
+    """MoE layers whose forward activation checkpointing ``ac`` repeats in backward (their
+    all-to-alls and etp collectives with it)."""
+    if ac in ("full", "moe"):
+        return len(model.moe_layer_ids)
+    if ac == "every_n":
+        return sum(1 for i in range(0, model.num_layers, every) if model.is_moe_layer(i))
+    return 0

@@ -29,6 +29,12 @@ forward dispatch moves D + 4 * ceil(D / 128) bytes per row (e4m3 values and fp32
 the combine and both backward exchanges 2 * D (bf16).
 The routing-count exchanges (E integers per layer) are too small to list.
 
+Expert tensor parallelism (``Layout.etp``, stages 0/1): the expert gradients are 1/(ep * etp) of the
+experts, reduced over edp = world / (ep * etp); each rank dispatches its etp group's gathered
+tokens (etp times the all-to-all rows); the gathers and reduce-scatters around the experts
+(``etp_bytes_per_micro_batch``, derived in ``moetrain.plan.expert_tensor_parallel``) add to the
+all-gather and reduce-scatter columns.
+
 Inter-node all-to-all bytes, when ep groups are whole nodes (Q = ep / procs per node of them):
 flat, the copies bound for another node, K * (Q - 1) / Q rows per token and layer; hierarchical
 (``parallel.ep_hierarchical``), one row per token and other node its experts live on. Under
@@ -100,6 +106,36 @@ def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per
     return int(remote_copies * (forward_row * (num_moe + num_recomputed) + 2 * bf16_row * num_moe) * grad_accum)
 
 
+EXPERT_ID_BYTES = 8
+"""The expert ids gathered over an etp group are int64."""
+GATE_WEIGHT_BYTES = 4
+"""Gate weights leave the router in fp32 whatever the compute dtype."""
+
+
+def etp_forward_bytes(*, dim: int, etp: int, tokens: int, top_k: int, compute_bytes: int) -> tuple[int, int]:
+    """``(all_gather, reduce_scatter)`` bytes one rank sends in one MoE layer's forward under
+    parallel.etp: the gather of ``tokens`` rows (D values, K int64 ids, K fp32 gate weights) from
+    each of the etp - 1 others, and the reduce-scatter of the partial outputs."""
+    f, T, K = etp - 1, tokens, top_k
+    return f * T * (dim * compute_bytes + EXPERT_ID_BYTES * K + GATE_WEIGHT_BYTES * K), f * T * dim * compute_bytes
+
+
+def etp_bytes_per_micro_batch(model: ModelConfig, *, etp: int, tokens: int, top_k: int, compute_bytes: int,
+                              num_recomputed: int = 0) -> tuple[int, int]:
+    """``(all_gather, reduce_scatter)`` bytes one rank sends for one micro-batch of ``tokens``
+    routed tokens, over every MoE layer: the forward collectives (again per recomputed layer), and
+    their backward, which swaps them: the output gradient all-gathered, the token and gate-weight
+    gradients reduce-scattered (ids carry none)."""
+    gather_fwd, scatter_fwd = etp_forward_bytes(dim=model.dim, etp=etp, tokens=tokens, top_k=top_k,
+                                                compute_bytes=compute_bytes)
+    f, T, D, c = etp - 1, tokens, model.dim, compute_bytes
+    forwards = len(model.moe_layer_ids) + num_recomputed
+    backwards = len(model.moe_layer_ids)
+    gather = forwards * gather_fwd + backwards * f * T * D * c
+    scatter = forwards * scatter_fwd + backwards * f * T * (D * c + GATE_WEIGHT_BYTES * top_k)
+    return gather, scatter
+
+
 def expected_groups_hit(num_experts: int, top_k: int, num_groups: int) -> float:
     """Expected distinct groups (of E / num_groups consecutive experts: ranks, nodes) among a
     token's top_k distinct experts, under uniform routing."""
@@ -153,20 +189,24 @@ def _add_replicated(vol: CommVolume, specs: list[ParamSpec], layout: Layout, *, 
                     dp_crosses: bool, edp_crosses: bool) -> None:
     """Stages 0/1: the gradient all-reduce (dense over dp, expert shards over edp), in the wire
     format of ``grad_compression``, and at stage 1 the all-gather of the updated parameters."""
-    W, ep, edp = layout.world, layout.ep, layout.edp
-    dense_numel = sum(s.numel for s in specs if not (s.expert and ep > 1))
-    expert_numel = sum(s.numel // ep for s in specs if s.expert and ep > 1)
+    W, edp, split = layout.world, layout.edp, layout.ep * layout.etp
+
+    def sharded(s: ParamSpec) -> bool:  # an expert weight split over ep (and etp), reduced over edp
+        return s.expert and split > 1
+
+    dense_numel = sum(s.numel for s in specs if not sharded(s))
+    expert_numel = sum(s.numel // split for s in specs if sharded(s))
     dense_ar, expert_ar = 2 * _ring(dense_numel * 4, W), 2 * _ring(expert_numel * 4, edp)
     if grad_compression == "bf16":
         dense_ar, expert_ar = dense_ar / 2, expert_ar / 2
     elif grad_compression == "onebit":
-        dense_ar = sum(_onebit_sent(s.numel, W) for s in specs if not (s.expert and ep > 1))
-        expert_ar = sum(_onebit_sent(s.numel // ep, edp) for s in specs if s.expert and ep > 1)
+        dense_ar = sum(_onebit_sent(s.numel, W) for s in specs if not sharded(s))
+        expert_ar = sum(_onebit_sent(s.numel // split, edp) for s in specs if sharded(s))
     vol.all_reduce = int(dense_ar + expert_ar)
     vol.inter_node += int(dense_ar * dp_crosses + expert_ar * edp_crosses)
     if layout.zero_stage == 1:
         dense_ag, expert_ag = _ring(dense_numel * 4, W), _ring(expert_numel * 4, edp)
-        vol.all_gather = int(dense_ag + expert_ag)
+        vol.all_gather += int(dense_ag + expert_ag)
         vol.inter_node += int(dense_ag * dp_crosses + expert_ag * edp_crosses)
 
 
@@ -183,7 +223,9 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     ``grad_compression`` (dp.grad_compression, stages 0/1): "bf16" halves the gradient
     all-reduce; "onebit" counts a step of 1-bit Adam's compressed phase (after its fp32 warm-up):
     per tensor, the all-to-all and all-gather of W chunks of packed signs and an fp32 scale."""
-    W, ep, edp, stage = layout.world, layout.ep, layout.edp, layout.zero_stage
+    W, ep, edp, stage, etp = layout.world, layout.ep, layout.edp, layout.zero_stage, layout.etp
+    if etp > 1 and stage > 1:
+        raise ValueError(f"parallel.etp ({etp}) > 1 needs parallel.zero_stage 0 or 1 (is {stage})")
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
     ep_crosses = ep > per_node or per_node % ep != 0
@@ -191,12 +233,21 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     edp_crosses = edp > 1 and W > per_node
     shard_crosses = layout.dense_shard_size > per_node
 
-    # 1. Expert all-to-all (dispatch + combine), forward, backward and recompute.
+    # 1. Expert all-to-all (dispatch + combine), forward, backward and recompute; under etp every
+    # rank dispatches its group's gathered tokens, and the gathers and reduce-scatters around the
+    # experts come on top.
+    dispatched = tokens_per_micro_batch * etp
+    if etp > 1 and model.is_moe:
+        gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens_per_micro_batch,
+                                                    top_k=moe.top_k, compute_bytes=compute_bytes,
+                                                    num_recomputed=ac_moe_layers_recomputed)
+        vol.all_gather, vol.reduce_scatter = gather * grad_accum, scatter * grad_accum
+        vol.inter_node += (gather + scatter) * grad_accum * (per_node % etp != 0)
     if ep > 1 and model.is_moe:
-        vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=tokens_per_micro_batch,
+        vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=dispatched,
                                            grad_accum=grad_accum, compute_bytes=compute_bytes,
                                            num_recomputed=ac_moe_layers_recomputed)
-        _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=tokens_per_micro_batch,
+        _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=dispatched,
                        grad_accum=grad_accum, compute_bytes=compute_bytes, num_recomputed=ac_moe_layers_recomputed,
                        hierarchical=ep_hierarchical)
         hierarchical = ep_hierarchical and ep_crosses and ep % per_node == 0

@@ -77,6 +77,7 @@ class DryRun:
     build_s: float
     """Seconds from the fake process group to the stepped optimizer."""
     etp: int = 1
+    """parallel.etp: the experts' hidden dim split over etp ranks (1 = not split)."""
 
     @property
     def matches(self) -> bool:
@@ -296,9 +297,8 @@ def dry_run_isolated(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> 
 def format_dry_run(d: DryRun, *, name: str | None = None) -> str:
     gib = 2**30
     stage = f"ZeRO-{d.zero_stage}" + (f", HSDP {d.hsdp_replicate} replicas" if d.hsdp_replicate > 1 else "")
-    etp = f" x etp {d.etp}" if d.etp > 1 else ""
-    lines = [(f"dry run{' of ' + name if name else ''}: world {d.world} = ep {d.ep}{etp} x edp {d.world // (d.ep * d.etp)}, "
-              f"{stage}, "
+    etp, edp = (f" x etp {d.etp}" if d.etp > 1 else ""), d.world // (d.ep * d.etp)
+    lines = [(f"dry run{' of ' + name if name else ''}: world {d.world} = ep {d.ep}{etp} x edp {edp}, {stage}, "
              f"{d.dtype}; rank {d.rank}: {d.rank_note}"),
              (f"built in {d.build_s:.2f} s on the meta device under a fake process group; {d.num_param_tensors} "
              f"parameter tensors on {', '.join(d.param_devices)} (nothing allocated)"),

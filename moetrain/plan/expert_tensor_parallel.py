@@ -21,7 +21,8 @@ Communication per MoE layer and micro-batch, the bytes one rank sends as a ring 
 
 The forward volume is what ``CommStats.etp_bytes`` counts on a real run, sent plus received (twice
 this). A classifier routes its real tokens only, so ``T = micro-batch * seq_len`` is its upper bound;
-its per-layer exchange of token counts (8 bytes per rank) is too small to list.
+its per-layer exchange of token counts (8 bytes per rank) is too small to list. The byte formulas
+live in ``comm``, whose ``comm_per_step`` counts them for any layout with etp > 1.
 """
 
 from __future__ import annotations
@@ -30,15 +31,15 @@ from dataclasses import dataclass
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
-from moetrain.plan.comm import _all_to_all_bytes
+from moetrain.plan.activations import moe_layers_recomputed
+from moetrain.plan.comm import _all_to_all_bytes, etp_bytes_per_micro_batch, etp_forward_bytes
 from moetrain.plan.model_states import ParamSpec
+
+__all__ = ["EtpChoice", "etp_advice", "etp_bytes_per_micro_batch", "etp_choices", "etp_forward_bytes", "etp_invalid",
+           "format_etp"]
 
 STATE_BYTES_PER_ELEMENT = 16
 """fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq (ZeRO stage 0)."""
-EXPERT_ID_BYTES = 8
-"""The gathered expert ids are int64."""
-GATE_WEIGHT_BYTES = 4
-"""Gate weights leave the router in fp32 whatever the compute dtype."""
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,9 @@ class EtpChoice:
     other_state_bytes: int
     """Model states of everything else (not split by ep or etp), stage 0."""
     gather_bytes: int
+    """Bytes this rank sends per optimizer step in etp's all-gathers (forward, backward, recompute)."""
     scatter_bytes: int
-    """Bytes this rank sends per optimizer step in etp's all-gathers and reduce-scatters."""
+    """The same for etp's reduce-scatters."""
     all_to_all_bytes: int
     """Expert all-to-all bytes this rank sends per step at this (ep, etp) (0 at ep = 1)."""
     fits: bool | None = None
@@ -66,35 +68,6 @@ class EtpChoice:
         return self.gather_bytes + self.scatter_bytes + self.all_to_all_bytes
 
 
-def moe_layers_recomputed(model: ModelConfig, ac: str, every: int) -> int:
-    """MoE layers whose forward activation checkpointing ``ac`` repeats in backward."""
-    if ac in ("full", "moe"):
-        return len(model.moe_layer_ids)
-    if ac == "every_n":
-        return sum(1 for i in range(0, model.num_layers, every) if model.is_moe_layer(i))
-    return 0
-
-
-def etp_forward_bytes(*, dim: int, etp: int, tokens: int, top_k: int, compute_bytes: int) -> tuple[int, int]:
-    """``(all_gather, reduce_scatter)`` bytes one rank sends in one MoE layer's forward."""
-    f, T, K = etp - 1, tokens, top_k
-    return f * T * (dim * compute_bytes + EXPERT_ID_BYTES * K + GATE_WEIGHT_BYTES * K), f * T * dim * compute_bytes
-
-
-def etp_bytes_per_micro_batch(model: ModelConfig, *, etp: int, tokens: int, top_k: int, compute_bytes: int,
-                              num_recomputed: int = 0) -> tuple[int, int]:
-    """``(all_gather, reduce_scatter)`` bytes one rank sends for one micro-batch of ``tokens``
-    routed tokens, over every MoE layer (see the module docstring)."""
-    gather_fwd, scatter_fwd = etp_forward_bytes(dim=model.dim, etp=etp, tokens=tokens, top_k=top_k,
-                                                compute_bytes=compute_bytes)
-    f, T, D, K, c = etp - 1, tokens, model.dim, top_k, compute_bytes
-    forwards = len(model.moe_layer_ids) + num_recomputed
-    backwards = len(model.moe_layer_ids)
-    gather = forwards * gather_fwd + backwards * f * T * D * c
-    scatter = forwards * scatter_fwd + backwards * f * T * (D * c + GATE_WEIGHT_BYTES * K)
-    return gather, scatter
-
-
 def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int) -> str | None:
     """Why (ep, etp) cannot train ``cfg`` on ``world`` processes (the config's rules), or None. The
     table is at ZeRO stage 0, which etp allows, whatever the config's ``parallel.zero_stage``."""
@@ -105,6 +78,8 @@ def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int) -> str | None:
         return f"parallel.ep ({ep}) must divide moe.num_experts ({moe.num_experts})"
     if etp == 1:
         return None
+    if cfg.parallel.ep_hierarchical:
+        return f"parallel.etp ({etp}) > 1 needs parallel.ep_hierarchical false: its node mesh has no etp axis"
     if moe.expert_hidden_dim % etp:
         return f"parallel.etp ({etp}) must divide moe.expert_hidden_dim ({moe.expert_hidden_dim})"
     if moe.capacity_factor is not None:
@@ -133,9 +108,9 @@ def etp_choices(specs: list[ParamSpec], cfg: JobConfig, model: ModelConfig, *, w
         gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens_per_micro_batch, top_k=moe.top_k,
                                                     compute_bytes=compute_bytes, num_recomputed=recomputed)
         # Every rank dispatches the etp group's gathered tokens.
-        a2a = 0 if ep == 1 else _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=etp * tokens_per_micro_batch,
-                                                  grad_accum=grad_accum, compute_bytes=compute_bytes,
-                                                  num_recomputed=recomputed)
+        a2a = 0 if ep == 1 else _all_to_all_bytes(model, moe, ep=ep, grad_accum=grad_accum,
+                                                  tokens_per_micro_batch=etp * tokens_per_micro_batch,
+                                                  compute_bytes=compute_bytes, num_recomputed=recomputed)
         fits = None if device_memory is None or reason else expert_bytes + other_bytes <= device_memory
         out.append(EtpChoice(etp, ep, reason is None, reason, expert_bytes, other_bytes, gather * grad_accum,
                              scatter * grad_accum, a2a, fits, per_node % (ep * etp) != 0))
@@ -161,8 +136,8 @@ def etp_advice(choices: list[EtpChoice]) -> str | None:
 def format_etp(choices: list[EtpChoice]) -> list[str]:
     """Lines of the plan's expert tensor-parallel section."""
     ep = choices[0].ep
-    lines = [(f"expert tensor parallelism at ep={ep} (each expert's hidden dim split over etp; stage-0 states, etp "
-             "allows stages 0 and 1; per step, GiB):"),
+    lines = [(f"expert tensor parallelism at ep={ep}, tp = pp = 1 (each expert's hidden dim split over etp; GiB: "
+              "stage-0 states per rank, etp allows stages 0 and 1; traffic per step):"),
              f"  {'etp':>3} {'experts':>8} {'other':>8} {'allgat':>8} {'redsc':>8} {'a2a':>8} fits"]
     for c in choices:
         if not c.valid:

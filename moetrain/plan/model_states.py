@@ -268,7 +268,7 @@ def transient_state_bytes(specs: list[ParamSpec], layout: Layout, *, bucket_nume
     if layout.zero_stage in (0, 1):
         out = max((s.numel // (ep * layout.etp) if s.expert else s.numel) for s in specs) * GRAD_BYTES
         if layout.zero_stage == 1:
-            dense = sum(s.numel for s in specs if not (s.expert and ep > 1))
+            dense = sum(s.numel for s in specs if not (s.expert and ep * layout.etp > 1))
             gathered = min(bucket_numel, dense)
             out += (gathered + gathered // layout.world) * PARAM_BYTES
         return out

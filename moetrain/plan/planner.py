@@ -17,15 +17,9 @@ from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.train import TrainConfig
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.plan.activations import estimate_activations
+from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
-from moetrain.plan.expert_tensor_parallel import (
-    EtpChoice,
-    etp_advice,
-    etp_choices,
-    format_etp,
-    moe_layers_recomputed,
-)
+from moetrain.plan.expert_tensor_parallel import EtpChoice, etp_advice, etp_choices, format_etp
 from moetrain.plan.model_states import (
     Layout,
     _meta_model,

@@ -55,7 +55,7 @@ from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.models.transformer import attention_params
-from moetrain.plan.activations import estimate_activations
+from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
 from moetrain.plan.model_states import ADAM_STATE_BYTES, Layout, ParamSpec, param_specs, state_bytes_per_rank
 
@@ -383,8 +383,7 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
                      ep=layout.ep, ac=ac, ac_every=ac_every, dtype=dtype)
     forward_s, backward_s = work.seconds(profile, dtype)
     num_moe = len(model.moe_layer_ids)
-    whole, ffn_only = _recomputed_blocks(model, ac, ac_every)
-    recomputed = sum(1 for i in whole if model.is_moe_layer(i)) + len(ffn_only)
+    recomputed = moe_layers_recomputed(model, ac, ac_every)
     vol = comm_per_step(specs, layout, model, moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
                         compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed, procs_per_node=per_node)
     # 1. Each collective's time: its bytes over its link, one latency per call.
@@ -438,8 +437,9 @@ def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | 
     at ``world`` processes over ``nodes`` nodes, with the micro-batch the planner would plan."""
     from moetrain.plan.planner import planned_micro_batch, resolve_vocab
 
-    model = resolve_vocab(cfg)
-    per_node = world // nodes
+    if cfg.parallel.etp != 1:  # its gathers, on the critical path, are not in the model
+        raise ValueError(f"parallel.etp ({cfg.parallel.etp}) must be 1 for a step-time estimate (plan's etp table)")
+    model, per_node = resolve_vocab(cfg), world // nodes
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
     micro, accum, _ = planned_micro_batch(cfg.train, world)

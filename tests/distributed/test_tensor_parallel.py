@@ -11,9 +11,16 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.tensor_parallel import check_tensor_parallel
 from moetrain.models.transformer import Transformer
-from moetrain.plan.expert_tensor_parallel import etp_forward_bytes
+from moetrain.plan.expert_tensor_parallel import etp_bytes_per_micro_batch, etp_forward_bytes
 from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.tp_parity import GLOBAL_BATCH, NORM_GROUPS, TpRun, run_reference, tp_worker
+from tests.distributed.tp_parity import (
+    GLOBAL_BATCH,
+    NORM_GROUPS,
+    TpRun,
+    model_config,
+    run_reference,
+    tp_worker,
+)
 from tests.distributed.zero_parity import rel_err
 
 RTOL = 2e-5
@@ -102,6 +109,13 @@ def test_expert_tensor_parallel_matches_one_process(world):
             sent = sum(etp_forward_bytes(dim=32, etp=run.etp, tokens=tokens, top_k=2, compute_bytes=c))
             passes = run.steps * run.micro_batches if key == "etp_bytes" else 1
             assert [r[run.name][key] for r in results] == [2 * sent * passes] * world, (run.name, key)
+        # Forward and backward, every collective over the etp group as dispatched (where etp is not
+        # also the tp group, whose sequence-parallel collectives would count too): the planner's.
+        if run.tp == 1:
+            gather, scatter = etp_bytes_per_micro_batch(model_config(run), etp=run.etp, tokens=T * run.micro_batches,
+                                                        top_k=2, compute_bytes=4)
+            want_sent = {"all_gather": gather, "reduce_scatter": scatter}
+            assert [r[run.name]["etp_group_sent"] for r in results] == [want_sent] * world, run.name
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -61,10 +62,33 @@ class TpRun:
     moe: dict = field(default_factory=dict)
 
 
+def model_config(run: TpRun) -> ModelConfig:
+    return ModelConfig(**{"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                          "max_seq_len": 16, "moe_every": 2, "tie_embeddings": True, **run.model})
+
+
+class GroupCollectiveBytes(TorchDispatchMode):
+    """Bytes this rank sends, as a ring moves them, in the functional all-gathers and reduce-scatters
+    over one process group, forward and backward alike (autograd's collectives run under the mode)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        super().__init__()
+        self.group_name, self.sent = group.group_name, {"all_gather": 0, "reduce_scatter": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = str(func)
+        if op.startswith("_c10d_functional.") and args[-1] == self.group_name:
+            size, nbytes = args[-2], args[0].numel() * args[0].element_size()
+            if "all_gather_into_tensor" in op:
+                self.sent["all_gather"] += nbytes * (size - 1)
+            elif "reduce_scatter_tensor" in op:
+                self.sent["reduce_scatter"] += nbytes * (size - 1) // size
+        return func(*args, **(kwargs or {}))
+
+
 def build(run: TpRun) -> Transformer:
     """Two blocks (MoE with a shared expert, then dense), 4 query and 2 key/value heads, tied head."""
-    model = ModelConfig(**{"vocab_size": 64, "dim": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-                           "max_seq_len": 16, "moe_every": 2, "tie_embeddings": True, **run.model})
+    model = model_config(run)
     moe = MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_hidden_dim": 32, "num_shared_experts": 1,
                        "aux_loss_coef": 0.1, "z_loss_coef": 0.01, **run.moe})
     if run.empty_experts:
@@ -165,6 +189,10 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
             with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
                 train_model(tokens[:, :-1], tokens[:, 1:])
             res["etp_bytes_bf16"] = collect_comm_stats(model).etp_bytes
+            # And every all-gather and reduce-scatter over the etp group of a forward and backward.
+            with GroupCollectiveBytes(dims.etp_group) as counted, no_sync(train_model):
+                train_model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
+            res["etp_group_sent"] = counted.sent
         # The loss and aux loss of the global batch: the means over dp of the dp indices' values.
         losses = torch.tensor(res["loss"] + [res["aux"]])
         dist.all_reduce(losses, group=dims.dp_group)

@@ -1,15 +1,19 @@
 """``moetrain plan``'s expert tensor-parallel choices: expert states per rank and etp collective bytes
-against numbers worked out by hand, the config's rules, and the advice. (That the forward volume is
-what a real etp run moves, in fp32 and under bf16 autocast, is checked on gloo ranks in
+against numbers worked out by hand, the config's rules, the advice, and a layout's communication at
+etp. (That these volumes, forward and backward, are what a real etp run sends over its etp group,
+and the forward's dtypes under bf16 autocast, is checked on gloo ranks in
 tests/distributed/test_tensor_parallel.py.)"""
 
 import pytest
 
 from moetrain.config.loader import load_config
 from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.plan.comm import comm_per_step
 from moetrain.plan.expert_tensor_parallel import etp_advice, etp_bytes_per_micro_batch, etp_choices
-from moetrain.plan.model_states import param_specs
+from moetrain.plan.model_states import Layout, param_specs
 from moetrain.plan.planner import format_plan, make_plan, resolve_vocab
+from moetrain.plan.step_time import H200, estimate_for_config
 
 # 2 blocks, both MoE, D 32; 4 experts of hidden 64 (gelu: w1 [4, 32, 64], w2 [4, 64, 32]), top-2.
 OVERRIDES = ["model.dim=32", "model.num_layers=2", "model.num_heads=4", "model.moe_every=1", "moe.num_experts=4",
@@ -68,6 +72,8 @@ def test_states_all_to_all_and_validity():
 
 @pytest.mark.parametrize("extra, etp, reason", [
     (["moe.expert_hidden_dim=34"], 4, "parallel.etp (4) must divide moe.expert_hidden_dim (34)"),
+    (["parallel.ep_hierarchical=true"], 2,
+     "parallel.etp (2) > 1 needs parallel.ep_hierarchical false: its node mesh has no etp axis"),
     (["moe.capacity_factor=1.25"], 2, "parallel.etp (2) > 1 needs moe.capacity_factor null (is 1.25): it is dropless"),
 ])
 def test_the_configs_rules(extra, etp, reason):
@@ -92,3 +98,36 @@ def test_advice_and_the_plan_section():
     dense = make_plan(load_config(None, OVERRIDES + ["model.moe_every=0", "parallel.ep=1"]), nproc=8, stages=(0,),
                       offloads=("none",), acs=("none",))
     assert dense.etp_rows == [] and "expert tensor parallelism" not in format_plan(dense)
+
+
+def test_a_layouts_communication_at_etp():
+    """``comm_per_step`` of an etp layout (the dry run's and the config's): expert gradients split
+    over ep * etp and reduced over edp = world / (ep * etp), the all-to-all of the gathered tokens,
+    and the etp collectives on top. World 8, ZeRO-1, 3 micro-batches of 16 tokens, fp32."""
+    model = ModelConfig(vocab_size=512, dim=32, num_layers=2, num_heads=4, max_seq_len=16, moe_every=1)
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=64)
+    specs = param_specs(model, moe)
+
+    def comm(ep, etp):
+        return comm_per_step(specs, Layout(world=8, ep=ep, zero_stage=1, etp=etp), model, moe, tokens_per_micro_batch=16,
+                             grad_accum=3, compute_bytes=4)
+
+    dense_ar, dense_ag = 2 * OTHER_NUMEL * 4 * 7 // 8, OTHER_NUMEL * 4 * 7 // 8  # over all 8 ranks
+    base, split = comm(2, 1), comm(2, 2)
+    # etp 1: 16,384 local expert elements over edp 4; etp 2: 8,192 over edp 2.
+    assert base.all_reduce == dense_ar + 2 * 16384 * 4 * 3 // 4
+    assert split.all_reduce == dense_ar + 2 * 8192 * 4 // 2
+    assert base.all_to_all == 3 * 4 * 4096 and split.all_to_all == 2 * base.all_to_all
+    # The ZeRO-1 parameter gather plus the etp gathers (3 x 8,960); the etp reduce-scatters (3 x 8,448).
+    assert split.all_gather == dense_ag + 8192 * 4 // 2 + 3 * 8960 and split.reduce_scatter == 3 * 8448
+    # ep 1 x etp 2: the experts still reduce over edp 4 only, and there is no all-to-all.
+    alone = comm(1, 2)
+    assert (alone.all_reduce, alone.all_to_all) == (dense_ar + 2 * 16384 * 4 * 3 // 4, 0)
+    with pytest.raises(ValueError, match=r"parallel.etp \(2\) > 1 needs parallel.zero_stage 0 or 1 \(is 2\)"):
+        comm_per_step(specs, Layout(world=8, ep=2, zero_stage=2, etp=2), model, moe, tokens_per_micro_batch=16,
+                      grad_accum=1, compute_bytes=4)
+
+
+def test_the_step_time_estimate_refuses_etp():
+    with pytest.raises(ValueError, match=r"parallel.etp \(2\) must be 1 for a step-time estimate"):
+        estimate_for_config(load_config(None, OVERRIDES + ["parallel.etp=2"]), world=8, profile=H200)
