@@ -184,12 +184,8 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
         res = _train(run, model, train_model, opt, make_batches(run), rows, dims)
         res["local_w1"] = local_w1
         res["etp_bytes"] = collect_comm_stats(model).etp_bytes
-        if run.etp > 1:  # what crosses the wire under bf16 autocast: one forward of the rank's rows
+        if run.etp > 1:  # every all-gather and reduce-scatter over the etp group of a forward and backward
             tokens = make_batches(run)[0][rows]
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                train_model(tokens[:, :-1], tokens[:, 1:])
-            res["etp_bytes_bf16"] = collect_comm_stats(model).etp_bytes
-            # And every all-gather and reduce-scatter over the etp group of a forward and backward.
             with GroupCollectiveBytes(dims.etp_group) as counted, no_sync(train_model):
                 train_model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
             res["etp_group_sent"] = counted.sent

@@ -1,8 +1,7 @@
 """``moetrain plan``'s expert tensor-parallel choices: expert states per rank and etp collective bytes
 against numbers worked out by hand, the config's rules, the advice, and a layout's communication at
-etp. (That these volumes, forward and backward, are what a real etp run sends over its etp group,
-and the forward's dtypes under bf16 autocast, is checked on gloo ranks in
-tests/distributed/test_tensor_parallel.py.)"""
+etp. (That these volumes, forward and backward, are what a real fp32 etp run sends over its etp
+group is checked on gloo ranks in tests/distributed/test_tensor_parallel.py.)"""
 
 import pytest
 
