@@ -34,6 +34,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.plan.activations import moe_layers_recomputed
 from moetrain.plan.comm import _all_to_all_bytes, etp_bytes_per_micro_batch, etp_forward_bytes
 from moetrain.plan.model_states import ParamSpec
+from moetrain.plan.tensor_parallel import choice_table
 
 __all__ = ["EtpChoice", "etp_advice", "etp_bytes_per_micro_batch", "etp_choices", "etp_forward_bytes", "etp_invalid",
            "format_etp"]
@@ -135,19 +136,10 @@ def etp_advice(choices: list[EtpChoice]) -> str | None:
 
 def format_etp(choices: list[EtpChoice]) -> list[str]:
     """Lines of the plan's expert tensor-parallel section."""
-    ep = choices[0].ep
-    lines = [(f"expert tensor parallelism at ep={ep}, tp = pp = 1 (each expert's hidden dim split over etp; GiB: "
-              "stage-0 states per rank, etp allows stages 0 and 1; traffic per step):"),
-             f"  {'etp':>3} {'experts':>8} {'other':>8} {'allgat':>8} {'redsc':>8} {'a2a':>8} fits"]
-    for c in choices:
-        if not c.valid:
-            lines.append(f"  {c.etp:>3} invalid: {c.reason}")
-            continue
-        fits = "-" if c.fits is None else ("yes" if c.fits else "NO")
-        lines.append(f"  {c.etp:>3} {c.expert_state_bytes / 2**30:8.3f} {c.other_state_bytes / 2**30:8.3f} "
-                     f"{c.gather_bytes / 2**30:8.3f} {c.scatter_bytes / 2**30:8.3f} {c.all_to_all_bytes / 2**30:8.3f} "
-                     f"{fits}" + ("  (ep x etp spans nodes: the all-to-all crosses them)" if c.spans_nodes else ""))
-    advice = etp_advice(choices)
-    if advice:
-        lines.append("advice: " + advice)
-    return lines
+    gib, spans = 2**30, "  (ep x etp spans nodes: the all-to-all crosses them)"
+    rows = [(c.etp, c.reason, [f"{b / gib:8.3f}" for b in (c.expert_state_bytes, c.other_state_bytes, c.gather_bytes,
+                                                          c.scatter_bytes, c.all_to_all_bytes)],
+             c.fits, spans if c.spans_nodes else "") for c in choices]
+    return choice_table(f"expert tensor parallelism at ep={choices[0].ep}, tp = pp = 1 (each expert's hidden dim split "
+                        "over etp; GiB: stage-0 states per rank, etp allows stages 0 and 1; traffic per step):",
+                        ["etp", "experts", "other", "allgat", "redsc", "a2a"], rows, etp_advice(choices))

@@ -135,19 +135,25 @@ def tp_advice(choices: list[TpChoice]) -> str | None:
             f"{best.total_bytes / 2**30:.2f} GiB of tp collectives per step)")
 
 
+def choice_table(title: str, columns: list[str], rows: list[tuple], advice: str | None) -> list[str]:
+    """Lines of a plan section of parallel degrees: ``title``, a header (the degree's column first,
+    "fits" last), a line per ``(degree, reason, cells, fits, note)`` (an invalid choice shows only
+    its reason; ``cells`` are formatted, 8 characters wide), then the advice if there is one."""
+    lines = [title, "  " + " ".join([f"{columns[0]:>3}"] + [f"{c:>8}" for c in columns[1:]]) + " fits"]
+    for degree, reason, cells, fits, note in rows:
+        if reason is not None:
+            lines.append(f"  {degree:>3} invalid: {reason}")
+            continue
+        lines.append(f"  {degree:>3} " + " ".join(cells) + " " + ("-" if fits is None else ("yes" if fits else "NO"))
+                     + note)
+    return lines + (["advice: " + advice] if advice else [])
+
+
 def format_tp(choices: list[TpChoice]) -> list[str]:
     """Lines of the plan's tensor-parallel section."""
-    lines = ["tensor parallelism (dense part split over tp, stage-0 states; tp collectives per step, GiB):",
-             f"  {'tp':>3} {'dense':>8} {'other':>8} {'allgat':>8} {'redsc':>8} {'/layer':>8} fits"]
-    for c in choices:
-        if not c.valid:
-            lines.append(f"  {c.tp:>3} invalid: {c.reason}")
-            continue
-        fits = "-" if c.fits is None else ("yes" if c.fits else "NO")
-        lines.append(f"  {c.tp:>3} {c.dense_state_bytes / 2**30:8.3f} {c.other_state_bytes / 2**30:8.3f} "
-                     f"{c.all_gather_bytes / 2**30:8.3f} {c.reduce_scatter_bytes / 2**30:8.3f} "
-                     f"{c.per_layer_bytes / 2**30:8.4f} {fits}")
-    advice = tp_advice(choices)
-    if advice:
-        lines.append("advice: " + advice)
-    return lines
+    gib = 2**30
+    rows = [(c.tp, c.reason, [f"{c.dense_state_bytes / gib:8.3f}", f"{c.other_state_bytes / gib:8.3f}",
+                              f"{c.all_gather_bytes / gib:8.3f}", f"{c.reduce_scatter_bytes / gib:8.3f}",
+                              f"{c.per_layer_bytes / gib:8.4f}"], c.fits, "") for c in choices]
+    return choice_table("tensor parallelism (dense part split over tp, stage-0 states; tp collectives per step, GiB):",
+                        ["tp", "dense", "other", "allgat", "redsc", "/layer"], rows, tp_advice(choices))
