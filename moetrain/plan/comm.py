@@ -210,6 +210,29 @@ def _add_replicated(vol: CommVolume, specs: list[ParamSpec], layout: Layout, *, 
         vol.inter_node += int(dense_ag * dp_crosses + expert_ag * edp_crosses)
 
 
+def _add_token_exchanges(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: int, etp: int, per_node: int,
+                         tokens: int, grad_accum: int, compute_bytes: int, num_recomputed: int,
+                         ep_hierarchical: bool) -> None:
+    """The expert all-to-all (dispatch + combine; forward, backward and recompute) of ``tokens``
+    per micro-batch, and under etp the gathers and reduce-scatters around the experts: every rank
+    then dispatches its etp group's gathered tokens."""
+    if etp > 1:
+        gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens, top_k=moe.top_k,
+                                                    compute_bytes=compute_bytes, num_recomputed=num_recomputed)
+        vol.all_gather, vol.reduce_scatter = gather * grad_accum, scatter * grad_accum
+        vol.inter_node += (gather + scatter) * grad_accum * (per_node % etp != 0)
+    if ep == 1:
+        return
+    dispatched = tokens * etp
+    vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=dispatched, grad_accum=grad_accum,
+                                       compute_bytes=compute_bytes, num_recomputed=num_recomputed)
+    _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=dispatched, grad_accum=grad_accum,
+                   compute_bytes=compute_bytes, num_recomputed=num_recomputed, hierarchical=ep_hierarchical)
+    ep_crosses = ep > per_node or per_node % ep != 0
+    hierarchical = ep_hierarchical and ep_crosses and ep % per_node == 0
+    vol.inter_node += vol.all_to_all_inter_node_hierarchical if hierarchical else vol.all_to_all_inter_node_flat
+
+
 def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
                   ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None,
@@ -228,31 +251,15 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
         raise ValueError(f"parallel.etp ({etp}) > 1 needs parallel.zero_stage 0 or 1 (is {stage})")
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
-    ep_crosses = ep > per_node or per_node % ep != 0
     dp_crosses = W > per_node
     edp_crosses = edp > 1 and W > per_node
     shard_crosses = layout.dense_shard_size > per_node
 
-    # 1. Expert all-to-all (dispatch + combine), forward, backward and recompute; under etp every
-    # rank dispatches its group's gathered tokens, and the gathers and reduce-scatters around the
-    # experts come on top.
-    dispatched = tokens_per_micro_batch * etp
-    if etp > 1 and model.is_moe:
-        gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens_per_micro_batch,
-                                                    top_k=moe.top_k, compute_bytes=compute_bytes,
-                                                    num_recomputed=ac_moe_layers_recomputed)
-        vol.all_gather, vol.reduce_scatter = gather * grad_accum, scatter * grad_accum
-        vol.inter_node += (gather + scatter) * grad_accum * (per_node % etp != 0)
-    if ep > 1 and model.is_moe:
-        vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=dispatched,
-                                           grad_accum=grad_accum, compute_bytes=compute_bytes,
-                                           num_recomputed=ac_moe_layers_recomputed)
-        _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=dispatched,
-                       grad_accum=grad_accum, compute_bytes=compute_bytes, num_recomputed=ac_moe_layers_recomputed,
-                       hierarchical=ep_hierarchical)
-        hierarchical = ep_hierarchical and ep_crosses and ep % per_node == 0
-        vol.inter_node += (vol.all_to_all_inter_node_hierarchical if hierarchical
-                           else vol.all_to_all_inter_node_flat)
+    # 1. The experts' token exchanges: the all-to-all and, under etp, the gathers around it.
+    if model.is_moe:
+        _add_token_exchanges(vol, model, moe, ep=ep, etp=etp, per_node=per_node, tokens=tokens_per_micro_batch,
+                             grad_accum=grad_accum, compute_bytes=compute_bytes,
+                             num_recomputed=ac_moe_layers_recomputed, ep_hierarchical=ep_hierarchical)
 
     # 2. Gradient and parameter collectives.
     if stage in (0, 1):
