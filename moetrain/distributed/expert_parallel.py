@@ -111,9 +111,14 @@ def _dispatchers(model: nn.Module) -> list:
 
 def _timed_dispatchers(model: nn.Module) -> list[EpExchanges | ExpertTensorParallelDispatcher]:
     """The dispatchers that communicate: the all-to-all ones and the etp gathers around them."""
-    found = [m.dispatcher for m in model.modules() if isinstance(m, MoELayer)]
-    outer = [d for d in found if isinstance(d, ExpertTensorParallelDispatcher)]
-    return outer + [d for d in _dispatchers(model) if isinstance(d, EpExchanges)]
+    out = []
+    for dispatcher in (m.dispatcher for m in model.modules() if isinstance(m, MoELayer)):
+        if isinstance(dispatcher, ExpertTensorParallelDispatcher):
+            out.append(dispatcher)
+            dispatcher = dispatcher.inner
+        if isinstance(dispatcher, EpExchanges):
+            out.append(dispatcher)
+    return out
 
 
 def enable_comm_timing(model: nn.Module, device: torch.device) -> None:

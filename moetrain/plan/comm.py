@@ -247,8 +247,6 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     all-reduce; "onebit" counts a step of 1-bit Adam's compressed phase (after its fp32 warm-up):
     per tensor, the all-to-all and all-gather of W chunks of packed signs and an fp32 scale."""
     W, ep, edp, stage, etp = layout.world, layout.ep, layout.edp, layout.zero_stage, layout.etp
-    if etp > 1 and stage > 1:
-        raise ValueError(f"parallel.etp ({etp}) > 1 needs parallel.zero_stage 0 or 1 (is {stage})")
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
     dp_crosses = W > per_node

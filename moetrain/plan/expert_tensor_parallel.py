@@ -31,13 +31,11 @@ from dataclasses import dataclass
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
+from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.plan.activations import moe_layers_recomputed
-from moetrain.plan.comm import _all_to_all_bytes, etp_bytes_per_micro_batch, etp_forward_bytes
-from moetrain.plan.model_states import ParamSpec
+from moetrain.plan.comm import comm_per_step
+from moetrain.plan.model_states import Layout, ParamSpec
 from moetrain.plan.tensor_parallel import choice_table
-
-__all__ = ["EtpChoice", "etp_advice", "etp_bytes_per_micro_batch", "etp_choices", "etp_forward_bytes", "etp_invalid",
-           "format_etp"]
 
 STATE_BYTES_PER_ELEMENT = 16
 """fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq (ZeRO stage 0)."""
@@ -69,18 +67,18 @@ class EtpChoice:
         return self.gather_bytes + self.scatter_bytes + self.all_to_all_bytes
 
 
-def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int) -> str | None:
-    """Why (ep, etp) cannot train ``cfg`` on ``world`` processes (the config's rules), or None. The
-    table is at ZeRO stage 0, which etp allows, whatever the config's ``parallel.zero_stage``."""
+def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int, per_node: int) -> str | None:
+    """Why (ep, etp) cannot train ``cfg`` on ``world`` processes (``ParallelDims``' rules, then the
+    config's), or None. The table is at ZeRO stage 0, which etp allows, whatever the config's
+    ``parallel.zero_stage``."""
     moe = cfg.moe
-    if world % (ep * etp):
-        return f"parallel.ep ({ep}) * parallel.etp ({etp}) must divide the world size ({world})"
-    if moe.num_experts % ep:
-        return f"parallel.ep ({ep}) must divide moe.num_experts ({moe.num_experts})"
+    try:
+        ParallelDims(world_size=world, ep=ep, etp=etp, dp=world, num_experts=moe.num_experts, ranks_per_node=per_node,
+                     ep_hierarchical=cfg.parallel.ep_hierarchical)
+    except ValueError as e:
+        return str(e)
     if etp == 1:
         return None
-    if cfg.parallel.ep_hierarchical:
-        return f"parallel.etp ({etp}) > 1 needs parallel.ep_hierarchical false: its node mesh has no etp axis"
     if moe.expert_hidden_dim % etp:
         return f"parallel.etp ({etp}) must divide moe.expert_hidden_dim ({moe.expert_hidden_dim})"
     if moe.capacity_factor is not None:
@@ -97,24 +95,23 @@ def etp_choices(specs: list[ParamSpec], cfg: JobConfig, model: ModelConfig, *, w
     etp = 1 first, at the config's ``parallel.ep``; none for a dense model."""
     if not model.is_moe:
         return []
-    ep, moe, train = cfg.parallel.ep, cfg.moe, cfg.train
+    ep, train = cfg.parallel.ep, cfg.train
     experts = sum(s.numel for s in specs if s.expert)
     other = sum(s.numel for s in specs if not s.expert)
     recomputed = moe_layers_recomputed(model, train.activation_checkpointing, train.activation_checkpointing_every)
     out = []
     for etp in (e for e in range(1, per_node + 1) if per_node % e == 0):
-        reason = etp_invalid(cfg, ep=ep, etp=etp, world=world)
+        reason = etp_invalid(cfg, ep=ep, etp=etp, world=world, per_node=per_node)
         expert_bytes = -(-experts // (ep * etp)) * STATE_BYTES_PER_ELEMENT
         other_bytes = other * STATE_BYTES_PER_ELEMENT
-        gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens_per_micro_batch, top_k=moe.top_k,
-                                                    compute_bytes=compute_bytes, num_recomputed=recomputed)
-        # Every rank dispatches the etp group's gathered tokens.
-        a2a = 0 if ep == 1 else _all_to_all_bytes(model, moe, ep=ep, grad_accum=grad_accum,
-                                                  tokens_per_micro_batch=etp * tokens_per_micro_batch,
-                                                  compute_bytes=compute_bytes, num_recomputed=recomputed)
+        # At stage 0 the layout's all-gathers and reduce-scatters are etp's alone.
+        vol = comm_per_step(specs, Layout(world=world, ep=ep, zero_stage=0, etp=etp), model, cfg.moe,
+                            tokens_per_micro_batch=tokens_per_micro_batch, grad_accum=grad_accum,
+                            compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed, procs_per_node=per_node,
+                            ep_hierarchical=cfg.parallel.ep_hierarchical)
         fits = None if device_memory is None or reason else expert_bytes + other_bytes <= device_memory
-        out.append(EtpChoice(etp, ep, reason is None, reason, expert_bytes, other_bytes, gather * grad_accum,
-                             scatter * grad_accum, a2a, fits, per_node % (ep * etp) != 0))
+        out.append(EtpChoice(etp, ep, reason is None, reason, expert_bytes, other_bytes, vol.all_gather,
+                             vol.reduce_scatter, vol.all_to_all, fits, per_node % (ep * etp) != 0))
     return out
 
 

@@ -81,6 +81,10 @@ class Layout:
     weight_average: bool = False
     """optim.ema_decay > 0: the rank keeps a moving average of the parameters it holds."""
 
+    def __post_init__(self) -> None:
+        if self.etp > 1 and self.zero_stage > 1:
+            raise ValueError(f"parallel.etp ({self.etp}) > 1 needs parallel.zero_stage 0 or 1 (is {self.zero_stage})")
+
     @classmethod
     def of_config(cls, cfg: JobConfig, world: int) -> Layout:
         """The layout of the job ``cfg`` run on ``world`` processes."""
@@ -176,8 +180,6 @@ def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> State
 
 def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, rank: int) -> StateBytes:
     ep, edp, stage, etp = layout.ep, layout.edp, layout.zero_stage, layout.etp
-    if etp > 1 and stage > 1:
-        raise ValueError(f"parallel.etp ({etp}) > 1 needs parallel.zero_stage 0 or 1 (is {stage})")
     avg_bytes = PARAM_BYTES if layout.weight_average else 0
     edp_rank = rank // (ep * etp)
     total = StateBytes()

@@ -11,7 +11,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.tensor_parallel import check_tensor_parallel
 from moetrain.models.transformer import Transformer
-from moetrain.plan.expert_tensor_parallel import etp_bytes_per_micro_batch, etp_forward_bytes
+from moetrain.plan.comm import etp_bytes_per_micro_batch, etp_forward_bytes
 from tests.distributed.dist_launcher import run_ranks
 from tests.distributed.tp_parity import (
     GLOBAL_BATCH,

@@ -8,8 +8,8 @@ import pytest
 from moetrain.config.loader import load_config
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.plan.comm import comm_per_step
-from moetrain.plan.expert_tensor_parallel import etp_advice, etp_bytes_per_micro_batch, etp_choices
+from moetrain.plan.comm import comm_per_step, etp_bytes_per_micro_batch
+from moetrain.plan.expert_tensor_parallel import etp_advice, etp_choices
 from moetrain.plan.model_states import Layout, param_specs
 from moetrain.plan.planner import format_plan, make_plan, resolve_vocab
 from moetrain.plan.step_time import H200, estimate_for_config
@@ -54,7 +54,9 @@ def test_states_all_to_all_and_validity():
     choices = _choices()
     assert [c.etp for c in choices] == [1, 2, 4, 8]
     assert [c.valid for c in choices] == [True, True, True, False]
-    assert choices[3].reason == "parallel.ep (2) * parallel.etp (8) must divide the world size (8)"
+    # The rules are ParallelDims' own, word for word what a launch would say.
+    assert choices[3].reason == ("parallel.ep (2) * parallel.etp (8) must divide parallel.dp * parallel.tp (8): expert "
+                                 "parallelism folds over the ranks of one pipeline stage")
     # E/ep experts, 1/etp of their hidden dim, 16 bytes an element.
     assert [c.expert_state_bytes for c in choices[:3]] == [EXPERT_NUMEL // 2 * 16, EXPERT_NUMEL // 4 * 16,
                                                             EXPERT_NUMEL // 8 * 16]
@@ -72,7 +74,8 @@ def test_states_all_to_all_and_validity():
 @pytest.mark.parametrize("extra, etp, reason", [
     (["moe.expert_hidden_dim=34"], 4, "parallel.etp (4) must divide moe.expert_hidden_dim (34)"),
     (["parallel.ep_hierarchical=true"], 2,
-     "parallel.etp (2) > 1 needs parallel.ep_hierarchical false: its node mesh has no etp axis"),
+     ("parallel.ep_hierarchical needs parallel.tp, pp and etp = 1 (are 1, 1, 2): its node mesh is laid out for one "
+     "stage without tensor parallelism")),
     (["moe.capacity_factor=1.25"], 2, "parallel.etp (2) > 1 needs moe.capacity_factor null (is 1.25): it is dropless"),
 ])
 def test_the_configs_rules(extra, etp, reason):
