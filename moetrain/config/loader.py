@@ -7,7 +7,8 @@ preset whose model and moe values come first; everything written in the file or 
 line overrides them. The saved config has every field resolved and loads back to an equal config.
 
 The job files shipped with the package (``moetrain/configs/*.yaml``) load by name as well as by
-path: ``load_config("tiny")``, ``moetrain train --config tiny``.
+path: ``load_config("tiny")``, ``moetrain train --config tiny``, or ``--config configs/tiny.yaml`` where
+no such file exists (from any directory, as from an installed wheel).
 """
 
 from __future__ import annotations
@@ -44,11 +45,13 @@ def shipped_config_names() -> list[str]:
 
 def resolve_config_path(config: str | Path) -> Path:
     """The file of ``--config``: an existing file, else the shipped job file of that name
-    (``tiny`` or ``tiny.yaml``); ``ValueError`` listing the shipped names otherwise."""
+    (``tiny``, ``tiny.yaml``, or ``configs/tiny.yaml`` as the package's folder is ``configs``);
+    ``ValueError`` listing the shipped names otherwise. Another folder never falls back to a shipped file: a typo there must not train
+    someone else's job."""
     path = Path(config)
     if path.is_file():
         return path
-    name = str(config).removesuffix(".yaml")
+    name = str(path.name if path.parent == Path("configs") else config).removesuffix(".yaml")
     if name in shipped_config_names():
         return SHIPPED_CONFIGS / f"{name}.yaml"
     raise ValueError(f"--config ({str(config)!r}) is neither a file nor a shipped config; shipped configs: "

@@ -198,7 +198,17 @@ def test_a_file_wins_over_a_shipped_name(tmp_path, monkeypatch):
     assert resolve_config_path("tiny") == Path("tiny") and load_config("tiny", []).train.steps == 7
 
 
-@pytest.mark.parametrize("config", ["nope", "configs/tiny.yaml", "tiny.yml"])
+def test_configs_folder_path_is_the_shipped_config_where_no_such_file_exists(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the issues' `--config configs/r8.yaml`, from a wheel or any directory
+    assert resolve_config_path("configs/r8.yaml") == resolve_config_path("configs/r8") == SHIPPED / "r8.yaml"
+    assert load_config("configs/thucnews.yaml", []) == load_config("thucnews", [])
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "r8.yaml").write_text("train:\n  steps: 7\n")
+    assert resolve_config_path("configs/r8.yaml") == Path("configs/r8.yaml")  # a real file still wins
+
+
+@pytest.mark.parametrize("config", ["nope", "configs/nope.yaml", "other/tiny.yaml", "configs/sub/tiny.yaml",
+                                    "tiny.yml"])
 def test_neither_file_nor_shipped_name_lists_the_shipped_configs(config, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no file of that name here
     with pytest.raises(ValueError) as err:
