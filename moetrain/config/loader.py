@@ -46,8 +46,8 @@ def shipped_config_names() -> list[str]:
 def resolve_config_path(config: str | Path) -> Path:
     """The file of ``--config``: an existing file, else the shipped job file of that name
     (``tiny``, ``tiny.yaml``, or ``configs/tiny.yaml`` as the package's folder is ``configs``);
-    ``ValueError`` listing the shipped names otherwise. Another folder never falls back to a shipped file: a typo there must not train
-    someone else's job."""
+    ``ValueError`` listing the shipped names otherwise. Another folder never falls back to a
+    shipped file: a typo there must not train someone else's job."""
     path = Path(config)
     if path.is_file():
         return path
