@@ -1,8 +1,8 @@
 """Config of the data-parallel gradient reduction: how the gradients travel between replicas.
 
 The data-parallel degree itself is ``parallel.dp``; this section says what goes on the wire when
-the replicas average their gradients (``moetrain.distributed.grad_compression``), or, for
-"onebit", their Adam momenta (``moetrain.distributed.onebit_adam``).
+the replicas average their gradients (``moetrain.distributed.data_parallel.compression``), or, for
+"onebit", their Adam momenta (``moetrain.distributed.data_parallel.onebit_adam``).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ the sequence over tp), and re-factor as ``edp x ep x etp`` with ``etp`` innermos
 so ``ep`` and ``etp`` may borrow from ``dp x tp`` (``ep * etp`` must divide ``dp * tp``) and the
 all-to-alls stay inside a node while ``ep * etp`` divides the processes per node. An etp group
 (``parallel.etp`` consecutive ranks: the tp pairs when etp = tp) splits each expert's hidden dim
-and computes on the tokens of all its ranks (``moetrain.distributed.expert_tensor_parallel``).
+and computes on the tokens of all its ranks (``moetrain.distributed.expert_parallel.tensor_parallel``).
 Example with 8 ranks, pp=2, tp=2, ep=2 (so dp = 2 and edp = 2):
 
     pp groups  (pipeline stages, p2p):             [0, 4]  [1, 5]  [2, 6]  [3, 7]
@@ -39,7 +39,7 @@ Meshes: one 1-D root over all ranks, unflattened twice so that FSDP and DTensor 
 Nodes hold ``ranks_per_node`` consecutive ranks each (torchrun's LOCAL_WORLD_SIZE, which
 ``moetrain train --nproc N`` sets too). An ep group larger than a node spans whole nodes; with
 ``parallel.ep_hierarchical`` its exchange runs in two stages over two more axes of a separate
-mesh (``moetrain.distributed.hierarchical``). Example with 8 ranks on 2 nodes of 4, ep=8:
+mesh (``moetrain.distributed.expert_parallel.hierarchical``). Example with 8 ranks on 2 nodes of 4, ep=8:
 
     nodes:                                  [0, 1, 2, 3]  [4, 5, 6, 7]
     ep_intra groups (inside a node):        [0, 1, 2, 3]  [4, 5, 6, 7]
@@ -54,7 +54,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from moetrain.config.parallel import ParallelConfig
-from moetrain.distributed.launcher_nodes import check_launcher_nodes, launcher_ranks_per_node, report_ep_nodes
+from moetrain.distributed.runtime import check_launcher_nodes, launcher_ranks_per_node, report_ep_nodes
 
 
 def _is_degree(value: object) -> bool:

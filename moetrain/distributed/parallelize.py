@@ -23,14 +23,14 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from moetrain.distributed.comm_timer import CommTimer
-from moetrain.distributed.data_parallel import MoEDataParallel, apply_data_parallel
-from moetrain.distributed.expert_parallel import apply_expert_parallel
-from moetrain.distributed.expert_parallel import collect_comm_times as collect_dispatch_times
-from moetrain.distributed.expert_parallel import enable_comm_timing as enable_dispatch_timing
+from moetrain.distributed.comm.timer import CommTimer
+from moetrain.distributed.data_parallel.ddp import MoEDataParallel, apply_data_parallel
+from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
+from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
+from moetrain.distributed.expert_parallel.apply import collect_comm_times as collect_dispatch_times
+from moetrain.distributed.expert_parallel.apply import enable_comm_timing as enable_dispatch_timing
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
-from moetrain.distributed.zero import ZeroShardedOptimizer
 from moetrain.models.moe.layer import MoELayer
 
 
@@ -123,7 +123,7 @@ def enable_comm_timing(model: nn.Module, parallel_model: nn.Module, optimizer: t
                        device: torch.device) -> None:
     """``log.comm_timing``: time the expert-parallel exchanges of ``model``'s MoE layers, the
     gradient reduction of a stage 0/1 wrapper and the ZeRO-1 parameter all-gather, each waited for
-    where it is issued (``moetrain.distributed.comm_timer``). FSDP2's own all-gathers and
+    where it is issued (``moetrain.distributed.comm.timer``). FSDP2's own all-gathers and
     reduce-scatters (stages 2/3) run on its streams and are not timed."""
     enable_dispatch_timing(model, device)
     if isinstance(parallel_model, MoEDataParallel):

@@ -29,7 +29,7 @@ folding). What it asks for:
   gradient that of one process holding the batch;
 * the parameters the MoE layer keeps whole (router, shared experts, experts at ep = 1) see only
   local tokens: their gradient is a partial sum over tp, reduced over dp x tp with the 1/dp scale
-  of data parallelism (``moetrain.distributed.tp_data_parallel``). So are the per-head q/k norm
+  of data parallelism (``moetrain.distributed.data_parallel.tp_reduction``). So are the per-head q/k norm
   weights of attention (each rank holds other heads).
 
 Not covered (rejected with the field named): multi-head latent attention (its latent projections

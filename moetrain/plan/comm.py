@@ -54,9 +54,9 @@ from dataclasses import dataclass
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.compressed_exchange import wire_row_bytes
-from moetrain.distributed.fsdp import expert_shard_dim
-from moetrain.distributed.grad_compression import chunk_len
+from moetrain.distributed.data_parallel.compression import chunk_len
+from moetrain.distributed.data_parallel.fsdp import expert_shard_dim
+from moetrain.distributed.expert_parallel.wire import wire_row_bytes
 from moetrain.plan.model_states import Layout, ParamSpec, _chunk
 
 COLLECTIVES = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather")

@@ -190,7 +190,7 @@ def _build(cfg: JobConfig, model_cfg, world: int):
     device. Returns the model, its wrapper, the stepped optimizer and the average's tensors by name."""
     import torch
 
-    from moetrain.distributed.data_parallel import wrap_optimizer, zero_settings
+    from moetrain.distributed.data_parallel.ddp import wrap_optimizer, zero_settings
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
     from moetrain.models.transformer import Transformer

@@ -1,6 +1,6 @@
 """Expert tensor-parallel choices for ``moetrain plan``: what ``parallel.etp`` saves in the routed
 experts' model states and what it costs on the wire, per the layout of
-``moetrain.distributed.expert_tensor_parallel`` (each expert's hidden dim split over ``etp``
+``moetrain.distributed.expert_parallel.tensor_parallel`` (each expert's hidden dim split over ``etp``
 consecutive ranks, the group's routed tokens gathered around the experts).
 
 Memory. A rank holds E/ep experts and 1/etp of their hidden dim: the expert states divide by

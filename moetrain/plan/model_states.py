@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.fsdp import expert_shard_dim
+from moetrain.distributed.data_parallel.fsdp import expert_shard_dim
 
 PARAM_BYTES = 4
 """fp32 parameters (the master weights; bf16/fp16 copies exist only while computing)."""

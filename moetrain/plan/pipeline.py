@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moetrain.distributed.pipeline_parallel import (
+from moetrain.distributed.pipeline.stages import (
     PP_SCHEDULES,
     check_microbatches,
     layer_costs,

@@ -41,9 +41,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from moetrain.distributed.data_parallel.ddp import unwrap
+from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.utils import unwrap
-from moetrain.distributed.zero import ZeroShardedOptimizer
 from moetrain.models.moe.layer import MoELayer
 from moetrain.train.health import expert_health_summary, token_fraction
 

@@ -60,7 +60,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from moetrain.distributed.zero import ZeroShardedOptimizer
+from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
 from moetrain.train.checkpoint_files import (
     FORMAT,
     LATEST,

@@ -24,9 +24,9 @@ from moetrain.config import JobConfig
 from moetrain.config.loader import load_config
 from moetrain.data.classify_data import PreparedLabelled
 from moetrain.distributed import runtime
+from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
-from moetrain.distributed.utils import mean_over_dp
 from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
 from moetrain.train.classification import confusion_matrix, metrics_from_confusion
 from moetrain.train.optim import build_optimizer

@@ -92,7 +92,7 @@ def collective_site(exc: BaseException) -> str:
     """The operation that failed, from the traceback: the torch.distributed call (or, for
     collectives torch issues itself, the innermost torch function) with its source line, and
     the moetrain line that led there. E.g. ``torch.distributed.all_to_all_single: `work.wait()`
-    from moetrain/distributed/all_to_all.py:395 (_exchange_counts)``."""
+    from moetrain/distributed/expert_parallel/dispatcher.py:395 (_exchange_counts)``."""
     frames = traceback.extract_tb(exc.__traceback__)
     if not frames:
         return "unknown operation"

@@ -1,5 +1,5 @@
 """Optimizer and learning-rate schedule. Gradient clipping over the global (all-rank) norm is
-``moetrain.distributed.utils.clip_global_grad_norm_``."""
+``moetrain.distributed.data_parallel.grads.clip_global_grad_norm_``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from moetrain.distributed.data_parallel import onebit_data_parallel
-from moetrain.distributed.onebit_adam import OneBitAdam
+from moetrain.distributed.data_parallel.ddp import onebit_data_parallel
+from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
 
 
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
@@ -29,7 +29,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
                     eps: float, data_parallel: nn.Module | None = None,
                     onebit_warmup_steps: int = 1) -> torch.optim.Optimizer:
     """AdamW over ``model``'s parameters; 1-bit Adam (AdamW for ``onebit_warmup_steps`` steps, then
-    compressed momenta: ``moetrain.distributed.onebit_adam``) when ``data_parallel``, the wrapped
+    compressed momenta: ``moetrain.distributed.data_parallel.onebit_adam``) when ``data_parallel``, the wrapped
     model, runs dp.grad_compression "onebit"."""
     groups = param_groups(model, weight_decay=weight_decay)
     wrapper = onebit_data_parallel(data_parallel) if data_parallel is not None else None

@@ -11,7 +11,7 @@ loader batches into one ``[M * B, S]`` batch and the schedule cuts it back into 
 micro-batches, so a pipelined step sees exactly the data of an unpipelined one. The objective
 is the same too, ``mean over micro-batches of (lm loss + aux loss)``: the loss function weighs
 each micro-batch's cross-entropy by ``1 / M`` and every stage hands its MoE aux losses the
-gradient ``1 / M`` (``moetrain.distributed.pipeline_parallel.AuxLossScaler``), both times the fp16
+gradient ``1 / M`` (``moetrain.distributed.pipeline.stages.AuxLossScaler``), both times the fp16
 loss scale when there is one. Routing statistics need nothing extra: every stage's MoE layers
 run every micro-batch and count it into their step buffers, which the balancer's pre-step hook
 reads once per step as without pipelining.
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.pipeline_grads import clip_pipeline_grad_norm_, reduce_stage_gradients
-from moetrain.distributed.pipeline_parallel import PipelineModel, build_schedule, forward_only
-from moetrain.distributed.utils import mean_over_dp
+from moetrain.distributed.pipeline.grads import clip_pipeline_grad_norm_, reduce_stage_gradients
+from moetrain.distributed.pipeline.stages import PipelineModel, build_schedule, forward_only
 from moetrain.models.transformer import IGNORE_INDEX
 from moetrain.train.precision import autocast_context
 
@@ -175,8 +175,8 @@ def build_pipeline(model, dims: ParallelDims, cfg, *, grad_accum: int, device: t
                    ) -> tuple[PipelineModel, PipelineStep]:
     """This rank's stages of ``model`` parallelised as ``parallelize`` would (EP, checkpointing,
     compile, FSDP2 at ZeRO 2/3), and the step that runs them under ``parallel.pp_schedule``."""
-    from moetrain.distributed.data_parallel import zero_settings
-    from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+    from moetrain.distributed.data_parallel.ddp import zero_settings
+    from moetrain.distributed.pipeline.stages import build_pipeline_model, parallelize_pipeline
 
     p, t = cfg.parallel, cfg.train
     pm = build_pipeline_model(model, pp_rank=dims.pp_rank, pp=p.pp, virtual_stages=p.pp_virtual_stages,

@@ -28,12 +28,14 @@ import torch
 
 from moetrain.config import JobConfig
 from moetrain.config.loader import save_config
-from moetrain.distributed import data_parallel, runtime
-from moetrain.distributed.data_parallel import no_sync, wrap_optimizer, zero_settings
-from moetrain.distributed.expert_parallel import collect_comm_stats
+from moetrain.distributed import runtime
+from moetrain.distributed.comm.collectives import mean_over_dp
+from moetrain.distributed.data_parallel import ddp as data_parallel
+from moetrain.distributed.data_parallel.ddp import no_sync, wrap_optimizer, zero_settings
+from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
+from moetrain.distributed.expert_parallel.apply import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing, parallelize
-from moetrain.distributed.utils import clip_global_grad_norm_, mean_over_dp
 from moetrain.train.balancing import install_balancing
 from moetrain.train.checkpoint import (
     restore_rng_state,

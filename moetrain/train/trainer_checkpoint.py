@@ -12,7 +12,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from moetrain.config.loader import config_to_dict
-from moetrain.distributed import data_parallel, runtime
+from moetrain.distributed import runtime
+from moetrain.distributed.data_parallel import ddp as data_parallel
 from moetrain.train.checkpoint import (
     CheckpointError,
     capture_rng_state,

@@ -32,7 +32,7 @@ from moetrain.distributed import (
     no_sync,
     parallelize,
 )
-from moetrain.distributed.utils import unwrap
+from moetrain.distributed.data_parallel.ddp import unwrap
 from moetrain.models.moe import MoELayer
 
 RTOL = 1e-5

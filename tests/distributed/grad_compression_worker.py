@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from moetrain.distributed import ParallelDims, no_sync
-from moetrain.distributed.data_parallel import (
+from moetrain.distributed.data_parallel.compression import OneBitReducer
+from moetrain.distributed.data_parallel.ddp import (
     apply_data_parallel,
     grad_comm_metrics,
     grad_compression_state,
     load_grad_compression_state,
 )
-from moetrain.distributed.expert_parallel import apply_expert_parallel
-from moetrain.distributed.grad_compression import OneBitReducer
+from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
 from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.train.optim import build_optimizer
 from tests.distributed.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs

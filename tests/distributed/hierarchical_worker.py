@@ -19,9 +19,9 @@ import torch.distributed as dist
 
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed import ParallelDims, apply_expert_parallel, parallelize
-from moetrain.distributed.all_to_all import AllToAllDispatcher
-from moetrain.distributed.compressed_exchange import wire_row_bytes
-from moetrain.distributed.hierarchical import HierarchicalDispatcher, hierarchical_dispatcher
+from moetrain.distributed.expert_parallel.dispatcher import AllToAllDispatcher
+from moetrain.distributed.expert_parallel.hierarchical import HierarchicalDispatcher, hierarchical_dispatcher
+from moetrain.distributed.expert_parallel.wire import wire_row_bytes
 from moetrain.models.moe import MoELayer
 from tests.distributed.ep_parity import _micro_slices, _train, assert_rel_close, build_model, make_data
 

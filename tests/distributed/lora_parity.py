@@ -16,8 +16,8 @@ import torch.distributed.checkpoint as dcp
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.distributed import ParallelDims, is_expert_shard, parallelize
-from moetrain.distributed.data_parallel import wrap_optimizer
-from moetrain.distributed.utils import clip_global_grad_norm_
+from moetrain.distributed.data_parallel.ddp import wrap_optimizer
+from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.models.lora import apply_lora, is_lora_name
 from moetrain.models.transformer import Transformer
 from moetrain.train.optim import build_optimizer

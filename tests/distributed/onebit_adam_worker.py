@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.distributed import ParallelDims
-from moetrain.distributed.data_parallel import MoEDataParallel, apply_data_parallel, grad_comm_metrics
-from moetrain.distributed.expert_parallel import apply_expert_parallel
-from moetrain.distributed.onebit_adam import OneBitAdam
-from moetrain.distributed.utils import clip_global_grad_norm_
+from moetrain.distributed.data_parallel.ddp import MoEDataParallel, apply_data_parallel, grad_comm_metrics
+from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
+from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
+from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
 from moetrain.train.optim import build_optimizer
 from moetrain.utils.tensors import local_tensor
 from tests.distributed.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs

@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.data_parallel import wrap_optimizer
+from moetrain.distributed.data_parallel.ddp import wrap_optimizer
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+from moetrain.distributed.pipeline.stages import build_pipeline_model, parallelize_pipeline
 from moetrain.models.moe import MoELayer
 from moetrain.models.transformer import Transformer
 from moetrain.train.balancing import install_balancing

@@ -26,7 +26,7 @@ What must hold, and why exactly:
 import pytest
 import torch
 
-from moetrain.distributed.compressed_exchange import int_wire_dtype
+from moetrain.distributed.expert_parallel.wire import int_wire_dtype
 from tests.distributed.chunks_worker import layer_worker, order_worker, reference
 from tests.distributed.dist_launcher import run_ranks
 from tests.distributed.ep_parity import assert_rel_close

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moetrain.distributed.compressed_exchange import exchange_rows
+from moetrain.distributed.expert_parallel.wire import exchange_rows
 from tests.distributed.dispatch_dtype_worker import bytes_worker, parity_errors
 from tests.distributed.dist_launcher import run_ranks
 from tests.distributed.ep_parity import Case, parity_worker, run_reference
@@ -159,7 +159,7 @@ def _exchange(rank, world_size):
 
 
 def test_straight_through_backward_in_bf16():
-    from moetrain.distributed.compressed_exchange import pack_e4m3, unpack_e4m3
+    from moetrain.distributed.expert_parallel.wire import pack_e4m3, unpack_e4m3
 
     results = run_ranks(_exchange, 2, timeout_s=60)
     sends = [[1, 2], [3, 1]]

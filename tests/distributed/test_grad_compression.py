@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.distributed.grad_compression import chunk_len, fp32_bytes, onebit_bytes
+from moetrain.distributed.data_parallel.compression import chunk_len, fp32_bytes, onebit_bytes
 from tests.distributed.dist_launcher import run_ranks
 from tests.distributed.grad_compression_worker import grads_worker, reducer_worker, resume_worker
 

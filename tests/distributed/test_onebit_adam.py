@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.distributed.grad_compression import fp32_bytes, onebit_bytes
+from moetrain.distributed.data_parallel.compression import fp32_bytes, onebit_bytes
 from tests.distributed.dist_launcher import run_ranks
 from tests.distributed.onebit_adam_worker import momentum_worker, stages_worker
 from tests.distributed.test_grad_compression import _reference

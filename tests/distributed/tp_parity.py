@@ -30,7 +30,7 @@ from moetrain.distributed import (
     parallelize,
     wrap_optimizer,
 )
-from moetrain.distributed.utils import clip_global_grad_norm_
+from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.models.moe import MoELayer
 from moetrain.models.transformer import Transformer
 from moetrain.train.balancing import install_balancing

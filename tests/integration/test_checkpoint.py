@@ -398,7 +398,7 @@ def _zero_run(rank: int, world_size: int, ep: int, zero_stage: int, ckpt_dir: st
 
     from moetrain.config.model import ModelConfig
     from moetrain.config.moe import MoEConfig
-    from moetrain.distributed.data_parallel import wrap_optimizer
+    from moetrain.distributed.data_parallel.ddp import wrap_optimizer
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
     from moetrain.models.transformer import Transformer

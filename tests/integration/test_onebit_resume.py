@@ -34,7 +34,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _state(trainer) -> dict[str, torch.Tensor]:
     """This rank's weights, Adam state and 1-bit residuals."""
-    from moetrain.distributed.data_parallel import grad_compression_state
+    from moetrain.distributed.data_parallel.ddp import grad_compression_state
 
     out = {f"param/{n}": _local(p) for n, p in trainer.model.named_parameters()}
     for n, p in trainer.model.named_parameters():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+from moetrain.distributed.pipeline.stages import build_pipeline_model, parallelize_pipeline
 from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.train.pipeline_step import PipelineStep
 from tests.distributed.dist_launcher import run_ranks

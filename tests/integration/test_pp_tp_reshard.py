@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moetrain.distributed.data_parallel import wrap_optimizer
+from moetrain.distributed.data_parallel.ddp import wrap_optimizer
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.pipeline_parallel import build_pipeline_model, parallelize_pipeline
+from moetrain.distributed.pipeline.stages import build_pipeline_model, parallelize_pipeline
 from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
 from moetrain.train.pipeline_step import PipelineStep
 from tests.distributed.dist_launcher import run_ranks

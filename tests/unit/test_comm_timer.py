@@ -1,10 +1,10 @@
-"""The collective timer (``moetrain.distributed.comm_timer``) on host clocks."""
+"""The collective timer (``moetrain.distributed.comm.timer``) on host clocks."""
 
 import time
 
 import torch
 
-from moetrain.distributed.comm_timer import CommTimer, timed_exchange
+from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 
 
 class _Slow(torch.autograd.Function):

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.comm_stats import CommStats
-from moetrain.distributed.compressed_exchange import (
+from moetrain.distributed.comm.stats import CommStats
+from moetrain.distributed.expert_parallel.wire import (
     E4M3_MAX,
     dequantize_e4m3,
     int_wire_dtype,

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from moetrain.config import ModelConfig, MoEConfig
 from moetrain.config.finetune import FinetuneConfig
-from moetrain.distributed.utils import clip_global_grad_norm_
+from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.models.lora import LoRALinear, apply_lora, is_lora_name, merge_lora, num_lora_params
 from moetrain.models.moe import GroupedExperts
 from moetrain.models.transformer import Transformer

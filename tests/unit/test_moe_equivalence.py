@@ -17,7 +17,9 @@ from moetrain.config.moe import MoEConfig
 from moetrain.models.moe import GroupedExperts, MoELayer
 
 DIM, HIDDEN, NUM_EXPERTS, TOP_K = 16, 32, 4, 2
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# fp32, three summation orders (grouped GEMM, per-expert loop, dense reference): a gradient element
+# sums ~100 products of size ~0.1, and AVX2 and AVX-512 kernels round those sums apart by ~1e-6.
+FP32_TOL = {"rtol": 1e-5, "atol": 4e-6}
 
 MODES = {
     "dropless": {"capacity_factor": None},

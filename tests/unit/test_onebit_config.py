@@ -7,7 +7,7 @@ import pytest
 
 from moetrain.config.dp import DataParallelConfig
 from moetrain.distributed import ParallelDims
-from moetrain.distributed.data_parallel import apply_data_parallel
+from moetrain.distributed.data_parallel.ddp import apply_data_parallel
 
 
 def test_warmup_steps_default_and_explicit():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from moetrain.distributed.grad_compression import (
+from moetrain.distributed.data_parallel.compression import (
     chunk_len,
     compress_rows,
     decompress_rows,

@@ -8,7 +8,7 @@ import torch
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
-from moetrain.distributed.pipeline_parallel import (
+from moetrain.distributed.pipeline.stages import (
     build_pipeline_model,
     check_microbatches,
     layer_costs,

@@ -20,7 +20,9 @@ from moetrain.models.moe import MoELayer
 from moetrain.models.moe.balance import load_balancing_loss, sequence_load_balancing_loss
 from moetrain.models.moe.router import ExpertChoiceRouter, TopKRouter, limit_to_groups
 
-FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# fp32, three summation orders (grouped GEMM, per-expert loop, dense reference): a gradient element
+# sums ~100 products of size ~0.1, and AVX2 and AVX-512 kernels round those sums apart by ~1e-6.
+FP32_TOL = {"rtol": 1e-5, "atol": 4e-6}
 
 
 def identity(router: TopKRouter) -> TopKRouter:

@@ -9,7 +9,7 @@ dispatcher that communicates runs it while the rows travel, and may pipeline the
 its exchanges; the local one simply calls it. Each dispatcher turns the capacity factor into a
 capacity over the batch it decides drops for, and reports what it sent. ``LocalDispatcher`` (all experts on this
 process) is here; the all-to-all one for expert parallelism is in
-``moetrain.distributed.all_to_all``.
+``moetrain.distributed.expert_parallel.dispatcher``.
 
 Shape legend: T tokens, D model dim, E experts, K experts per token, N = T*K routed copies,
 M copies kept after capacity drops (M = N when dropless).

@@ -1,6 +1,6 @@
 """Node-aware expert all-to-all (``parallel.ep_hierarchical``) for ep groups that span nodes.
 
-The flat exchange (``moetrain.distributed.all_to_all``) sends a token's row to every rank holding
+The flat exchange (``moetrain.distributed.expert_parallel.dispatcher``) sends a token's row to every rank holding
 one of its experts, so a token whose K experts sit on two ranks of one remote node crosses the
 slow inter-node link twice. Here, as in DeepEP, the ep group's P ranks are Q nodes of G ranks,
 ep rank ``q * G + g`` being rank g of node q, and a row travels in two stages:
@@ -43,10 +43,11 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.all_to_all import AllToAllDispatcher
-from moetrain.distributed.comm_stats import row_bytes
-from moetrain.distributed.comm_timer import timed_exchange
-from moetrain.distributed.compressed_exchange import (
+from moetrain.distributed.comm.stats import row_bytes
+from moetrain.distributed.comm.timer import timed_exchange
+from moetrain.distributed.expert_parallel.dispatcher import AllToAllDispatcher
+from moetrain.distributed.expert_parallel.index import kept_positions, to_host
+from moetrain.distributed.expert_parallel.wire import (
     exchange_rows,
     ints_from_bytes,
     ints_to_bytes,
@@ -54,7 +55,6 @@ from moetrain.distributed.compressed_exchange import (
     unpack_e4m3,
     wire_row_bytes,
 )
-from moetrain.distributed.dispatch_index import kept_positions, to_host
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import DispatchResult, ExpertsFn, RoutedOutput
 from moetrain.models.moe.token_bags import TokenBags, bags_by_index, gather_rows, sum_rows, weighted_scatter

@@ -1,4 +1,4 @@
-"""Index math of the all-to-all dispatcher (``moetrain.distributed.all_to_all``): pure functions
+"""Index math of the all-to-all dispatcher (``moetrain.distributed.expert_parallel.dispatcher``): pure functions
 of routing counts, no communication.
 
 Shape legend: E experts, L local experts, P ranks in the ep group, R copies received.

@@ -1,5 +1,5 @@
-"""Small distributed helpers: collectives across torch versions, and what the trainer needs
-around a parallelised model (the global gradient norm and its clipping, the mean over dp)."""
+"""Gradients of a parallelised model after backward: the global norm (the one a single process
+holding the whole model computes) and clipping to it."""
 
 from __future__ import annotations
 
@@ -7,16 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.data_parallel.ddp import unwrap
 from moetrain.utils.tensors import local_tensor
-
-# torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside a DDP wrapper (or the model itself)."""
-    return getattr(model, "module", model)
 
 
 def _sharded_axes(g: torch.Tensor) -> tuple[int, ...]:
@@ -103,17 +95,3 @@ def clip_to_norm_(params: list[torch.Tensor], norm: torch.Tensor, max_norm: floa
 def clip_model_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """:func:`clip_global_grad_norm_` over all parameters of a (wrapped) model."""
     return clip_global_grad_norm_(list(unwrap(model).parameters()), max_norm)
-
-
-def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
-    """Mean of a per-rank scalar (e.g. the loss) over the data-parallel ranks: with equal local
-    batches, the single-process value of the global batch."""
-    out = value.detach().clone().to(_comm_device(dims))
-    if dims.dp > 1:
-        dist.all_reduce(out, group=dims.dp_group)
-        out /= dims.dp
-    return out
-
-
-def _comm_device(dims: ParallelDims) -> torch.device:
-    return torch.device(dims.mesh.device_type) if dims.mesh is not None else torch.device("cpu")

@@ -1,4 +1,4 @@
-"""Records of the all-to-all dispatcher (``moetrain.distributed.all_to_all``): the route of one
+"""Records of the all-to-all dispatcher (``moetrain.distributed.expert_parallel.dispatcher``): the route of one
 dispatch, what one exchange sends (the whole batch, or one chunk of it), the state its combine
 needs, and the index math that cuts a route into chunks (``moe.dispatch_chunks``).
 

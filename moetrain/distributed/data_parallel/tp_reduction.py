@@ -34,7 +34,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.distributed.tensor import DTensor, Replicate
 
-from moetrain.distributed.expert_parallel import is_expert_shard
+from moetrain.distributed.expert_parallel.apply import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
 
 

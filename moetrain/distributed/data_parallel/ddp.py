@@ -1,8 +1,8 @@
 """Data parallelism with expert-aware gradient scaling, at every ZeRO stage.
 
     stage 0: replicated parameters, DDP (this module)
-    stage 1: DDP here, plus the optimizer-state sharding of ``moetrain.distributed.zero``
-    stage 2/3: FSDP2, ``moetrain.distributed.fsdp``
+    stage 1: DDP here, plus the optimizer-state sharding of ``moetrain.distributed.data_parallel.zero1``
+    stage 2/3: FSDP2, ``moetrain.distributed.data_parallel.fsdp``
 
 ``apply_data_parallel`` picks the wrapper, ``wrap_optimizer`` the optimizer, and ``no_sync`` works
 for all of them.
@@ -28,7 +28,7 @@ post-backward), proven by ``tests/distributed/test_grad_overlap.py``.
 Gradient compression (``dp.grad_compression``). "bf16" (stages 0/1) swaps both reductions for a
 bf16 all-reduce: a DDP communication hook for the replicated parameters, the same reduction over
 edp for the expert shards. "onebit" (stage 0 only) is 1-bit Adam
-(``moetrain.distributed.onebit_adam``): during its warmup both reductions are the fp32 ones above;
+(``moetrain.distributed.data_parallel.onebit_adam``): during its warmup both reductions are the fp32 ones above;
 afterwards the optimizer sets *local-gradient mode* and the backward reduces nothing. Each rank
 then holds its own estimate of the global gradient, which the optimizer folds into its momentum
 before the momenta are averaged (``onebit_average_``, 1-bit compressed, over dp and edp):
@@ -57,10 +57,10 @@ from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.config.job import JobConfig
-from moetrain.distributed.comm_timer import CommTimer
-from moetrain.distributed.ddp_compression import CompressionStateMixin
-from moetrain.distributed.expert_parallel import is_expert_shard
-from moetrain.distributed.grad_compression import Bf16AllReduce, OneBitReducer, fp32_bytes
+from moetrain.distributed.comm.timer import CommTimer
+from moetrain.distributed.data_parallel.compression import Bf16AllReduce, OneBitReducer, fp32_bytes
+from moetrain.distributed.data_parallel.compression_state import CompressionStateMixin
+from moetrain.distributed.expert_parallel.apply import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
 
 log = logging.getLogger("moetrain")
@@ -184,7 +184,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
                 fut.wait()  # timed where it is issued (log.comm_timing)
         return fut.then(lambda f: f.value()[0])
 
-    # --- 1-bit Adam (moetrain.distributed.onebit_adam) -----------------------------------------------
+    # --- 1-bit Adam (moetrain.distributed.data_parallel.onebit_adam) -----------------------------------------------
 
     @property
     def local_gradients(self) -> bool:
@@ -261,7 +261,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
     Stages 0 and 1: ``MoEDataParallel`` (DDP) when ``dims.dp > 1``, else ``model`` unchanged; with
     tensor parallelism (``dims.tp > 1``) a ``TensorParallelDataParallel`` instead;
     stage 1 also needs its optimizer passed through ``wrap_optimizer``. Stages 2 and 3: FSDP2
-    units over ``blocks`` and the root (see ``moetrain.distributed.fsdp``), returning ``model``
+    units over ``blocks`` and the root (see ``moetrain.distributed.data_parallel.fsdp``), returning ``model``
     itself, now an ``FSDPModule``. ``mixed_precision`` ("fp32", "bf16", "fp16") is FSDP's
     parameter/compute dtype at stages 2/3; at stages 0/1 the trainer's autocast does that job.
     ``grad_compression`` ("none", "bf16", "onebit") compresses the gradient reductions at stages 0/1.
@@ -288,7 +288,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
         raise ValueError(f"dp.grad_compression ({grad_compression!r}) needs parallel.tp = 1 (is {dims.tp}): "
                          "tensor-parallel gradients are reduced uncompressed")
     if zero_stage >= 2:
-        from moetrain.distributed.fsdp import apply_fsdp
+        from moetrain.distributed.data_parallel.fsdp import apply_fsdp
 
         if blocks is None:
             raise ValueError("apply_data_parallel at zero_stage >= 2 needs blocks (the FSDP units)")
@@ -296,12 +296,17 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
                           offload_params=offload_params, offload_optimizer=offload_optimizer,
                           pin_memory=pin_memory, hsdp_replicate=hsdp_replicate)
     if dims.tp > 1:
-        from moetrain.distributed.tp_data_parallel import TensorParallelDataParallel
+        from moetrain.distributed.data_parallel.tp_reduction import TensorParallelDataParallel
 
         return TensorParallelDataParallel(model, dims)
     if dims.dp == 1:
         return model
     return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb, grad_compression=grad_compression)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside a DDP wrapper (or the model itself)."""
+    return getattr(model, "module", model)
 
 
 def grad_comm_metrics(model: nn.Module) -> dict[str, float]:
@@ -336,7 +341,7 @@ def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims, *, zero
     was built over FSDP's sharded parameters, so its states are sharded already)."""
     if zero_stage != 1:
         return optimizer
-    from moetrain.distributed.zero import ZeroShardedOptimizer
+    from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
 
     return ZeroShardedOptimizer(optimizer, dims, offload=offload_optimizer, bucket_numel=bucket_numel)
 
@@ -360,11 +365,11 @@ def no_sync(model: nn.Module):
     """Context that skips the gradient reduction (non-final micro-steps of gradient accumulation),
     for DDP (stages 0/1) and FSDP2 (stages 2/3) alike. A no-op for a model that is not
     data-parallel, so the trainer calls it unconditionally."""
-    from moetrain.distributed.tp_data_parallel import TensorParallelDataParallel
+    from moetrain.distributed.data_parallel.tp_reduction import TensorParallelDataParallel
 
     if isinstance(model, (DistributedDataParallel, TensorParallelDataParallel)):
         return model.no_sync()
-    from moetrain.distributed.fsdp import fsdp_no_sync, is_fsdp
+    from moetrain.distributed.data_parallel.fsdp import fsdp_no_sync, is_fsdp
 
     if is_fsdp(model):
         return fsdp_no_sync(model)

@@ -48,7 +48,7 @@ from collections.abc import Callable
 
 import torch
 
-from moetrain.distributed.data_parallel import MoEDataParallel
+from moetrain.distributed.data_parallel.ddp import MoEDataParallel
 from moetrain.utils.tensors import local_tensor
 
 log = logging.getLogger("moetrain")

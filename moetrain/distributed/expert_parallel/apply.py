@@ -1,5 +1,5 @@
 """Expert parallelism applied to a model: each rank of an ep group holds E/ep experts, and token
-copies travel to them by all-to-all (``moetrain.distributed.all_to_all``) and come back.
+copies travel to them by all-to-all (``moetrain.distributed.expert_parallel.dispatcher``) and come back.
 
 ``apply_expert_parallel`` swaps in the dispatcher the layout needs, shards the expert weights as
 DTensors over the ``ep`` mesh axis, and points the load-balancing loss at the data-parallel group.
@@ -14,12 +14,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.all_to_all import AllToAllDispatcher
-from moetrain.distributed.comm_stats import CommStats
-from moetrain.distributed.comm_timer import CommTimer
-from moetrain.distributed.ep_exchange import EpExchanges
-from moetrain.distributed.expert_tensor_parallel import ExpertTensorParallelDispatcher, shard_experts_2d
-from moetrain.distributed.hierarchical import hierarchical_dispatcher
+from moetrain.distributed.comm.stats import CommStats
+from moetrain.distributed.comm.timer import CommTimer
+from moetrain.distributed.expert_parallel.dispatcher import AllToAllDispatcher
+from moetrain.distributed.expert_parallel.exchange import EpExchanges
+from moetrain.distributed.expert_parallel.hierarchical import hierarchical_dispatcher
+from moetrain.distributed.expert_parallel.tensor_parallel import (
+    ExpertTensorParallelDispatcher,
+    shard_experts_2d,
+)
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import Dispatcher, LocalDispatcher
 from moetrain.models.moe.experts import GroupedExperts
@@ -30,7 +33,7 @@ def build_dispatcher(dims: ParallelDims, moe: MoEConfig) -> Dispatcher:
     """The dispatcher a layout needs: all-to-all when experts are split (ep > 1), or when data
     parallelism meets a capacity factor (drops are decided over the global batch); otherwise local.
     With ``parallel.ep_hierarchical`` and an ep group spanning nodes: the two-stage exchange of
-    ``moetrain.distributed.hierarchical`` (across nodes once per destination node, then inside
+    ``moetrain.distributed.expert_parallel.hierarchical`` (across nodes once per destination node, then inside
     the node). Needs the mesh."""
     if dims.hierarchical_ep:
         if moe.dispatch_chunks > 1:

@@ -45,8 +45,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from moetrain.distributed.comm_stats import CommStats, CountedExchanges, row_bytes
-from moetrain.distributed.comm_timer import CommTimer, timed_exchange, waited
+from moetrain.distributed.comm.stats import CommStats, CountedExchanges, row_bytes
+from moetrain.distributed.comm.timer import CommTimer, timed_exchange, waited
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.dispatcher import (
     Dispatcher,

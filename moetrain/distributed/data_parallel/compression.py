@@ -1,5 +1,5 @@
 """Compressed all-reduces: bf16 (of gradients), and 1-bit (sign x mean |x|) with error feedback
-(of 1-bit Adam's momenta, ``moetrain.distributed.onebit_adam``).
+(of 1-bit Adam's momenta, ``moetrain.distributed.data_parallel.onebit_adam``).
 
 The 1-bit reduction is the two-phase compressed all-reduce of 1-bit Adam (Tang et al. 2021).
 Packed signs cannot be summed by an all-reduce, so each rank owns one chunk of every tensor:
@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from moetrain.distributed.utils import all_gather_single
+from moetrain.distributed.comm.collectives import all_gather_single
 
 _BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
 _SCALE_BYTES = 4

@@ -1,4 +1,4 @@
-"""The 1-bit Adam side of ``MoEDataParallel`` (``moetrain.distributed.data_parallel``): the compressed
+"""The 1-bit Adam side of ``MoEDataParallel`` (``moetrain.distributed.data_parallel.ddp``): the compressed
 average of the momenta over each parameter's replicas, the error-feedback residuals it keeps per
 rank (saved in checkpoints), and the bytes the gradient reductions moved. The attributes it reads
 (``_dense_reducer``, ``_expert_reducer``, the byte counters, ...) are set up by
@@ -12,7 +12,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from moetrain.distributed.expert_parallel import is_expert_shard
+from moetrain.distributed.expert_parallel.apply import is_expert_shard
 
 log = logging.getLogger("moetrain")
 

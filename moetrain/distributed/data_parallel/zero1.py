@@ -40,10 +40,10 @@ from dataclasses import dataclass
 import torch
 from torch.distributed.tensor import DTensor
 
-from moetrain.distributed.comm_timer import CommTimer
-from moetrain.distributed.expert_parallel import is_expert_shard
+from moetrain.distributed.comm.collectives import all_gather_single
+from moetrain.distributed.comm.timer import CommTimer
+from moetrain.distributed.expert_parallel.apply import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.utils import all_gather_single
 from moetrain.utils.tensors import local_tensor
 
 

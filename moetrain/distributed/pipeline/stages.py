@@ -27,8 +27,8 @@ Gradient reduction. At ZeRO stages 2/3 each chunk is an FSDP2 root and the sched
 reduce-scatters after the last micro-batch. At stages 0/1 the chunks are not wrapped in DDP (the
 schedule runs every forward under ``no_sync``, which hides the expert shards' edp reduction of
 ``MoEDataParallel``): :func:`reduce_stage_gradients` reduces after the schedule instead, with the
-same rule as ``moetrain.distributed.data_parallel`` (dense: mean over dp; expert shards: sum over
-edp divided by dp), one flat all-reduce per dtype (``moetrain.distributed.pipeline_grads``).
+same rule as ``moetrain.distributed.data_parallel.ddp`` (dense: mean over dp; expert shards: sum over
+edp divided by dp), one flat all-reduce per dtype (``moetrain.distributed.pipeline.grads``).
 
 Shape legend: B batch (a micro-batch inside a stage), S sequence, D model dim, V vocabulary.
 """
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.distributed.comm_timer import CommTimer, timed_exchange
+from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.attention import attention_mask
@@ -306,8 +306,8 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     at ZeRO stages 2/3 (each chunk a root over its blocks); nothing at 0/1, where
     :func:`reduce_stage_gradients` runs after the schedule.
     ``bucket_cap_mb`` (DDP's) has no use here: the stage 0/1 reduction is one flat buffer."""
-    from moetrain.distributed.data_parallel import apply_data_parallel
-    from moetrain.distributed.expert_parallel import apply_expert_parallel
+    from moetrain.distributed.data_parallel.ddp import apply_data_parallel
+    from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
     from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
 
     del bucket_cap_mb

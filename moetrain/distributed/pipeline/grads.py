@@ -1,6 +1,6 @@
 """Gradients of a model split into pipeline stages: the data-parallel reduction of one stage at
 ZeRO stages 0/1 (after the schedule), and the global norm and clipping over every stage.
-See ``moetrain.distributed.pipeline_parallel`` for why the stages are not wrapped in DDP."""
+See ``moetrain.distributed.pipeline.stages`` for why the stages are not wrapped in DDP."""
 
 from __future__ import annotations
 
@@ -8,16 +8,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.distributed.data_parallel.grads import clip_to_norm_, global_grad_norm
+from moetrain.distributed.data_parallel.tp_reduction import copies_group, is_partial_grad, mark_summed
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.tp_data_parallel import copies_group, is_partial_grad, mark_summed
-from moetrain.distributed.utils import clip_to_norm_, global_grad_norm
 from moetrain.utils.tensors import local_tensor
 
 
 @torch.no_grad()
 def reduce_stage_gradients(model: nn.Module, dims: ParallelDims) -> None:
     """The data-parallel gradient reduction of one stage at ZeRO stages 0/1, after the schedule's
-    last backward, by ``moetrain.distributed.tp_data_parallel``'s rule: every gradient scaled by
+    last backward, by ``moetrain.distributed.data_parallel.tp_reduction``'s rule: every gradient scaled by
     1 / dp and summed over the ranks holding a copy of its parameter (dense: dp, or dp x tp for
     what the tp ranks keep whole; tp-split weights: dp; expert shards: edp). A Partial gradient
     (a sequence-parallel norm weight) is whole once summed and becomes Replicate. One all-reduce

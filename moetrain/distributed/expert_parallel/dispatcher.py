@@ -19,15 +19,15 @@ Two ways to send, chosen by ``moe.dispatch_dedup``:
   receiving rank fans the row out to its experts and sums their weighted outputs before the
   row goes home.
 
-``moe.dispatch_dtype`` picks the wire format (``moetrain.distributed.compressed_exchange``): "none"
+``moe.dispatch_dtype`` picks the wire format (``moetrain.distributed.expert_parallel.wire``): "none"
 sends the compute dtype; "bf16" and "fp8_e4m3" compress the forward dispatch rows (and send the
 combine and every backward in bf16) and the routing metadata (smallest integer type).
 
 Overlap (``run_experts``, what the MoE layer calls): token rows are launched
-(``moetrain.distributed.async_exchange``) and waited for only when read, so the layer's
+(``moetrain.distributed.expert_parallel.exchange``) and waited for only when read, so the layer's
 ``in_flight`` work (its shared experts) runs while the dispatch travels. With
 ``moe.dispatch_chunks`` C > 1 this rank's kept copies are cut into C token ranges
-(``moetrain.distributed.all_to_all_route``) and the exchanges pipeline against the experts:
+(``moetrain.distributed.expert_parallel.route``) and the exchanges pipeline against the experts:
 chunk c+1's dispatch leaves before chunk c's experts run, chunk c's combine before chunk c+1's.
 Each chunk is the unchunked dispatch restricted to its tokens, so every row, gather and weighted
 sum is the same; only the expert GEMMs see other row counts.
@@ -46,7 +46,9 @@ from itertools import pairwise
 import torch
 import torch.distributed as dist
 
-from moetrain.distributed.all_to_all_route import (
+from moetrain.distributed.expert_parallel.exchange import EpExchanges
+from moetrain.distributed.expert_parallel.index import group_by_local_expert, kept_positions, to_host
+from moetrain.distributed.expert_parallel.route import (
     _ChunkCounts,
     _OncePerRankState,
     _PerCopyState,
@@ -58,8 +60,6 @@ from moetrain.distributed.all_to_all_route import (
     split_into_chunks,
     whole_batch,
 )
-from moetrain.distributed.dispatch_index import group_by_local_expert, kept_positions, to_host
-from moetrain.distributed.ep_exchange import EpExchanges
 from moetrain.models.moe.dispatcher import (
     DispatchResult,
     ExpertsFn,

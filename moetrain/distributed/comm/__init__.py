@@ -1,0 +1,1 @@
+"""What the collectives share: names across torch versions, byte counters, timers."""

@@ -1,0 +1,26 @@
+"""Collectives the other modules share: names across torch versions, and the mean of a per-rank
+scalar over the data-parallel ranks."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from moetrain.distributed.parallel_dims import ParallelDims
+
+# torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """Mean of a per-rank scalar (e.g. the loss) over the data-parallel ranks: with equal local
+    batches, the single-process value of the global batch."""
+    out = value.detach().clone().to(_comm_device(dims))
+    if dims.dp > 1:
+        dist.all_reduce(out, group=dims.dp_group)
+        out /= dims.dp
+    return out
+
+
+def _comm_device(dims: ParallelDims) -> torch.device:
+    return torch.device(dims.mesh.device_type) if dims.mesh is not None else torch.device("cpu")

@@ -1,0 +1,2 @@
+"""Pipeline parallelism on ``torch.distributed.pipelining``: the stages cut from a single-device
+model, their schedule, and their gradients."""
