@@ -181,7 +181,7 @@ def _rank_main(rank, world_size, init_file, results, cfg, data, kwargs):
 
 
 def run_strategy(cfg, data, world_size: int, **kwargs) -> dict:
-    """Fork ``world_size`` gloo ranks (like tests/distributed/dist_launcher.py) and train."""
+    """Fork ``world_size`` gloo ranks (like tests/helpers/dist_launcher.py) and train."""
     ctx = mp.get_context("fork")
     tmp = tempfile.mkdtemp(prefix="moetrain-routing-")
     results = ctx.Queue()

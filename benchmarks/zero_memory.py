@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
-from dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 
 from moetrain.config.presets import get_preset
 from moetrain.plan.activations import estimate_activations

@@ -6,8 +6,8 @@ Nothing in attention depends on the layout, so the tolerances are those of test_
 
 import pytest
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import Run, assert_matches, run_reference, zero_worker
+from tests.distributed.workers.zero_parity import Run, assert_matches, run_reference, zero_worker
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -27,10 +27,10 @@ import dataclasses
 import pytest
 import torch
 
-from tests.distributed import pipeline_worker, tp_parity
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.pipeline_worker import PPCase
-from tests.distributed.tp_parity import TpRun
+from tests.distributed.workers import pipeline_worker, tp_parity
+from tests.distributed.workers.pipeline_worker import PPCase
+from tests.distributed.workers.tp_parity import TpRun
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

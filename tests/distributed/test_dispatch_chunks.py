@@ -27,9 +27,9 @@ import pytest
 import torch
 
 from moetrain.distributed.expert_parallel.wire import int_wire_dtype
-from tests.distributed.chunks_worker import layer_worker, order_worker, reference
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import assert_rel_close
+from tests.distributed.workers.chunks_worker import layer_worker, order_worker, reference
+from tests.distributed.workers.ep_parity import assert_rel_close
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

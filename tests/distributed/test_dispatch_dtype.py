@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from moetrain.distributed.expert_parallel.wire import exchange_rows
-from tests.distributed.dispatch_dtype_worker import bytes_worker, parity_errors
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import Case, parity_worker, run_reference
+from tests.distributed.workers.dispatch_dtype_worker import bytes_worker, parity_errors
+from tests.distributed.workers.ep_parity import Case, parity_worker, run_reference
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed.dist_launcher import RankError, run_ranks
+from tests.helpers.dist_launcher import RankError, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 

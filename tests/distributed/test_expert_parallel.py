@@ -9,8 +9,7 @@ the tiny models, dominates the time on the 2-core CI machine.
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import (
+from tests.distributed.workers.ep_parity import (
     Case,
     assert_parity,
     assert_rel_close,
@@ -18,6 +17,7 @@ from tests.distributed.ep_parity import (
     parity_worker,
     run_reference,
 )
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 

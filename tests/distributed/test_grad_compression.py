@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from moetrain.distributed.data_parallel.compression import chunk_len, fp32_bytes, onebit_bytes
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.grad_compression_worker import grads_worker, reducer_worker, resume_worker
+from tests.distributed.workers.grad_compression_worker import grads_worker, reducer_worker, resume_worker
+from tests.helpers.dist_launcher import run_ranks
 
 
 def _reference(grads: list[list[list[torch.Tensor]]], world: int) -> list[list[torch.Tensor]]:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.grad_overlap_worker import EMBEDDING_GRAD, bf16_expert_worker, overlap_worker
+from tests.distributed.workers.grad_overlap_worker import EMBEDDING_GRAD, bf16_expert_worker, overlap_worker
+from tests.helpers.dist_launcher import run_ranks
 
 CASES = [(0, "none"), (0, "bf16"), (1, "none"), (1, "bf16"), (2, "none"), (3, "none")]
 

@@ -26,18 +26,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.dispatch_dtype_worker import parity_errors
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import Case, assert_parity, run_reference
-from tests.distributed.hierarchical_torchrun import SETTINGS as SETTINGS_TORCHRUN
-from tests.distributed.hierarchical_worker import (
+from tests.distributed.workers.dispatch_dtype_worker import parity_errors
+from tests.distributed.workers.ep_parity import Case, assert_parity, run_reference
+from tests.distributed.workers.hierarchical_torchrun import SETTINGS as SETTINGS_TORCHRUN
+from tests.distributed.workers.hierarchical_worker import (
     ROUNDING,
     assert_inter_node_bytes,
     assert_layer_parity,
     layer_worker,
     training_worker,
 )
-from tests.distributed.torchrun_agents import run_agents
+from tests.distributed.workers.torchrun_agents import run_agents
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -112,7 +112,7 @@ def test_training_matches_single_process():
 
 @pytest.mark.timeout(240)
 def test_two_torchrun_agents_on_localhost(tmp_path):
-    script = Path(__file__).with_name("hierarchical_torchrun.py")
+    script = Path(__file__).parent / "workers" / "hierarchical_torchrun.py"
     run_agents(script, str(tmp_path), rdzv_id="moetrain-hierarchical")
 
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]

@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from moetrain.distributed import is_expert_shard
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import _assemble, assert_rel_close
-from tests.distributed.lora_parity import build_lora_model, lora_worker, run_reference
+from tests.distributed.workers.ep_parity import _assemble, assert_rel_close
+from tests.distributed.workers.lora_parity import build_lora_model, lora_worker, run_reference
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 

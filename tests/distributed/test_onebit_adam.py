@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from moetrain.distributed.data_parallel.compression import fp32_bytes, onebit_bytes
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.onebit_adam_worker import momentum_worker, stages_worker
 from tests.distributed.test_grad_compression import _reference
+from tests.distributed.workers.onebit_adam_worker import momentum_worker, stages_worker
+from tests.helpers.dist_launcher import run_ranks
 
 WARMUP, STEPS = 3, 7
 

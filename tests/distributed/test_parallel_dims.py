@@ -10,7 +10,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.distributed import ParallelDims, parallelize
 from moetrain.models.moe import MoELayer
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 
 EP3_E8 = "parallel.ep (3) must divide moe.num_experts (8)"
 EP4_W2 = "parallel.ep (4) must divide the world size (2)"

@@ -3,7 +3,7 @@
 Every case compares, at every step, the loss and aux-loss sums (mean over the dp ranks), the
 clipped-or-not global gradient norm and every gradient of every stage (expert and FSDP shards
 gathered to full tensors), and the parameters after three AdamW steps, with the one-process run
-of ``tests.distributed.pipeline_worker.run_reference`` (the same micro-batches accumulated).
+of ``tests.distributed.workers.pipeline_worker.run_reference`` (the same micro-batches accumulated).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.pipeline_worker import PPCase, run_cases, run_reference
+from tests.distributed.workers.pipeline_worker import PPCase, run_cases, run_reference
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,8 @@ And the byte counters: one MoE layer under bf16 moves half the token-row bytes o
 import pytest
 import torch
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import Run
+from tests.distributed.workers.zero_parity import Run
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -43,13 +43,13 @@ def _runs() -> list[Run]:
 
 
 def _dtype_worker(rank, world_size, runs):
-    from tests.distributed.dtype_probe import dtype_worker
+    from tests.distributed.workers.dtype_probe import dtype_worker
 
     return dtype_worker(rank, world_size, runs)
 
 
 def _bytes_worker(rank, world_size):
-    from tests.distributed.dtype_probe import bytes_worker
+    from tests.distributed.workers.dtype_probe import bytes_worker
 
     return bytes_worker(rank, world_size)
 

@@ -9,15 +9,15 @@ routed scaling factor and the gated shared expert.
 import pytest
 import torch
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.ep_parity import assert_parity, make_data
-from tests.distributed.routing_parity import (
+from tests.distributed.workers.ep_parity import assert_parity, make_data
+from tests.distributed.workers.routing_parity import (
     RoutingCase,
     assert_balance_parity,
     build_routing_model,
     routing_worker,
     run_reference,
 )
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(200)]
 

@@ -15,8 +15,7 @@ import torch.distributed as dist
 from moetrain.models.moe import MoELayer
 from moetrain.train.balancing import install_balancing
 from moetrain.train.precision import DynamicLossScaler
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import (
+from tests.distributed.workers.zero_parity import (
     GLOBAL_BATCH,
     Run,
     _optimizer,
@@ -26,6 +25,7 @@ from tests.distributed.zero_parity import (
     make_batches,
     setup_run,
 )
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

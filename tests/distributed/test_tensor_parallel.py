@@ -12,8 +12,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.distributed.tensor_parallel import check_tensor_parallel
 from moetrain.models.transformer import Transformer
 from moetrain.plan.comm import etp_bytes_per_micro_batch, etp_forward_bytes
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.tp_parity import (
+from tests.distributed.workers.tp_parity import (
     GLOBAL_BATCH,
     NORM_GROUPS,
     TpRun,
@@ -21,7 +20,8 @@ from tests.distributed.tp_parity import (
     run_reference,
     tp_worker,
 )
-from tests.distributed.zero_parity import rel_err
+from tests.distributed.workers.zero_parity import rel_err
+from tests.helpers.dist_launcher import run_ranks
 
 RTOL = 2e-5
 

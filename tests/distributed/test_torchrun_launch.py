@@ -6,11 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.ep_parity import assert_parity, run_reference
-from tests.distributed.torchrun_agents import run_agents
-from tests.distributed.torchrun_parity import LAYOUTS
+from tests.distributed.workers.ep_parity import assert_parity, run_reference
+from tests.distributed.workers.torchrun_agents import run_agents
+from tests.distributed.workers.torchrun_parity import LAYOUTS
 
-SCRIPT = Path(__file__).with_name("torchrun_parity.py")
+SCRIPT = Path(__file__).parent / "workers" / "torchrun_parity.py"
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 
 from moetrain.plan.activations import estimate_activations
 from moetrain.plan.model_states import Layout, param_specs, rank_state_bytes, unsharded_param_peak_bytes
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import Run, model_configs
+from tests.distributed.workers.zero_parity import Run, model_configs
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -82,6 +82,6 @@ def test_activation_and_gathered_estimates_world2():
 
 
 def _worker(rank, world_size, runs):
-    from tests.distributed.zero_parity import memory_worker
+    from tests.distributed.workers.zero_parity import memory_worker
 
     return memory_worker(rank, world_size, runs)

@@ -11,8 +11,8 @@ One process start per world size, every run inside it: start-up, not the tiny mo
 
 import pytest
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import Run, assert_matches, run_reference
+from tests.distributed.workers.zero_parity import Run, assert_matches, run_reference
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -71,6 +71,6 @@ def test_zero_stages_world4():
 
 
 def _worker(rank, world_size, runs):
-    from tests.distributed.zero_parity import zero_worker
+    from tests.distributed.workers.zero_parity import zero_worker
 
     return zero_worker(rank, world_size, runs)

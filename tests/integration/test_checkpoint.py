@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.config.loader import load_config
 from moetrain.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 
 E = 4  # experts per MoE layer of the tiny job

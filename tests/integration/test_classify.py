@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moetrain.config.loader import load_config
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import rel_err
+from tests.distributed.workers.zero_parity import rel_err
+from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from moetrain.config.loader import load_config
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides
 
 KINDS = ("dispatch", "dispatch_backward", "combine", "combine_backward", "routing")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from moetrain.config.loader import load_config
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import read_losses
 
 

@@ -28,8 +28,8 @@ import torch
 
 from moetrain.config.loader import load_config
 from moetrain.train.checkpoint import load_model_weights
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.torchrun_agents import free_port, torchrun
+from tests.distributed.workers.torchrun_agents import free_port, torchrun
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides
 
 STEPS = 200

@@ -30,7 +30,7 @@ import torch
 
 from moetrain.config.loader import load_config
 from moetrain.train.checkpoint import CheckpointError, load_model_weights, resolve_checkpoint
-from tests.distributed.dist_launcher import RankError, run_ranks
+from tests.helpers.dist_launcher import RankError, run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 
 REPO = Path(__file__).resolve().parents[2]

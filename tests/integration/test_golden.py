@@ -3,9 +3,9 @@ unchanged (STYLE habit 10).
 
 The run and what it pins (the job's config, seed 1234, one process, one thread, and the
 environment: torch 2.13.0+cpu, MKL, an x86-64 CPU with AVX-512) are described in
-``tests/integration/golden.py``. On a failure the message lists each step's golden and new loss in
+``tests/helpers/golden.py``. On a failure the message lists each step's golden and new loss in
 decimal, both environments, and the command that regenerates the goldens
-(``python -m tests.integration.golden --write``), for a change that is meant to alter numerics.
+(``python -m tests.helpers.golden --write``), for a change that is meant to alter numerics.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from tests.integration.golden import GOLDEN, REGENERATE, golden_run, mismatch_report
+from tests.helpers.golden import GOLDEN, REGENERATE, golden_run, mismatch_report
 
 
 @pytest.mark.slow

@@ -12,7 +12,7 @@ import torch
 from moetrain.cli import main
 from moetrain.config.loader import load_config
 from moetrain.interop.export import build_model, load_source, model_configs
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -10,7 +10,7 @@ import torch
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 
 MODEL = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, max_seq_len=32)
 MOE = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=24, activation="swiglu", expert_bias=True)

@@ -24,7 +24,7 @@ VOCAB = 320
 def _hf_folder(path: Path) -> None:
     from moetrain.data.documents import Documents
     from moetrain.data.tokenizer import EOS_TOKEN, train_bpe
-    from tests.unit.hf_tiny_models import tiny_model
+    from tests.helpers.hf_tiny_models import tiny_model
 
     (path / "text.txt").parent.mkdir(parents=True, exist_ok=True)
     (path / "text.txt").write_text("ROMEO: what light through yonder window breaks\n" * 40)

@@ -11,7 +11,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moetrain.config.loader import load_config
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides
 
 STEPS, WARMUP = 10, 4

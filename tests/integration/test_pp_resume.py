@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 OVERRIDES = ["--train.steps=6", "--data.seq_len=64", "--train.global_batch_size=16", "--train.micro_batch_size=2",

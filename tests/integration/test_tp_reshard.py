@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.tp_parity import TpRun, build, make_batches
+from tests.distributed.workers.tp_parity import TpRun, build, make_batches
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.test_checkpoint import _assert_same_state, _full_state
 
 RUN = TpRun("reshard", tp=1, steps=6)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from moetrain.config.loader import load_config
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 
 

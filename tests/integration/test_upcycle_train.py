@@ -27,7 +27,7 @@ STEPS = 3
 def _dense_folder(path: Path) -> None:
     from moetrain.data.documents import Documents
     from moetrain.data.tokenizer import EOS_TOKEN, train_bpe
-    from tests.unit.hf_tiny_dense import tiny_dense
+    from tests.helpers.hf_tiny_dense import tiny_dense
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "text.txt").write_text("ROMEO: what light through yonder window breaks\n" * 40)

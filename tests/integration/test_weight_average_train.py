@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from moetrain.config.loader import load_config
-from tests.distributed.dist_launcher import run_ranks
-from tests.distributed.zero_parity import rel_err
+from tests.distributed.workers.zero_parity import rel_err
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.test_classify import full_params, overrides, records, write_data
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -13,7 +13,7 @@ import yaml
 
 from moetrain.cli import main
 from moetrain.train.compare import MISSING, compare_runs, config_differences, load_run
-from tests.distributed.dist_launcher import run_ranks
+from tests.helpers.dist_launcher import run_ranks
 
 
 def write_run(folder: Path, records: list[dict], config: dict | None) -> Path:

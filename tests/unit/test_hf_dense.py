@@ -18,7 +18,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import build_model, read_export, write_export
 from moetrain.interop.hf.registry import FAMILIES, choose_family
 from moetrain.models.transformer import Transformer
-from tests.unit.hf_tiny_dense import DENSE_FAMILIES, VOCAB, dense_config, input_ids, tiny_dense
+from tests.helpers.hf_tiny_dense import DENSE_FAMILIES, VOCAB, dense_config, input_ids, tiny_dense
 
 transformers = pytest.importorskip("transformers")
 

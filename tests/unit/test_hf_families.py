@@ -17,7 +17,7 @@ from moetrain.interop.export import build_model, read_export, write_export
 from moetrain.interop.hf.registry import FAMILIES
 from moetrain.models.transformer import Transformer
 from moetrain.utils.safetensors_io import SafetensorsFolder
-from tests.unit.hf_tiny_models import VOCAB, hf_config, input_ids, tiny_model
+from tests.helpers.hf_tiny_models import VOCAB, hf_config, input_ids, tiny_model
 
 transformers = pytest.importorskip("transformers")
 

@@ -16,7 +16,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import build_model, read_export, write_export
 from moetrain.interop.hf.registry import FAMILIES, choose_family
 from moetrain.utils.safetensors_io import SafetensorsFolder, ShardedWriter, TensorSpec, parse_size
-from tests.unit.hf_tiny_models import input_ids, tiny_model
+from tests.helpers.hf_tiny_models import input_ids, tiny_model
 
 transformers = pytest.importorskip("transformers")
 MIXTRAL = FAMILIES["mixtral"]
@@ -54,7 +54,7 @@ def test_mixtral_config_round_trip_and_refusals():
     ("qwen3_moe", {"num_experts_per_tok": 1, "norm_topk_prob": True}, "norm_topk_prob"),
 ])
 def test_import_refuses_what_moetrain_lacks_by_name(family, hf_overrides, field):
-    from tests.unit.hf_tiny_models import hf_config
+    from tests.helpers.hf_tiny_models import hf_config
 
     hf = hf_config(family).to_dict()
     hf.update(hf_overrides)

@@ -14,11 +14,11 @@ keeps t1 (0.7) and t2 (0.6; it ties with t3, the earlier token wins).
 
 import pytest
 import torch
-from moe_reference import reference_capacity
 
 from moetrain.config.moe import MoEConfig
 from moetrain.models.moe import LocalDispatcher, MoELayer, expert_capacity
 from moetrain.models.moe.dispatcher import capacity_keep_mask, sort_by_expert
+from tests.helpers.moe_reference import reference_capacity
 
 NUM_EXPERTS = 5
 IDX_TK = torch.tensor([[0, 1], [1, 2], [1, 0], [1, 3]])

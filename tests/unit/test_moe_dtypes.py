@@ -13,7 +13,7 @@ import torch
 from moetrain.config.moe import MoEConfig
 from moetrain.models.moe import GroupedExperts, MoELayer
 from moetrain.models.moe.experts import to_autocast_dtype
-from tests.distributed.dtype_probe import DtypeRecorder
+from tests.distributed.workers.dtype_probe import DtypeRecorder
 
 DIM, HIDDEN, NUM_EXPERTS, TOP_K, TOKENS = 16, 16, 4, 2, 12
 LOW = [torch.bfloat16, torch.float16]

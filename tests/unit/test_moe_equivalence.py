@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
-from moe_reference import reference_experts, reference_moe
 
 from moetrain.config.moe import MoEConfig
 from moetrain.models.moe import GroupedExperts, MoELayer
+from tests.helpers.moe_reference import reference_experts, reference_moe
 
 DIM, HIDDEN, NUM_EXPERTS, TOP_K = 16, 32, 4, 2
 # fp32, three summation orders (grouped GEMM, per-expert loop, dense reference): a gradient element

@@ -8,17 +8,17 @@ import math
 
 import pytest
 import torch
-from routing_reference import (
-    apply_routes,
-    expert_choice_routes,
-    sequence_balance_loss,
-    token_choice_routes,
-)
 
 from moetrain.config.moe import MoEConfig
 from moetrain.models.moe import MoELayer
 from moetrain.models.moe.balance import load_balancing_loss, sequence_load_balancing_loss
 from moetrain.models.moe.router import ExpertChoiceRouter, TopKRouter, limit_to_groups
+from tests.helpers.routing_reference import (
+    apply_routes,
+    expert_choice_routes,
+    sequence_balance_loss,
+    token_choice_routes,
+)
 
 # fp32, three summation orders (grouped GEMM, per-expert loop, dense reference): a gradient element
 # sums ~100 products of size ~0.1, and AVX2 and AVX-512 kernels round those sums apart by ~1e-6.

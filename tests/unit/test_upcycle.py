@@ -14,7 +14,7 @@ from moetrain.cli import main as cli_main
 from moetrain.interop.export import build_model, read_export
 from moetrain.interop.upcycle import upcycle_hf
 from moetrain.utils.safetensors_io import SafetensorsFolder
-from tests.unit.hf_tiny_dense import DENSE_FAMILIES, input_ids, tiny_dense
+from tests.helpers.hf_tiny_dense import DENSE_FAMILIES, input_ids, tiny_dense
 
 transformers = pytest.importorskip("transformers")
 
@@ -177,7 +177,7 @@ def test_cli_reports_a_broken_rule_in_one_line(tmp_path, dense, capsys):
 
 
 def test_an_moe_source_is_refused(tmp_path):
-    from tests.unit.hf_tiny_models import tiny_model
+    from tests.helpers.hf_tiny_models import tiny_model
 
     tiny_model("mixtral").save_pretrained(tmp_path / "mixtral")
     with pytest.raises(ValueError, match="already an MoE"):

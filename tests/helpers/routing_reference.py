@@ -13,7 +13,8 @@ import math
 from fractions import Fraction
 
 import torch
-from moe_reference import reference_ffn
+
+from tests.helpers.moe_reference import reference_ffn
 
 
 def ranked(scores: list[float]) -> list[int]:

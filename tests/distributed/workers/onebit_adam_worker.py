@@ -21,7 +21,7 @@ from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
 from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
 from moetrain.train.optim import build_optimizer
 from moetrain.utils.tensors import local_tensor
-from tests.distributed.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
+from tests.distributed.workers.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1, "betas": (0.9, 0.95), "eps": 1e-8}
 

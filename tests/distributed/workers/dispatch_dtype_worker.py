@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 
 from moetrain.models.moe import MoELayer
-from tests.distributed.dtype_probe import DtypeRecorder
-from tests.distributed.ep_parity import _assemble
+from tests.distributed.workers.dtype_probe import DtypeRecorder
+from tests.distributed.workers.ep_parity import _assemble
 
 
 def bytes_worker(rank: int, world_size: int, settings: dict[str, dict], *, dim: int,

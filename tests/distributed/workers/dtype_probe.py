@@ -126,7 +126,7 @@ def dtype_worker(rank: int, world_size: int, runs: list) -> dict:
     records and the dtypes of weights, gradients and optimizer states
     (gradients read before the step, states after it)."""
     from moetrain.train.precision import DynamicLossScaler, autocast_context
-    from tests.distributed.zero_parity import GLOBAL_BATCH, make_batches, setup_run
+    from tests.distributed.workers.zero_parity import GLOBAL_BATCH, make_batches, setup_run
 
     out = {}
     B = GLOBAL_BATCH // world_size

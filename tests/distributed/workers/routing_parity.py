@@ -20,7 +20,7 @@ import torch
 from moetrain.distributed import ParallelDims, collect_comm_stats, grad_norm, no_sync, parallelize
 from moetrain.models.moe import MoELayer
 from moetrain.train.balancing import install_balancing
-from tests.distributed.ep_parity import (
+from tests.distributed.workers.ep_parity import (
     Case,
     _grads,
     _micro_slices,

@@ -1,7 +1,7 @@
 """The golden-loss run: a small deterministic job on one process, one thread.
 
-    python -m tests.integration.golden            # print this machine's losses (float.hex)
-    python -m tests.integration.golden --write    # regenerate tests/integration/golden_losses.json
+    python -m tests.helpers.golden            # print this machine's losses (float.hex)
+    python -m tests.helpers.golden --write    # regenerate tests/fixtures/golden_losses.json
 
 What the goldens pin, and so what must match for the test to pass bit for bit:
 
@@ -34,9 +34,9 @@ import torch
 from moetrain.config.loader import load_config
 from tests.integration.conftest import job_overrides, read_losses
 
-GOLDEN = Path(__file__).with_name("golden_losses.json")
+GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "golden_losses.json"
 STEPS = 8
-REGENERATE = "python -m tests.integration.golden --write"
+REGENERATE = "python -m tests.helpers.golden --write"
 
 COMMITTED_ENVIRONMENT = {"torch": "2.13.0+cpu", "blas": "mkl (oneAPI MKL 2024.2)",
                          "cpu": "x86_64, AVX512 (AMD EPYC, Zen 5)", "threads": 1}

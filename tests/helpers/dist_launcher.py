@@ -58,7 +58,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 90.0, threads: int 
     the per-rank results in rank order. ``fn`` must be a module-level function."""
     ctx = mp.get_context("forkserver")
     # The trainer's import chain (DTensor, FSDP2, DCP: ~2 s of CPU) is paid once, not by every rank.
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.distributed.dist_launcher",
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "tests.helpers.dist_launcher",
                                 "moetrain.train.trainer"])
     tmp = tempfile.mkdtemp(prefix="moetrain-dist-")
     results = ctx.Queue()

@@ -2,7 +2,7 @@
 launches it:
 
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400 \\
-        tests/distributed/hierarchical_torchrun.py OUT_DIR
+        tests/distributed/workers/hierarchical_torchrun.py OUT_DIR
 
 The 4 ranks take their node layout from the launcher (LOCAL_WORLD_SIZE = 2, GROUP_RANK), build the
 dispatcher through the config (parallel.ep_hierarchical at ep = 4), run layer_worker's flat vs
@@ -22,7 +22,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.distributed import ParallelDims, apply_expert_parallel
 from moetrain.models.moe import MoELayer
-from tests.distributed.hierarchical_worker import NUM_EXPERTS, layer_worker
+from tests.distributed.workers.hierarchical_worker import NUM_EXPERTS, layer_worker
 
 DIM, TOKENS = 64, 24
 SETTINGS = {"none_k2_dropless": {"dispatch_dtype": "none", "top_k": 2},

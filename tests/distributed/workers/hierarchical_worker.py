@@ -23,7 +23,13 @@ from moetrain.distributed.expert_parallel.dispatcher import AllToAllDispatcher
 from moetrain.distributed.expert_parallel.hierarchical import HierarchicalDispatcher, hierarchical_dispatcher
 from moetrain.distributed.expert_parallel.wire import wire_row_bytes
 from moetrain.models.moe import MoELayer
-from tests.distributed.ep_parity import _micro_slices, _train, assert_rel_close, build_model, make_data
+from tests.distributed.workers.ep_parity import (
+    _micro_slices,
+    _train,
+    assert_rel_close,
+    build_model,
+    make_data,
+)
 
 NUM_EXPERTS = 8
 ROUNDING = 2.0**-9

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.distributed import ParallelDims, no_sync, parallelize, wrap_optimizer
 from moetrain.train.optim import build_optimizer
-from tests.distributed.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
+from tests.distributed.workers.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
 
 EMBEDDING_GRAD = "embedding_grad"
 """The event that marks the backward reaching the embedding (its weight gradient comes next)."""
