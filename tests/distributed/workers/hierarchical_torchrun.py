@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 # Run as a script: the repository root makes `tests.distributed` importable, as under pytest.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 # Run as a script: the repository root makes `tests.distributed` importable, as under pytest.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
 
 from tests.distributed.workers.ep_parity import Case, parity_worker
 
