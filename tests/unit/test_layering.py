@@ -4,8 +4,7 @@ sibling of the same rank; and the config modules import each other without a cyc
 
     utils 0 -> config 1 -> data 2, models 2 -> distributed 3 -> train 4 -> interop 5, plan 5 -> cli 6
 
-``moetrain/cli.py`` is the cli layer. ``moetrain/plan/cli.py`` parses the plan sub-command's
-arguments and belongs to plan: it may import plan and what lies below, nothing of cli or interop.
+The ``moetrain/cli/`` package (one module per subcommand) is the top layer: nothing imports it.
 The imports are read with ``ast``; nothing is executed.
 """
 
@@ -150,7 +149,8 @@ def test_utils_imports_nothing_else_of_moetrain():
 KNOWN = {"moetrain.config", "moetrain.config.loader", "moetrain.config.job", "moetrain.models.presets",
          "moetrain.data", "moetrain.data.registry", "moetrain.train", "moetrain.train.trainer",
          "moetrain.plan", "moetrain.plan.planner", "moetrain.interop", "moetrain.interop.export",
-         "moetrain.distributed", "moetrain.distributed.runtime", "moetrain.cli"}
+         "moetrain.distributed", "moetrain.distributed.runtime", "moetrain.cli", "moetrain.cli.plan",
+         "moetrain.cli.launch"}
 
 
 @pytest.mark.parametrize("module, source, found", [
@@ -164,7 +164,9 @@ KNOWN = {"moetrain.config", "moetrain.config.loader", "moetrain.config.job", "mo
     # the runtime must not reach into the trainer
     ("moetrain.distributed.runtime", "from moetrain.train import trainer\n", "moetrain.train.trainer"),
     # a relative import resolved against the importing module: moetrain.cli from plan
-    ("moetrain.plan.cli", "from .. import cli\n", "moetrain.cli"),
+    ("moetrain.plan.planner", "from .. import cli\n", "moetrain.cli"),
+    # the command line is the top: no layer below parses arguments through it
+    ("moetrain.interop.export", "from moetrain.cli.plan import parse_bytes\n", "moetrain.cli.plan"),
     ("moetrain.utils.files", "from ..config.job import JobConfig\n", "moetrain.config.job"),
 ])
 def test_the_checker_catches_a_forbidden_import(module, source, found):
@@ -176,8 +178,9 @@ def test_the_checker_catches_a_forbidden_import(module, source, found):
 
 @pytest.mark.parametrize("module, source", [
     ("moetrain.data.prepare", "from moetrain.config.data import DataConfig\n"),
-    ("moetrain.plan.cli", "def f():\n    from moetrain.plan.planner import make_plan\n"),
+    ("moetrain.plan.dry_run", "def f():\n    from moetrain.plan.planner import make_plan\n"),
     ("moetrain.cli", "from moetrain.interop.export import export_model\nimport moetrain.plan\n"),
+    ("moetrain.cli.plan", "from . import launch\nfrom moetrain.plan.planner import make_plan\n"),
     ("moetrain.config.loader", "from . import job\nfrom .convert import config_from_dict\n"),
     ("moetrain.train.trainer", "import torch\nfrom moetrain.distributed.runtime import init\n"),
 ])

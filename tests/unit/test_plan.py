@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from moetrain.cli.plan import add_parsers as add_plan_parser
+from moetrain.cli.plan import parse_bytes, run_plan
 from moetrain.config.job import JobConfig
 from moetrain.config.loader import load_config
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.presets import get_preset
 from moetrain.models.transformer import Transformer, count_params
-from moetrain.plan import Layout, comm_per_step, make_plan, param_specs, parse_bytes, rank_state_bytes
-from moetrain.plan.cli import add_plan_parser, run_plan
+from moetrain.plan import Layout, comm_per_step, make_plan, param_specs, rank_state_bytes
 from moetrain.plan.planner import Choice, format_plan
 
 CONFIGS = Path(__file__).resolve().parents[2] / "moetrain" / "configs"

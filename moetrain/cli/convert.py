@@ -1,22 +1,34 @@
 """``moetrain export``, ``convert`` and ``upcycle``: getting models out of and into moetrain
 (``moetrain.interop.export``, ``moetrain.interop.hf``, ``moetrain.interop.upcycle``).
 
-Wiring in ``moetrain/cli.py``: ``add_convert_parsers(sub)`` in ``build_parser`` and
-``run_convert_command(args, parser)`` for the commands in ``COMMANDS``.
+    moetrain export RUN_DIR --to DIR [--max-shard-size 5GB]   (consolidated safetensors + config.yaml)
+    moetrain convert RUN_DIR --to-hf DIR [--family F] [--fused] [--dtype bf16] [--max-shard-size 5GB]
+                                   (Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3)
+    moetrain convert --from-hf DIR --to DIR          (a Hugging Face model as a moetrain export)
+    moetrain upcycle --from-hf DENSE_DIR --num-experts E --top-k K --to DIR [--granularity G] [--noise STD]
+                                                     (a dense Llama / Qwen3 as an MoE export, experts = its FFN)
 """
 
 from __future__ import annotations
 
 import argparse
 
-COMMANDS = ("export", "convert", "upcycle")
+CONVERT_DTYPES = ("fp32", "bf16", "fp16")
 
 
-def add_convert_parsers(sub) -> None:
-    exp = sub.add_parser("export", help="write a run's model as one safetensors file plus its config")
+def _add_max_shard_size(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--max-shard-size", default=None,
+                    help="split the safetensors into shards of at most this size (5GB, 500MiB) with an index")
+
+
+def add_parsers(sub) -> None:
+    exp = sub.add_parser("export", help="write a run's model as safetensors (one file, or shards past "
+                                        "--max-shard-size) plus its config")
     exp.add_argument("run_dir",
                      help="run folder (its latest checkpoint), folder of checkpoints or one checkpoint")
     exp.add_argument("--to", required=True, help="output folder")
+    _add_max_shard_size(exp)
+    exp.set_defaults(func=run_export)
 
     conv = sub.add_parser("convert", help="Hugging Face MoE families <-> moetrain")
     conv.add_argument("source", nargs="?", default=None,
@@ -34,8 +46,8 @@ def add_convert_parsers(sub) -> None:
     conv.add_argument("--dtype", default=None, choices=CONVERT_DTYPES,
                       help="cast the weights (fp32 buffers such as the router bias stay fp32); default: "
                            "fp32 on import, the source's dtypes on export")
-    conv.add_argument("--max-shard-size", default=None,
-                      help="split the safetensors into shards of at most this size (5GB, 500MiB) with an index")
+    _add_max_shard_size(conv)
+    conv.set_defaults(func=run_convert, parser=conv)
     up = sub.add_parser("upcycle", help="a dense Hugging Face Llama / Qwen3 model as an MoE whose experts start as "
                                         "its FFN, written as a moetrain export")
     up.add_argument("--from-hf", required=True, metavar="DENSE_DIR", help="the dense model's folder (llama, qwen3)")
@@ -52,28 +64,22 @@ def add_convert_parsers(sub) -> None:
     up.add_argument("--moe-every", type=int, default=1, help="MoE in every N-th block (default 1: all)")
     up.add_argument("--moe-layer-offset", type=int, default=0, help="first MoE block (default 0)")
     up.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="dtype of the written weights")
-    up.add_argument("--max-shard-size", default=None,
-                    help="split the safetensors into shards of at most this size (5GB, 500MiB) with an index")
+    _add_max_shard_size(up)
+    up.set_defaults(func=run_upcycle)
 
 
-def run_convert_command(args, parser: argparse.ArgumentParser) -> int:
-    """Run ``args.cmd``, one of ``COMMANDS``."""
-    if args.cmd == "export":
-        return cmd_export(args)
-    if args.cmd == "convert":
-        return cmd_convert(args, parser)
-    return cmd_upcycle(args)
-
-
-def cmd_export(args) -> int:
+def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from moetrain.interop.export import export_model
+    from moetrain.utils.safetensors_io import INDEX, WEIGHTS, parse_size
 
-    out = export_model(args.run_dir, args.to)
-    print(f"exported {args.run_dir} to {out} (model.safetensors, config.yaml)")
+    out = export_model(args.run_dir, args.to, max_shard_bytes=parse_size(args.max_shard_size))
+    shards = sorted(out.glob("model-*-of-*.safetensors"))
+    weights = f"{len(shards)} safetensors shards, {INDEX}" if shards else WEIGHTS
+    print(f"exported {args.run_dir} to {out} ({weights}, config.yaml)")
     return 0
 
 
-def cmd_upcycle(args) -> int:
+def run_upcycle(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from moetrain.interop.upcycle import upcycle_hf
@@ -94,10 +100,7 @@ def cmd_upcycle(args) -> int:
     return 0
 
 
-CONVERT_DTYPES = ("fp32", "bf16", "fp16")
-
-
-def cmd_convert(args, parser: argparse.ArgumentParser) -> int:
+def run_convert(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from moetrain.interop.hf import export_hf, import_hf
@@ -107,13 +110,13 @@ def cmd_convert(args, parser: argparse.ArgumentParser) -> int:
     shard = parse_size(args.max_shard_size)
     if args.from_hf is not None:
         if args.source is not None or args.to_hf is not None or args.to is None or args.fused or args.family:
-            parser.error("convert --from-hf HF_DIR takes --to DIR (a moetrain export) and no SOURCE, --to-hf, "
+            args.parser.error("convert --from-hf HF_DIR takes --to DIR (a moetrain export) and no SOURCE, --to-hf, "
                          "--fused or --family (the family comes from config.json)")
         report = import_hf(args.from_hf, args.to, dtype=dtype or torch.float32, max_shard_bytes=shard)
         print(f"converted Hugging Face model {args.from_hf} to the moetrain export {report.out}")
     else:
         if args.source is None or args.to_hf is None or args.to is not None:
-            parser.error("convert needs either SOURCE --to-hf DIR or --from-hf DIR --to DIR")
+            args.parser.error("convert needs either SOURCE --to-hf DIR or --from-hf DIR --to DIR")
         report = export_hf(args.source, args.to_hf, family=args.family, fused=args.fused, dtype=dtype,
                            max_shard_bytes=shard)
         print(f"converted {args.source} to the Hugging Face folder {report.out} (config.json, safetensors)")

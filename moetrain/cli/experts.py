@@ -1,9 +1,7 @@
 """``moetrain experts``: surgery on a trained MoE's experts (``moetrain.interop.surgery``).
 
     moetrain experts grow RUN --num-experts 2E --to DIR [--top-k 2K] [--noise 0.01] [--seed 0]
-
-Wiring in ``moetrain/cli.py``: ``add_experts_parser(sub)`` in ``build_parser`` and
-``return run_experts(args)`` for ``args.cmd == "experts"``.
+                                                     (copies of a trained MoE's experts, as an export)
 """
 
 from __future__ import annotations
@@ -11,10 +9,10 @@ from __future__ import annotations
 import argparse
 
 
-def add_experts_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("experts", help="surgery on a trained MoE's experts")
-    sub = p.add_subparsers(dest="experts_cmd", required=True)
-    grow = sub.add_parser("grow", help="copy each expert (and its router row) into a model with more experts, "
+def add_parsers(sub) -> None:
+    p = sub.add_parser("experts", help="surgery on a trained MoE's experts")
+    experts_sub = p.add_subparsers(dest="experts_cmd", required=True)
+    grow = experts_sub.add_parser("grow", help="copy each expert (and its router row) into a model with more experts, "
                                        "written as a moetrain export")
     grow.add_argument("source", help="run folder, checkpoint (any layout) or moetrain export")
     grow.add_argument("--num-experts", type=int, required=True,
@@ -26,10 +24,10 @@ def add_experts_parser(subparsers) -> argparse.ArgumentParser:
     grow.add_argument("--noise", type=float, default=0.0,
                       help="noise on every copy but the first, as a fraction of each tensor's std (default 0)")
     grow.add_argument("--seed", type=int, default=0, help="seed of the noise")
-    return p
+    grow.set_defaults(func=run_grow)
 
 
-def run_experts(args) -> int:
+def run_grow(args: argparse.Namespace, overrides: list[str]) -> int:
     from moetrain.interop.surgery import grow_source
 
     out = grow_source(args.source, args.to, num_experts=args.num_experts, top_k=args.top_k, noise=args.noise,

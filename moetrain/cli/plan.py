@@ -8,10 +8,7 @@ ZeRO stage x expert-parallel degree x offload x activation-checkpointing choice 
 
 ``--dry-run`` builds one rank for real on the meta device under a fake process group of world
 ``--nproc`` and prints its counted model-state bytes next to the planner's (``dry_run``).
-
-Wiring in ``moetrain/cli.py``: ``add_plan_parser(sub)`` in ``build_parser`` and
-``return run_plan(args, overrides)`` for ``args.cmd == "plan"`` (``--section.field=value``
-overrides apply as for ``train``).
+``--section.field=value`` overrides apply as for ``train``.
 """
 
 from __future__ import annotations
@@ -35,8 +32,8 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def add_plan_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="memory and communication of each parallel choice, before launching")
+def add_parsers(sub) -> None:
+    p = sub.add_parser("plan", help="memory and communication of each parallel choice, before launching")
     p.add_argument("--config", default=None,
                    help="YAML config or a shipped config's name (its model, moe, train, data sections are used)")
     p.add_argument("--nproc", type=int, required=True, help="total number of processes (ranks)")
@@ -57,10 +54,10 @@ def add_plan_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure this machine first (GEMM rates, gloo bandwidth at the ranks per node), write "
                         "FILE and use it as the device profile")
-    return p
+    p.set_defaults(func=run_plan, takes_overrides=True)
 
 
-def run_plan(args, overrides=()) -> int:
+def run_plan(args: argparse.Namespace, overrides: list[str] | tuple[str, ...] = ()) -> int:
     from moetrain.config.loader import load_config
     from moetrain.plan.planner import format_plan, make_plan
 

@@ -1,0 +1,60 @@
+"""The ``moetrain`` command line: one module per subcommand, each adding its parsers with
+``set_defaults(func=...)``; ``main`` parses and calls that function. The commands parse and
+print; the work is done by the layers below (train, interop, plan).
+
+    moetrain train --config tiny --nproc 2 --train.steps=100   (train.py: train, demo, config show)
+    moetrain plan --config X --nproc N [--nodes M] [--device-memory 80GiB] [--json]       (plan.py)
+    moetrain data list | moetrain data fetch shakespeare                                  (data.py)
+    moetrain export RUN_DIR --to DIR [--max-shard-size 5GB]       (convert.py: export, convert, upcycle)
+    moetrain experts grow RUN --num-experts 2E --to DIR                                   (experts.py)
+    moetrain generate RUN --prompt TEXT | moetrain eval RUN_DIR [--nproc N]               (generate.py)
+    moetrain compare RUN_A RUN_B [...] [--out DIR]                                        (compare.py)
+    moetrain report RUN_DIR                                                               (report.py)
+
+Each module's docstring lists its commands' options. ``python -m moetrain.cli`` runs the same
+``main`` (torchrun: ``torchrun ... -m moetrain.cli train --config X``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from moetrain.cli import compare, convert, data, experts, generate, plan, report, train
+
+SUBCOMMANDS = (train, plan, data, convert, experts, generate, compare, report)
+"""The modules whose ``add_parsers(sub)`` add the subcommands, in the order ``--help`` lists them."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
+                                epilog="Any --section.field=value argument overrides the config.")
+    # Only the job commands (train, demo, config, plan) take --section.field=value overrides.
+    p.set_defaults(takes_overrides=False)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for module in SUBCOMMANDS:
+        module.add_parsers(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(argv)
+    bad = [a for a in overrides if not args.takes_overrides or "." not in a.split("=")[0]]
+    if bad:
+        parser.error(f"unrecognised arguments: {' '.join(bad)}")
+    args.argv = argv  # what a command that starts local processes hands them
+    try:
+        return args.func(args, overrides)
+    except ValueError as e:
+        # Bad input: one clear line, no traceback (the config is validated before any work).
+        print(f"moetrain: error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        from moetrain.data.cache import CorpusUnavailableError
+
+        if not isinstance(e, CorpusUnavailableError):
+            raise
+        print(f"moetrain: error: {e}", file=sys.stderr)
+        return 2

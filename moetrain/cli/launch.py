@@ -1,0 +1,92 @@
+"""What the job commands share: starting local processes through torch.distributed.run, the
+world size a command knows, and the job config checked before any process starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by torchrun (or ``launch``), as one rank of a job."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Re-run this command in ``nproc`` local processes through torch.distributed.run (what
+    torchrun is), single node, with its own rendezvous on a free port."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           "-m", "moetrain.cli", *strip_option(argv, "--nproc")]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    return subprocess.call(cmd, env=env)
+
+
+def strip_option(argv: list[str], option: str) -> list[str]:
+    """``argv`` without ``option`` and its value (``--opt V`` or ``--opt=V``)."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a.startswith(f"{option}="):
+            skip = False
+            continue
+        skip = a == option
+        if not skip:
+            out.append(a)
+    return out
+
+
+def add_job_args(sp: argparse.ArgumentParser, *, default_config: str | None = None) -> None:
+    """--config, --deepspeed, --nproc: what names a job and its process count."""
+    from moetrain.config.loader import shipped_config_names
+
+    sp.add_argument("--config", default=default_config,
+                    help="YAML config (a run's config.yaml reproduces it) or a shipped config's name: "
+                         + ", ".join(shipped_config_names()))
+    sp.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
+    sp.add_argument("--nproc", type=int, default=None,
+                    help="launch N local processes (torch.distributed.run); not needed under torchrun")
+
+
+def world_size(args: argparse.Namespace, *, default: int | None) -> int | None:
+    """Processes of the job when the command knows them: torchrun's WORLD_SIZE, else --nproc,
+    else ``default``."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return args.nproc or default
+
+
+def load_job(args: argparse.Namespace, overrides: list[str], *, world: int | None, sample_tokens: int = 0):
+    """The job config of ``args``, checked as far as the command knows the job, before any process
+    starts: the corpus name always; at a known world size every rule of the layout
+    (``ParallelDims``) and of the batch and pipeline schedule (``JobConfig.grad_accum_steps``);
+    without one, the layout rules that hold at any world size."""
+    from moetrain.config.loader import load_config
+    from moetrain.data.registry import check_corpus
+    from moetrain.distributed.parallel_dims import ParallelDims
+
+    deepspeed = args.deepspeed
+    # A DeepSpeed config's batch sizes are per process: without a world size, one process.
+    cfg = load_config(args.config, overrides, deepspeed=deepspeed, world_size=world or 1)
+    check_corpus(cfg.data.corpus)
+    par = cfg.parallel
+    if sample_tokens and par.pp > 1:
+        raise ValueError(f"--sample-tokens ({sample_tokens}) needs the whole model in each process, and "
+                         f"parallel.pp ({par.pp}) splits it: sample after training with `moetrain generate`")
+    num_experts = cfg.moe.num_experts if cfg.model.is_moe else None
+    if world is None:
+        if deepspeed is not None and par.ep > 1:
+            raise ValueError(f"moe.ep_size ({par.ep}) of {deepspeed} needs a world of at least {par.ep} processes: "
+                             "pass --nproc N, the number of processes of the job")
+        # The rules that hold at any world size, checked at the smallest world the layout allows.
+        ParallelDims(world_size=par.ep * par.etp * par.tp * par.pp, ep=par.ep, tp=par.tp, pp=par.pp, etp=par.etp,
+                     num_experts=num_experts, ep_hierarchical=par.ep_hierarchical)
+        return cfg
+    try:
+        ParallelDims.from_config(par, world_size=world, num_experts=num_experts)
+        cfg.grad_accum_steps(world)
+    except ValueError as e:
+        told = "WORLD_SIZE" in os.environ or args.nproc
+        raise ValueError(str(e) if told else f"{e} (this runs 1 process: pass --nproc N to launch N)") from e
+    return cfg
