@@ -49,6 +49,13 @@ class TrainConfig:
     deterministic: bool = False
     """Request deterministic kernels (torch.use_deterministic_algorithms) at some speed cost."""
 
+    tf32: bool = False
+    """Run fp32 matmuls and convolutions on CUDA in TF32 (Ampere and later: inputs rounded to a
+    10-bit mantissa, products summed in fp32), several times the fp32 rate. Sets
+    torch.backends.cuda.matmul.allow_tf32 and cudnn.allow_tf32 at startup; false keeps them off
+    (full fp32). MFU of an fp32 run divides by the TF32 peak only when this is on. No effect on
+    CPUs; under bf16/fp16 it reaches only the matmuls autocast keeps in fp32 (the router's)."""
+
     activation_checkpointing: str = "none"
     """Recompute activations in backward: "none", "full" (every block), "moe" (only the MoE FFNs)
     or "every_n" (every activation_checkpointing_every-th block)."""
@@ -88,6 +95,7 @@ class TrainConfig:
         require_int("train.eval_steps", self.eval_steps, min_value=1)
         require_choice("train.device", self.device, ("auto", "cpu", "cuda"))
         require_bool("train.deterministic", self.deterministic)
+        require_bool("train.tf32", self.tf32)
         require_choice("train.activation_checkpointing", self.activation_checkpointing,
                        ("none", "full", "moe", "every_n"))
         require_int("train.activation_checkpointing_every", self.activation_checkpointing_every, min_value=1)

@@ -339,8 +339,8 @@ def _step_estimate(specs, model: ModelConfig, cfg: JobConfig, c: Choice, *, npro
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
     return estimate_step_time(specs, _layout(c, cfg, nproc), model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
-                              grad_accum=grad_accum, profile=profile, dtype=cfg.train.dtype, ac=c.ac,
-                              ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,
+                              grad_accum=grad_accum, profile=profile, dtype=cfg.train.dtype, tf32=cfg.train.tf32,
+                              ac=c.ac, ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,
                               dispatch_chunks=cfg.moe.dispatch_chunks).as_dict()
 
 

@@ -58,6 +58,7 @@ from moetrain.models.transformer import attention_params
 from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
 from moetrain.plan.model_states import ADAM_STATE_BYTES, Layout, ParamSpec, param_specs, state_bytes_per_rank
+from moetrain.utils.devices import matmul_precision, peak_flops_by_precision
 
 ELEMENTWISE_PASSES = 5
 """Passes over each saved activation byte: written and read in forward; read, its gradient written
@@ -90,12 +91,11 @@ class Link:
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """What one rank's device and links can do. ``H100_SXM`` and ``H200`` are datasheet figures
-    with stated efficiencies; ``python -m moetrain.plan.calibrate`` measures a "cpu" one."""
+    """One rank's device and links: datasheet GPUs (``H100_SXM``, ``H200``) or a measured "cpu" one."""
 
     name: str
     peak_flops: dict
-    """Dense peak FLOP/s of one rank by compute dtype ("fp32", "bf16"), the denominator of MFU."""
+    """Dense peak FLOP/s of one rank by matmul precision ("fp32", "tf32", "bf16"): the MFU denominator."""
     gemm_efficiency: float
     """Achieved fraction of the peak on the model's dense GEMMs."""
     expert_gemm_efficiency: float
@@ -115,11 +115,13 @@ class DeviceProfile:
     threads_per_rank: float = 0.0
     """CPU profiles: threads each rank ran with when measured (0: not a CPU profile)."""
 
-    def peak(self, dtype: str) -> float:
-        if dtype not in self.peak_flops:
+    def peak(self, dtype: str, *, tf32: bool = False) -> float:
+        """The rate of train.dtype's matmuls: TF32's for fp32 under train.tf32 where the device has it."""
+        precision = matmul_precision(dtype, tf32=tf32 and "tf32" in self.peak_flops)
+        if precision not in self.peak_flops:
             raise ValueError(f"train.dtype ({dtype!r}) has no peak rate in the {self.name!r} device profile "
                              f"(measured: {', '.join(self.peak_flops)})")
-        return self.peak_flops[dtype]
+        return self.peak_flops[precision]
 
     @staticmethod
     def from_dict(d: dict) -> DeviceProfile:
@@ -157,21 +159,19 @@ class CalibratedProfiles:
 _NVLINK4 = Link(bandwidth=450e9 * 0.8, latency=10e-6)
 _NDR_IB = Link(bandwidth=50e9 * 0.8, latency=25e-6)
 H100_SXM = DeviceProfile(
-    name="h100", peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 494e12},
-    gemm_efficiency=0.7, expert_gemm_efficiency=0.6, attention_efficiency=0.5, memory_bandwidth=3.35e12 * 0.8,
-    optimizer_bandwidth=3.35e12 * 0.8,
-    intra_node=_NVLINK4, inter_node=_NDR_IB, comm_overlap=1.0, host_sync_s=20e-6)
-"""NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node. Datasheet (NVIDIA H100 Tensor Core GPU datasheet):
-989 TFLOP/s dense bf16/fp16 (1,979 with sparsity), 494 dense tf32 (the fp32 matmul rate with tf32
-enabled), 3.35 TB/s HBM3; NVLink 4 at 900 GB/s per GPU both directions together, 450 GB/s each
-way; one 400 Gb/s (50 GB/s) ConnectX-7 InfiniBand NDR port per GPU (8 per DGX H100 node).
-Assumed, not measured: links and HBM deliver 80% of nominal (nccl-tests bus bandwidth on such
-nodes is in that range); GEMMs reach 70% of peak (large bf16 cuBLAS GEMMs), grouped expert GEMMs
-60%, attention 50% (FlashAttention-2 reports 50-73% of peak, Dao 2023); 10 us per NVLink and 25 us
-per InfiniBand collective call; 20 us per host sync. ``benchmarks/gpu.sh`` measures the GEMM rate."""
+    name="h100", peak_flops=peak_flops_by_precision("h100-sxm"), gemm_efficiency=0.7, host_sync_s=20e-6,
+    expert_gemm_efficiency=0.6, attention_efficiency=0.5, memory_bandwidth=3.35e12 * 0.8,
+    optimizer_bandwidth=3.35e12 * 0.8, intra_node=_NVLINK4, inter_node=_NDR_IB, comm_overlap=1.0)
+"""NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node. Datasheet (NVIDIA H100 Tensor Core GPU datasheet, peaks from
+``utils.devices``): 989 TFLOP/s dense bf16/fp16 (1,979 with sparsity), 494 dense tf32 (fp32 under
+train.tf32), 67 fp32; 3.35 TB/s HBM3; NVLink 4 at 450 GB/s each way per GPU; one 400 Gb/s (50 GB/s)
+ConnectX-7 InfiniBand NDR port per GPU. Assumed, not measured: links and HBM deliver 80% of nominal (as
+nccl-tests bus bandwidth shows on such nodes); GEMMs reach 70% of peak (large bf16 cuBLAS GEMMs), grouped
+expert GEMMs 60%, attention 50% (FlashAttention-2 reports 50-73% of peak, Dao 2023); 10 us per NVLink and 25
+us per InfiniBand collective call; 20 us per host sync. ``benchmarks/gpu.sh`` measures the GEMM rate."""
 H200 = replace(H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8, optimizer_bandwidth=4.8e12 * 0.8)
-"""NVIDIA H200 SXM: the H100's compute, NVLink 4 and NDR networking, 4.8 TB/s HBM3e (141 GB)
-(NVIDIA H200 Tensor Core GPU datasheet); the same assumed efficiencies as ``H100_SXM``."""
+"""NVIDIA H200 SXM: the H100's compute (the same datasheet rates), NVLink 4 and NDR networking,
+4.8 TB/s HBM3e (141 GB) (NVIDIA H200 Tensor Core GPU datasheet); the H100_SXM's assumed efficiencies."""
 PROFILES = {"h100": H100_SXM, "h200": H200}
 
 
@@ -194,9 +194,8 @@ class Work:
     attention_flops: tuple[float, float]
     elementwise_bytes: tuple[float, float]
 
-    def seconds(self, p: DeviceProfile, dtype: str) -> tuple[float, float]:
-        """(forward, backward) seconds."""
-        peak = p.peak(dtype)
+    def seconds(self, p: DeviceProfile, peak: float) -> tuple[float, float]:
+        """(forward, backward) seconds, the matmuls at ``peak`` (``DeviceProfile.peak``)."""
         return tuple(self.dense_gemm_flops[i] / (peak * p.gemm_efficiency)
                      + self.expert_gemm_flops[i] / (peak * p.expert_gemm_efficiency)
                      + self.attention_flops[i] / (peak * p.attention_efficiency)
@@ -367,7 +366,7 @@ def _spans_nodes(layout: Layout, per_node: int) -> dict[str, bool]:
 def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                        micro_batch_size: int, seq_len: int, grad_accum: int, profile: DeviceProfile,
                        dtype: str = "fp32", ac: str = "none", ac_every: int = 2, procs_per_node: int | None = None,
-                       dispatch_chunks: int = 1, bucket_cap_bytes: int = 25 << 20) -> StepEstimate:
+                       dispatch_chunks: int = 1, bucket_cap_bytes: int = 25 << 20, tf32: bool = False) -> StepEstimate:
     """Seconds of one optimizer step of ``layout`` on ``profile`` (see the module docstring)."""
     if layout.offload_optimizer or layout.offload_params:
         raise ValueError("zero.offload_optimizer/offload_param ('cpu'): host offload is not in the step-time "
@@ -381,7 +380,8 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
     T = micro_batch_size * seq_len
     work = step_work(model, moe, micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum=grad_accum,
                      ep=layout.ep, ac=ac, ac_every=ac_every, dtype=dtype)
-    forward_s, backward_s = work.seconds(profile, dtype)
+    peak = profile.peak(dtype, tf32=tf32)
+    forward_s, backward_s = work.seconds(profile, peak)
     num_moe = len(model.moe_layer_ids)
     recomputed = moe_layers_recomputed(model, ac, ac_every)
     vol = comm_per_step(specs, layout, model, moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
@@ -412,7 +412,7 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
         first_gather = comm["all_gather"] / max(1, calls["all_gather"]) * grad_accum
         exposed["all_gather"], _ = _hide(comm["all_gather"], first_gather,
                                          forward_s + backward_s - last_backward + left, profile.comm_overlap)
-    expert_s = sum(work.expert_gemm_flops) / (profile.peak(dtype) * profile.expert_gemm_efficiency)
+    expert_s = sum(work.expert_gemm_flops) / (peak * profile.expert_gemm_efficiency)
     chunk_floor = comm["all_to_all"] / dispatch_chunks
     exposed["all_to_all"], _ = _hide(comm["all_to_all"], chunk_floor, expert_s, profile.comm_overlap)
 
@@ -428,7 +428,7 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
     return StepEstimate(forward_s=forward_s, backward_s=backward_s, comm_s=comm, exposed_s=exposed,
                         optimizer_s=optimizer_s, sync_s=sync_s, tokens_per_step=T * grad_accum * layout.world,
                         world=layout.world, flops_per_token=flops_per_token(model, moe, seq_len=seq_len),
-                        peak_flops=profile.peak(dtype), threads_per_rank=profile.threads_per_rank)
+                        peak_flops=peak, threads_per_rank=profile.threads_per_rank)
 
 
 def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | CalibratedProfiles,
@@ -445,6 +445,6 @@ def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | 
     micro, accum, _ = planned_micro_batch(cfg.train, world)
     specs = param_specs(model, cfg.moe)
     return estimate_step_time(specs, Layout.of_config(cfg, world), model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
-                              grad_accum=accum, profile=profile, dtype=cfg.train.dtype,
+                              grad_accum=accum, profile=profile, dtype=cfg.train.dtype, tf32=cfg.train.tf32,
                               ac=cfg.train.activation_checkpointing, ac_every=cfg.train.activation_checkpointing_every,
                               procs_per_node=per_node, dispatch_chunks=cfg.moe.dispatch_chunks)

@@ -71,13 +71,15 @@ class MetricsWindow(StepSums):
             if value is not None:
                 self.add(name, value)
 
-    def throughput(self, *, seq_len: int, num_ranks: int, flops_per_token: float, peak_flops: float) -> dict:
+    def throughput(self, *, seq_len: int, num_ranks: int, flops_per_token: float,
+                   peak_flops: float | None) -> dict:
         """Tokens and samples per second, the mean step time and the model-FLOPs utilisation of
-        the window up to now (``peak_flops``: one rank's)."""
+        the window up to now (``peak_flops``: one rank's; None on a device of unknown peak: no MFU)."""
         dt = time.perf_counter() - self.t0
         tokens_per_s = self.tokens / dt
+        mfu = None if peak_flops is None else tokens_per_s / num_ranks * flops_per_token / peak_flops
         return {"tokens_per_s": tokens_per_s, "samples_per_s": tokens_per_s / seq_len, "step_time_s": dt / self.steps,
-                "mfu": tokens_per_s / num_ranks * flops_per_token / peak_flops}
+                "mfu": mfu}
 
 
 class ProgressBar:
