@@ -149,12 +149,14 @@ class MoEConfig:
     _debug_force_load_balance). "round_robin": routed copy n = t * top_k + j of a forward goes to
     expert n mod num_experts (each expert gets T * K / E copies, exact when E divides T * K);
     "random": each token draws top_k distinct experts uniformly from the global torch RNG (seeded
-    and checkpointed by the trainer; the ranks share its seed, so same-sized batches draw the same
-    assignment on every rank, each balanced in expectation). The router still runs: the gate
-    weights are its scores at the forced experts (renormalised as usual), so the gate keeps its
-    gradients, and the balance losses see its real probabilities. Evaluation and generation
-    (eval mode) route by the router's own choice. Never a default; every metrics record says when
-    it is on (``force_balance``). "none" = off. Token-choice routers only."""
+    from train.seed and the rank, and checkpointed, by the trainer: each rank draws its own
+    assignment, balanced in expectation, so runs are not layout-invariant with it; nor is
+    "round_robin" unless E divides each forward's T * K, as its pattern restarts at every
+    forward). The router still runs: the gate weights are its scores at the forced experts
+    (renormalised as usual), so the gate keeps its gradients, and the balance losses see its real
+    probabilities. Evaluation and generation (eval mode) route by the router's own choice. Never a
+    default; every metrics record says when it is on (``force_balance``). "none" = off.
+    Token-choice routers only."""
 
     num_expert_groups: int = 1
     """Two-level (group-limited) routing: the E experts form this many groups of consecutive ids;
