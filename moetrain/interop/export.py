@@ -29,7 +29,7 @@ from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.sources import CheckpointTensors, ExportTensors, MergedLoRATensors
-from moetrain.train.checkpoint import MANIFEST, CheckpointError, resolve_checkpoint
+from moetrain.train.checkpoint.files import MANIFEST, CheckpointError, resolve_checkpoint
 from moetrain.utils.files import atomic_write_text
 from moetrain.utils.safetensors_io import INDEX, WEIGHTS, ShardedWriter, TensorSpec
 

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.models.lora import is_lora_name, lora_pairs, merge_one
-from moetrain.train.checkpoint_files import CheckpointError, verify_local
-from moetrain.train.checkpoint_index import SafeReader, tensor_text
+from moetrain.train.checkpoint.files import CheckpointError, verify_local
+from moetrain.train.checkpoint.index import SafeReader, tensor_text
 from moetrain.utils.safetensors_io import SafetensorsFolder
 
 

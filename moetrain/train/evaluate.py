@@ -27,7 +27,8 @@ from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
-from moetrain.train.checkpoint import latest_checkpoint, load_checkpoint, resolve_checkpoint
+from moetrain.train.checkpoint.files import latest_checkpoint, resolve_checkpoint
+from moetrain.train.checkpoint.state import load_checkpoint
 from moetrain.train.classification import confusion_matrix, metrics_from_confusion
 from moetrain.train.optim import build_optimizer
 from moetrain.train.precision import autocast_context

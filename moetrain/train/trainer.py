@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from moetrain.config import JobConfig
 from moetrain.config.loader import save_config
@@ -37,13 +38,10 @@ from moetrain.distributed.expert_parallel.apply import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing, parallelize
 from moetrain.train.balancing import install_balancing
-from moetrain.train.checkpoint import (
-    restore_rng_state,
-    step_dir_name,
-)
+from moetrain.train.checkpoint.checkpointer import Checkpointer, Resumed, TrainingObjects
 from moetrain.train.classification import classification_loss, describe_classes
 from moetrain.train.evaluate import evaluate_classifier, evaluate_lm
-from moetrain.train.faults import Phase, StopRequest, agree_on_step
+from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
 from moetrain.train.flops import peak_flops
 from moetrain.train.generation import sample_text
 from moetrain.train.init_from import load_initial_weights
@@ -51,16 +49,15 @@ from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, St
 from moetrain.train.optim import build_optimizer, build_scheduler
 from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step_batch
 from moetrain.train.precision import DynamicLossScaler, autocast_context
-from moetrain.train.rng_state import seed_rng_state
+from moetrain.train.rng_state import restore_rng_state, seed_rng_state
 from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
-from moetrain.train.trainer_checkpoint import CheckpointingMixin
 from moetrain.train.weight_average import WeightAverage
 from moetrain.utils.memory import MemoryTracker
 
 log = logging.getLogger("moetrain")
 
 
-class Trainer(CheckpointingMixin):
+class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.setup_distributed()
@@ -70,15 +67,15 @@ class Trainer(CheckpointingMixin):
         self.build_optimizer()
         # The long setup (rank 0 preparing the data) is over: collectives time out from here on.
         runtime.set_collective_timeout(cfg.train.collective_timeout_s, self.dims)
-        self.build_checkpointing()
-        self.build_logging()
+        resumed = self.build_checkpointing()
+        self.build_logging(resumed)
         # Last: setup draws random numbers (the peak-FLOPs probe), which would advance a
         # restored or freshly seeded RNG state.
-        if self._resumed_rng is not None:
-            restore_rng_state(self._resumed_rng)
+        if resumed is not None and resumed.rng_state is not None:
+            restore_rng_state(resumed.rng_state)
         else:
             seed_rng_state(cfg.train.seed, self.rank)
-        self._last_good = self._snapshot()
+        self._last_good = self.snapshot()
 
     # --- setup ------------------------------------------------------------------------------------
 
@@ -111,24 +108,29 @@ class Trainer(CheckpointingMixin):
         self.train_loader, self.val_loader = build_loaders(self.cfg, self.data, grad_accum=self.grad_accum,
                                                            dp_rank=self.dp_rank, dp_size=self.dp_size)
         if self.classifier:
-            describe_classes(self.data, num_classes=self.cfg.model.num_classes,
-                             run_dir=self.run_dir if self.is_main else None)
+            num_classes = self.cfg.model.num_classes
+            assert num_classes is not None  # ModelConfig requires it of a classifier head
+            describe_classes(self.data, num_classes=num_classes, run_dir=self.run_dir if self.is_main else None)
 
     def build_model(self) -> None:
         cfg = self.cfg
         # The full model on every rank (same seed, same global weights); parallelize shards it.
-        self.model_config, self.model = build_model(cfg, self.data)
-        self.model.to(self.device)
-        self.param_counts = self.model.param_counts()
-        self.flops_per_token = self.model.flops_per_token(cfg.data.seq_len)
+        self.model_config, full = build_model(cfg, self.data)
+        full.to(self.device)
+        self.param_counts = full.param_counts()
+        self.flops_per_token = full.flops_per_token(cfg.data.seq_len)
+        # This rank's model, unwrapped: the whole of it, or its pipeline stages.
+        self.model: nn.Module = full
+        self.parallel_model: nn.Module
         t = cfg.train
         self.pipeline: PipelineStep | None = None
         if self.dims.pp > 1:  # this rank's stages, under a schedule (train/pipeline_step.py)
-            self.model, self.pipeline = build_pipeline(self.model, self.dims, cfg, grad_accum=self.grad_accum,
+            self.model, self.pipeline = build_pipeline(full, self.dims, cfg, grad_accum=self.grad_accum,
                                                        device=self.device)
             self.parallel_model = self.model
         else:
-            self.parallel_model = parallelize(self.model, self.dims, activation_checkpointing=t.activation_checkpointing,
+            self.parallel_model = parallelize(self.model, self.dims,
+                                              activation_checkpointing=t.activation_checkpointing,
                                               activation_checkpointing_every=t.activation_checkpointing_every,
                                               compile=t.compile, grad_compression=cfg.dp.grad_compression,
                                               **zero_settings(cfg))
@@ -141,10 +143,11 @@ class Trainer(CheckpointingMixin):
         # ZeRO-1 shards the optimizer state (dense over dp, experts over edp); other stages pass
         # the optimizer through (FSDP2 parameters are already shards).
         self.optimizer = wrap_optimizer(
-            build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+            build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
                             data_parallel=self.parallel_model, onebit_warmup_steps=self.cfg.dp.onebit_warmup(t.steps)),
             self.dims, zero_stage=self.cfg.parallel.zero_stage,
-            offload_optimizer=self.cfg.zero.offload_optimizer == "cpu", bucket_numel=self.cfg.zero.allgather_bucket_size)
+            offload_optimizer=self.cfg.zero.offload_optimizer == "cpu",
+            bucket_numel=self.cfg.zero.allgather_bucket_size)
         self.scheduler = build_scheduler(self.optimizer, lr=o.lr, min_lr=o.resolved_min_lr,
                                          warmup_steps=o.warmup_steps, total_steps=t.steps, schedule=o.schedule)
         self.scaler = DynamicLossScaler(enabled=t.dtype == "fp16")
@@ -153,27 +156,52 @@ class Trainer(CheckpointingMixin):
         # Router-bias updates, dynamic capacity, per-expert LR and the health monitor run in
         # optimizer pre/post-step hooks, so gradient accumulation and skipped steps are handled.
         self.balancer = install_balancing(self.optimizer, self.model, self.dims) if self.model_config.is_moe else None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.params: list[torch.Tensor] = [p for p in self.model.parameters() if p.requires_grad]
         self.grad_norm: torch.Tensor | None = None
         # From the weights as they start (an init_from export's included); a resume replaces it.
         self.ema = WeightAverage(self.model, decay=o.ema_decay) if o.ema_decay > 0 else None
 
-    def build_logging(self) -> None:
+    def build_checkpointing(self) -> Resumed | None:
+        """The checkpointer, and the loop's state: from the start, or from where the checkpoint
+        ``checkpoint.resume`` picks stopped (the checkpointer has loaded the rest of the state)."""
+        c = self.cfg.checkpoint
+        objects = TrainingObjects(model=self.model, optimizer=self.optimizer, parallel_model=self.parallel_model,
+                                  scheduler=self.scheduler, scaler=self.scaler, train_loader=self.train_loader,
+                                  balancer=self.balancer, ema=self.ema)
+        folder = Path(c.dir) if c.dir is not None else self.run_dir / "checkpoints"
+        self.checkpointer = Checkpointer(self.cfg, folder=folder, objects=objects, dims=self.dims, phase=self.phase,
+                                         vocab_size=self.model_config.vocab_size, is_main=self.is_main)
+        self.step = 0
+        self.skips = SkipCounter(max_consecutive=self.cfg.train.max_consecutive_skips)
+        self.interrupted = False
+        resumed = self.checkpointer.resume()
+        self.resumed_from = resumed.path if resumed is not None else None
+        if resumed is not None:
+            self.step = resumed.step
+            self.skips.total = resumed.skipped_total
+            if self.step >= self.cfg.train.steps:
+                log.info("step %d >= train.steps (%d): nothing left to train (raise train.steps to continue, "
+                         "or --checkpoint.resume=never to start over)", self.step, self.cfg.train.steps)
+        return resumed
+
+    def build_logging(self, resumed: Resumed | None) -> None:
         lc = self.cfg.log
         # metrics.jsonl of a resumed run reads like that of a run that never stopped.
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main and lc.jsonl, tensorboard=lc.tensorboard,
-                                     keep_until_step=self.step if self.resumed_from is not None else None,
+                                     keep_until_step=self.step if resumed is not None else None,
                                      tags=run_tags(self.cfg.moe if self.model_config.is_moe else None))
-        if self.layout_change is not None:
-            self.metrics.log(self.step, self.layout_change)
+        if resumed is not None and resumed.saved_world_size != self.world_size:
+            # An elastic restart (or a reshard by hand): same global batch, another accumulation.
+            self.metrics.log(self.step, {"event": "world_size_changed", "world_size_before": resumed.saved_world_size,
+                                         "world_size": self.world_size, "grad_accum": self.grad_accum})
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()
         pc = self.param_counts
-        log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = pp %d x dp %d x tp %d, "
-                 "ep %d x etp %d; %d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6, pc.active / 1e6,
-                 pc.expert / 1e6, self.world_size, self.dims.pp, self.dp_size, self.dims.tp, self.dims.ep,
-                 self.dims.etp, self.grad_accum, self.cfg.train.micro_batch_size, self.run_dir)
+        log.info("model: %.2fM parameters (%.2fM active per token, %.2fM in experts); world %d = pp %d x dp %d "
+                 "x tp %d, ep %d x etp %d; %d micro-batch(es) of %d per step; run dir %s", pc.total / 1e6,
+                 pc.active / 1e6, pc.expert / 1e6, self.world_size, self.dims.pp, self.dp_size, self.dims.tp,
+                 self.dims.ep, self.dims.etp, self.grad_accum, self.cfg.train.micro_batch_size, self.run_dir)
 
     # --- one optimizer step -----------------------------------------------------------------------
 
@@ -183,15 +211,15 @@ class Trainer(CheckpointingMixin):
         # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
         # watches), and not in the first two steps, where DDP still rebuilds its buckets.
         track = self.cfg.log.memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0
-        tracker = contextlib.nullcontext()
+        tracker = None
         if track:
             averages = self.ema.tensors() if self.ema is not None else ()
             tracker = MemoryTracker(self.parallel_model, self.optimizer, averages)
-        with tracker:
+        with tracker if tracker is not None else contextlib.nullcontext():
             with self.phase(f"forward/backward of step {self.step + 1}"):
                 if self.pipeline is not None:  # the schedule runs the step's micro-batches
-                    batch = next_step_batch(self.train_loader, self.grad_accum, self.device)
-                    loss, aux = self.pipeline.forward_backward(*batch, loss_scale=self.scaler.scale)
+                    input_ids, labels = next_step_batch(self.train_loader, self.grad_accum, self.device)
+                    loss, aux = self.pipeline.forward_backward(input_ids, labels, loss_scale=self.scaler.scale)
                     self._step_sums.add("loss", loss)
                     self._step_sums.add("aux", aux)
                 else:
@@ -204,7 +232,7 @@ class Trainer(CheckpointingMixin):
                             self.forward_backward(*batch)
             with self.phase(f"optimizer step {self.step + 1}"):
                 good = self.optimizer_step()
-        if track:
+        if tracker is not None:
             self.memory_metrics = tracker.report().as_metrics()
         self._account_step(good)
 
@@ -253,7 +281,12 @@ class Trainer(CheckpointingMixin):
                              tokens=self.cfg.train.global_batch_size * self.cfg.data.seq_len)
         self.skips.record(self.step, good=good)
         if good:
-            self._last_good = self._snapshot()
+            self._last_good = self.snapshot()
+
+    def snapshot(self) -> dict:
+        """The state after the current step that a checkpoint holds besides the weights and the
+        optimizer (``Checkpointer.snapshot``)."""
+        return self.checkpointer.snapshot(step=self.step, skipped_total=self.skips.total)
 
     # --- evaluation -------------------------------------------------------------------------------
 
@@ -282,6 +315,7 @@ class Trainer(CheckpointingMixin):
         w = self.window
         good = w.steps - w.skipped
         if good > 0:
+            assert w.loss is not None and w.aux is not None  # every good step added both
             loss = mean_over_dp(w.loss / (good * self.grad_accum), self.dims).item()
             aux = mean_over_dp(w.aux / (good * self.grad_accum), self.dims).item()
         else:
@@ -330,7 +364,7 @@ class Trainer(CheckpointingMixin):
                 if self.skips.halt:
                     self._halt_nonfinite()
                 if (c.every and self.step % c.every == 0) or (is_last and c.save_final) or self.interrupted:
-                    self.save_checkpoint()
+                    self.checkpointer.save(self.snapshot())
                 if self.window.steps == 0:
                     # Evaluation and checkpointing ran after the window was closed: start the
                     # next throughput window now, so tokens/s measures training alone.
@@ -338,7 +372,7 @@ class Trainer(CheckpointingMixin):
                 if self.interrupted:
                     if self.step < t.steps:
                         log.warning("stopped by signal at step %d; checkpoint saved in %s", self.step,
-                                    self.ckpt_dir / step_dir_name(self.step))
+                                    self.checkpointer.step_path(self.step))
                         break
                     self.interrupted = False  # the signal came with the last step: the run is complete
         bar.close()
@@ -361,9 +395,7 @@ class Trainer(CheckpointingMixin):
         state saved: the current weights (the skipped steps left them as they were) with the
         step, data position, schedule and RNG of the last step taken."""
         good = self._last_good
-        path = self.ckpt_dir / step_dir_name(good["step"])
-        if self._last_saved_step != good["step"] or not path.exists():
-            path = self.save_checkpoint(good)
+        path = self.checkpointer.saved(good["step"]) or self.checkpointer.save(good)
         raise self.skips.error(self.step, last_good_step=good["step"], path=path)
 
     def generate(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,

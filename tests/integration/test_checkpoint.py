@@ -21,7 +21,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from moetrain.config.loader import load_config
-from moetrain.train.checkpoint import CheckpointError, load_checkpoint, load_model_weights
+from moetrain.train.checkpoint.files import CheckpointError
+from moetrain.train.checkpoint.index import load_model_weights
+from moetrain.train.checkpoint.state import load_checkpoint
 from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 
@@ -71,9 +73,9 @@ def _run(rank: int, world_size: int, overrides: list[str], capture_steps: tuple[
     out = {"loaded": None, "captured": {}, "local_experts": {}, "resumed_step": trainer.step}
     if trainer.resumed_from is not None:
         out["loaded"] = _full_state(trainer)
-    save = trainer.save_checkpoint
+    save = trainer.checkpointer.save
 
-    def save_and_capture(snapshot=None):
+    def save_and_capture(snapshot):
         path = save(snapshot)
         if trainer.step in capture_steps:
             out["captured"][trainer.step] = _full_state(trainer)
@@ -82,7 +84,7 @@ def _run(rank: int, world_size: int, overrides: list[str], capture_steps: tuple[
                                                   if isinstance(p, DTensor)}
         return path
 
-    trainer.save_checkpoint = save_and_capture
+    trainer.checkpointer.save = save_and_capture
     try:
         trainer.fit()
     finally:
@@ -187,7 +189,8 @@ def _resume_mid_balance_interval(tmp_path):
     want = _records(tmp_path / "ref")
 
     # Stopped after step 4 (one step into the second interval), then resumed to step 9.
-    first = Trainer(load_config(None, _ov(tmp_path / "run", steps=4, extra=(*balancing, "--checkpoint.save_final=true"))))
+    first = Trainer(load_config(None, _ov(tmp_path / "run", steps=4,
+                                          extra=(*balancing, "--checkpoint.save_final=true"))))
     first.fit()
     first.close()
     resumed = Trainer(load_config(None, _ov(tmp_path / "run", steps=9, extra=balancing)))
@@ -318,7 +321,7 @@ def _corrupt_or_partial_refused(tmp_path):
     # The temporary folder of a save that never finished is not a checkpoint.
     tmp_dir = tmp_path / "src" / "checkpoints" / ".step_000000003.tmp"
     tmp_dir.mkdir()
-    from moetrain.train.checkpoint import resolve_checkpoint
+    from moetrain.train.checkpoint.files import resolve_checkpoint
 
     with pytest.raises(CheckpointError, match="never finished"):
         resolve_checkpoint(tmp_dir)
@@ -402,7 +405,7 @@ def _zero_run(rank: int, world_size: int, ep: int, zero_stage: int, ckpt_dir: st
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
     from moetrain.models.transformer import Transformer
-    from moetrain.train.checkpoint import save_checkpoint
+    from moetrain.train.checkpoint.state import save_checkpoint
     from moetrain.train.optim import build_optimizer
 
     dims = ParallelDims(world_size=world_size, ep=ep, num_experts=E)

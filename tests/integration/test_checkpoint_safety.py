@@ -19,23 +19,17 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from moetrain.train.checkpoint import (
-    MANIFEST,
-    CheckpointError,
-    capture_rng_state,
-    load_checkpoint,
-    load_model_weights,
-    restore_rng_state,
-    save_checkpoint,
-)
-from moetrain.train.checkpoint_files import file_record
-from moetrain.train.checkpoint_index import INDEX, index_to_json, text_tensor
+from moetrain.train.checkpoint.files import MANIFEST, CheckpointError, file_record
+from moetrain.train.checkpoint.index import INDEX, index_to_json, load_model_weights, text_tensor
+from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
+from moetrain.train.rng_state import capture_rng_state, restore_rng_state
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,7 +175,22 @@ def test_malformed_index_is_a_checkpoint_error(tmp_path):
     manifest["files"][INDEX] = file_record(path / INDEX)
     (path / MANIFEST).write_text(json.dumps(manifest))
     for error in _load_both_ways(path):
-        assert error is not None and "names data file '../elsewhere.distcp'" in error
+        assert error is not None and "names file '../elsewhere.distcp', which is not a file of the" in error
+
+
+@pytest.mark.parametrize("how", ["relative", "absolute"])
+def test_manifest_naming_a_file_outside_the_checkpoint_is_refused(tmp_path, how):
+    # A real file beside the checkpoint, with its true size and hash: only the path rule refuses it.
+    path = _genuine(tmp_path)
+    outside = path.parent / "x"
+    outside.write_bytes(b"not a file of the checkpoint")
+    name = "../x" if how == "relative" else str(outside)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"][name] = file_record(outside)
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    for error in _load_both_ways(path):  # a refused load leaves the model as it was
+        assert error is not None and (f"{MANIFEST} names file {name!r}, which is not a file of the checkpoint "
+                                      "folder") in error
 
 
 def test_rng_state_round_trips_exactly_through_a_checkpoint(tmp_path):

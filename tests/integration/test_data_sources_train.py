@@ -48,7 +48,6 @@ def _call(rank: int, world_size: int, body, *args):
 
 
 def _exact_resume(tmp_path: Path) -> None:
-    from moetrain.train.checkpoint import step_dir_name
     from moetrain.train.trainer import Trainer
 
     torch.use_deterministic_algorithms(True)  # this child process only
@@ -56,7 +55,7 @@ def _exact_resume(tmp_path: Path) -> None:
     ref = Trainer(load_config(None, _overrides(tmp_path / "ref", sources, steps=6)))
     ref.fit()
     final_position = ref.train_loader.state_dict()
-    ckpt = ref.ckpt_dir / step_dir_name(3)
+    ckpt = ref.checkpointer.step_path(3)
     ref.close()
     want = read_losses(tmp_path / "ref")
     assert len(want) == 6
@@ -90,7 +89,6 @@ def _first_batch_after_resume(rank: int, world_size: int, run_dir: Path, sources
 
 def _one_process_source(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     """Train 3 steps on one process; return the step-3 checkpoint and the global batch of step 4."""
-    from moetrain.train.checkpoint import step_dir_name
     from moetrain.train.trainer import Trainer
 
     sources = _write_sources(tmp_path / "data")
@@ -98,7 +96,7 @@ def _one_process_source(tmp_path: Path) -> tuple[Path, torch.Tensor]:
     t.fit()
     step4 = torch.cat([t.train_loader.next_batch()[0] for _ in range(t.grad_accum)])
     t.close()
-    return t.ckpt_dir / step_dir_name(3), step4
+    return t.checkpointer.step_path(3), step4
 
 
 @pytest.mark.slow

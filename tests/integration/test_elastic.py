@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from moetrain.config.loader import load_config
-from moetrain.train.checkpoint import load_model_weights
+from moetrain.train.checkpoint.index import load_model_weights
 from tests.distributed.workers.torchrun_agents import free_port, torchrun
 from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides

@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from moetrain.config.loader import load_config
-from moetrain.train.checkpoint import CheckpointError, load_model_weights, resolve_checkpoint
+from moetrain.train.checkpoint.files import CheckpointError, resolve_checkpoint
+from moetrain.train.checkpoint.index import load_model_weights
 from tests.helpers.dist_launcher import RankError, run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 

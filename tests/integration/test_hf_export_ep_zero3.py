@@ -31,7 +31,8 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_export_of_an_ep2_zero3_run_equals_the_world1_export(tmp_path, shakespeare_cached):
     from moetrain.interop.export import build_model, write_export
     from moetrain.interop.hf import export_hf
-    from moetrain.train.checkpoint import latest_checkpoint, load_model_weights
+    from moetrain.train.checkpoint.files import latest_checkpoint
+    from moetrain.train.checkpoint.index import load_model_weights
     from moetrain.utils.safetensors_io import SafetensorsFolder
 
     run = tmp_path / "run"

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from moetrain.distributed.data_parallel.ddp import wrap_optimizer
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.pipeline.stages import build_pipeline_model, parallelize_pipeline
-from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
+from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
 from moetrain.train.pipeline_step import PipelineStep
 from tests.distributed.workers.pipeline_worker import SEQ, PPCase, _full, build_model, make_batches
 from tests.helpers.dist_launcher import run_ranks

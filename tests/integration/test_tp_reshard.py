@@ -26,7 +26,7 @@ def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: b
     import torch.distributed as dist
 
     from moetrain.distributed import ParallelDims, parallelize
-    from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
+    from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
     from moetrain.train.optim import build_optimizer
 
     dims = ParallelDims(world_size=world_size, tp=tp, ep=ep, etp=etp, num_experts=4)

@@ -16,7 +16,8 @@ from moetrain.distributed.parallelize import apply_activation_checkpointing
 from moetrain.models.moe import MoELayer
 from moetrain.models.moe.dispatcher import expert_capacity
 from moetrain.train.balancing import expert_lr_scales, install_balancing, seed_capacity_factor
-from moetrain.train.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from moetrain.train.checkpoint.index import load_model_weights
+from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
 from moetrain.train.health import expert_health_summary, load_entropy
 
 DIM = 8

@@ -1,6 +1,7 @@
-"""The folder side of checkpoints: names, the manifest, the ``latest`` pointer, retention and
-verification. Nothing here reads tensors; ``moetrain.train.checkpoint`` does (see its docstring
-for the layout of ``checkpoint.dir``).
+"""The folder side of checkpoints: names, the manifest, the ``latest`` pointer, retention,
+verification, and the one rule for the file names a checkpoint's own files give. Nothing here
+reads tensors; ``moetrain.train.checkpoint.state`` does (the layout of ``checkpoint.dir`` is in
+``moetrain.train.checkpoint``).
 
 A checkpoint is complete once its ``manifest.json`` exists: the manifest is written last, inside
 the temporary folder, which is then renamed into place. The manifest lists the size and sha256 of
@@ -46,6 +47,16 @@ class CheckpointError(ValueError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
+
+
+def require_file_name(name: object, *, named_by: str) -> str:
+    """``name``, when it names a file directly inside the checkpoint folder; else a
+    ``CheckpointError`` saying that ``named_by`` (the manifest, an index entry) names it. The
+    manifest and the index both name files that are then opened under the folder: a name with a
+    folder in it (``../x``, an absolute path) could point anywhere."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "\x00" in name or Path(name).name != name:
+        raise CheckpointError(f"{named_by} names file {name!r}, which is not a file of the checkpoint folder")
+    return name
 
 
 def rank_world() -> tuple[int, int]:
@@ -188,6 +199,8 @@ def read_manifest(path: str | os.PathLike) -> dict:
     if data.get("format") != FORMAT or not isinstance(data.get("files"), dict):
         raise CheckpointError(f"checkpoint {str(path)!r}: {MANIFEST} is not a {FORMAT} manifest "
                               f"(format {data.get('format')!r})")
+    for name in data["files"]:
+        require_file_name(name, named_by=f"checkpoint {str(path)!r}: {MANIFEST}")
     return data
 
 

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from moetrain.train.checkpoint_files import CheckpointError, read_manifest, verify_local
+from moetrain.train.checkpoint.files import CheckpointError, read_manifest, require_file_name, verify_local
 
 INDEX = "index.json"
 INDEX_FORMAT = "moetrain-dcp-index/1"
@@ -92,18 +93,16 @@ def _tensor_entry(fqn: str, e: dict) -> TensorStorageMetadata:
 
 def _storage_item(row: list) -> tuple[MetadataIndex, _StorageInfo]:
     fqn, offset, index, relative_path, file_offset, length, transforms = row
-    # DCP opens path / relative_path: a name with a folder in it could point anywhere.
-    if not isinstance(relative_path, str) or Path(relative_path).name != relative_path:
-        raise CheckpointError(f"entry {fqn!r} names data file {relative_path!r}, which is not a file "
-                              "of the checkpoint folder")
+    relative_path = require_file_name(relative_path, named_by=f"entry {fqn!r}")  # DCP opens path / relative_path
     info = _StorageInfo(relative_path=relative_path, offset=int(file_offset), length=int(length),
                         transform_descriptors=None if transforms is None else [str(t) for t in transforms])
     return MetadataIndex(fqn=str(fqn), offset=offset, index=index), info
 
 
-def read_index(path: Path) -> Metadata:
-    """DCP ``Metadata`` of checkpoint ``path`` from its JSON index. Raises ``CheckpointError`` when
-    the index is missing, malformed or names an entry that is not a tensor."""
+def read_index(path: Path, *, load_id: str | None = None) -> Metadata:
+    """DCP ``Metadata`` of checkpoint ``path`` from its JSON index (``load_id``: the reader's).
+    Raises ``CheckpointError`` when the index is missing, malformed or names an entry that is not a
+    tensor."""
     file = path / INDEX
     if not file.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} has no {INDEX}; its only index would be DCP's "
@@ -112,7 +111,7 @@ def read_index(path: Path) -> Metadata:
         data = json.loads(file.read_text(encoding="utf-8"))
         if data.get("format") != INDEX_FORMAT:
             raise CheckpointError(f"{INDEX} has format {data.get('format')!r}, expected {INDEX_FORMAT}")
-        entries = {fqn: _tensor_entry(fqn, e) for fqn, e in data["entries"].items()}
+        entries: dict[str, STORAGE_TYPES] = {fqn: _tensor_entry(fqn, e) for fqn, e in data["entries"].items()}
         storage = dict(_storage_item(row) for row in data["storage"])
         planner = {k: tuple(v) for k, v in data["planner_data"].items()}
         version = data["version"]
@@ -122,7 +121,7 @@ def read_index(path: Path) -> Metadata:
         raise CheckpointError(f"checkpoint {str(path)!r}: {INDEX} is malformed "
                               f"({type(e).__name__}: {e})") from e
     return Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
-                    storage_meta=StorageMeta(), version=version)
+                    storage_meta=StorageMeta(load_id=load_id), version=version)
 
 
 class SafeReader(dcp.FileSystemReader):
@@ -130,9 +129,7 @@ class SafeReader(dcp.FileSystemReader):
     ``.metadata``."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_index(Path(self.path))
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+        return read_index(Path(self.path), load_id=self.load_id)
 
 
 def saved_like(metadata: Metadata, key: str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -146,7 +143,7 @@ def saved_like(metadata: Metadata, key: str, dtype: torch.dtype | None = None) -
 
 def json_entry(path: Path, state: dict, key: str) -> Any:
     """The JSON value stored as text in the (dotted) entry ``key`` of a loaded ``state``."""
-    t = state
+    t: Any = state
     for part in key.split("."):
         t = t[part]
     try:
@@ -169,7 +166,7 @@ def load_model_weights(path: str | os.PathLike, *,
         raise CheckpointError(f"checkpoint {str(path)!r} has no trainer entry")
     tensors = {key[len("model."):]: saved_like(metadata, key) for key in metadata.state_dict_metadata
                if key.startswith("model.")}
-    state = {"model": tensors, "trainer": saved_like(metadata, "trainer", torch.uint8)}
+    state: dict[str, Any] = {"model": tensors, "trainer": saved_like(metadata, "trainer", torch.uint8)}
     try:
         with warnings.catch_warnings():
             # "torch.distributed is ... uninitialized, assuming ... a single process": intended.

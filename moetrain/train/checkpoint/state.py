@@ -1,18 +1,8 @@
-"""Sharded, atomic, resumable checkpoints on ``torch.distributed.checkpoint`` (DCP).
-
-Layout of ``checkpoint.dir``::
-
-    step_000000100/          one complete checkpoint (renamed into place only once every file is written)
-        index.json           DCP index as JSON: global shapes and which file holds which shard
-        .metadata            the same index as DCP pickles it, for DCP's own tools; never read here
-        __0_0.distcp ...     DCP data, one file per writing rank
-        manifest.json        step, layout, size and sha256 of every file above; written last
-    step_000000200/
-    latest                   "step_000000200": the newest complete checkpoint
-    .step_000000300.tmp/     a save in progress, or one killed mid-way: never read, removed at the next start
+"""Saving and loading the training state through DCP (the folder layout is in
+``moetrain.train.checkpoint``).
 
 What a checkpoint holds (DCP keys; tensors only, so that loading unpickles nothing: see
-``moetrain.train.checkpoint_index``):
+``moetrain.train.checkpoint.index``):
 
     model.<fqn>                parameters and persistent buffers (router state such as expert biases);
                                expert weights are DTensors sharded over ``ep``, so DCP stores them by
@@ -49,7 +39,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -57,44 +47,29 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
-from moetrain.train.checkpoint_files import (
-    FORMAT,
-    LATEST,
-    MANIFEST,
+from moetrain.train.checkpoint.files import (
     CheckpointError,
-    clean_stale_tmp,
     commit_checkpoint,
     file_record,
-    latest_checkpoint,
-    list_checkpoints,
     rank_world,
     read_manifest,
-    resolve_checkpoint,
     step_dir_name,
     verify_checkpoint,
 )
-from moetrain.train.checkpoint_index import (
+from moetrain.train.checkpoint.index import (
     INDEX,
     SafeReader,
     index_to_json,
     json_entry,
-    load_model_weights,
     saved_like,
     text_tensor,
 )
-from moetrain.train.rng_state import capture_rng_state, restore_rng_state, rng_state_problems
+from moetrain.train.rng_state import capture_rng_state, rng_state_problems
 from moetrain.utils.files import atomic_write_text
-
-__all__ = [
-    "FORMAT", "LATEST", "MANIFEST", "CheckpointError", "LoadedCheckpoint", "capture_rng_state",
-    "clean_stale_tmp", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_model_weights",
-    "read_manifest", "resolve_checkpoint", "restore_rng_state", "save_checkpoint", "step_dir_name",
-    "verify_checkpoint",
-]
 
 log = logging.getLogger("moetrain")
 
@@ -136,7 +111,7 @@ def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None
 def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict,
                    rng: dict[str, torch.Tensor], rank: int, grad_compression: dict[str, torch.Tensor],
                    ema: dict[str, torch.Tensor] | None) -> dict:
-    """The DCP state dict of a save: tensors only (see ``moetrain.train.checkpoint_index``)."""
+    """The DCP state dict of a save: tensors only (see ``moetrain.train.checkpoint.index``)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     try:
         groups = json.dumps(optim_sd["param_groups"])
@@ -228,6 +203,7 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
     gathered = _gather_to_main(mine)
     error = None
     if rank == 0:
+        assert gathered is not None  # rank 0 is where they were gathered
         error = _commit_on_main(tmp, final, gathered, metadata, step=step, layout=layout,
                                 keep_last=keep_last)
     _agree(error)
@@ -290,8 +266,9 @@ def _check_against_metadata(path: Path, expected: dict[str, torch.Tensor], metad
     missing = [k for k in expected if k not in saved]
     unexpected = [k for k in saved if k.startswith(("model.", "optim.state.")) and k not in expected
                   and k not in held_elsewhere]
-    mismatched = [f"{k} (saved {tuple(saved[k].size)}, this model {tuple(v.shape)})"
-                  for k, v in expected.items() if k in saved and tuple(saved[k].size) != tuple(v.shape)]
+    shapes = {k: tuple(md.size) for k, md in saved.items() if isinstance(md, TensorStorageMetadata)}
+    mismatched = [f"{k} (saved {shapes[k]}, this model {tuple(v.shape)})"
+                  for k, v in expected.items() if k in shapes and shapes[k] != tuple(v.shape)]
     problems = (_listed(missing, "missing entries") + _listed(unexpected, "entries this model does not have")
                 + _listed(mismatched, "entries of another shape"))
     if problems:
@@ -305,7 +282,7 @@ def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
         count = len(saved) if isinstance(saved, list) else type(saved).__name__
         raise _mismatch(path, [f"optim.param_groups holds {count} groups, this optimizer {len(live)}"])
     groups, missing = [], []
-    for i, (mine, theirs) in enumerate(zip(live, saved)):
+    for i, (mine, theirs) in enumerate(zip(live, saved, strict=True)):
         missing += [f"optim.param_groups.{i}.{k}" for k in mine if k not in theirs]
         # The parameters of a group are this optimizer's own (a pipeline stage holds some of the
         # model's); the saved values are its hyperparameters.
@@ -355,7 +332,7 @@ def _read_state(path: Path, reader: SafeReader, metadata: Metadata, model: nn.Mo
     except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed; nothing was loaded: "
                               f"{type(e).__name__}: {e}") from e
-    return state, optim_sd["param_groups"]
+    return state, cast(list[dict], optim_sd["param_groups"])
 
 
 def has_weight_average(metadata: Metadata) -> bool:

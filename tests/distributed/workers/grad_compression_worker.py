@@ -22,7 +22,7 @@ from moetrain.distributed.data_parallel.ddp import (
     load_grad_compression_state,
 )
 from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
-from moetrain.train.checkpoint import load_checkpoint, save_checkpoint
+from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
 from moetrain.train.optim import build_optimizer
 from tests.distributed.workers.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
 
