@@ -18,7 +18,16 @@ from moetrain.config.base import require
 from moetrain.config.job import JobConfig
 from moetrain.config.presets import get_preset
 
-SECTIONS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(JobConfig)}
+
+def _section_classes() -> dict[str, type]:
+    sections: dict[str, type] = {}
+    for f in dataclasses.fields(JobConfig):
+        assert isinstance(f.default_factory, type), f"JobConfig.{f.name} is built by its section's class"
+        sections[f.name] = f.default_factory
+    return sections
+
+
+SECTIONS: dict[str, type] = _section_classes()
 """Section name -> dataclass, in the order of ``JobConfig``."""
 
 NULLS = ("null", "none", "~")
@@ -130,8 +139,8 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
     elif typing.get_origin(tp) is tuple:
         args = typing.get_args(tp)
         if isinstance(value, (list, tuple)) and len(value) == len(args):
-            return tuple(_coerce(f"{field}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-    elif dataclasses.is_dataclass(tp):
+            return tuple(_coerce(f"{field}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args, strict=True)))
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if isinstance(value, Mapping):  # a mapping of the dataclass's fields, e.g. one of data.sources

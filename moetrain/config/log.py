@@ -36,7 +36,8 @@ class LogConfig:
     gradient reduction at ZeRO stages 0/1 and the ZeRO-1 parameter all-gather, and log the seconds
     per step as comm_time/<kind> (and the spans as comm_calls/<kind>). Timing waits for each
     collective where it is issued, so communication stops overlapping compute: steps get slower,
-    and the figures say what each exchange costs, the most overlap could hide. FSDP2's own gathers and reduce-scatters (stages 2/3) are not timed."""
+    and the figures say what each exchange costs, the most overlap could hide. FSDP2's own gathers
+    and reduce-scatters (stages 2/3) are not timed."""
 
     level: str = "info"
     """Python logging level of rank 0: "debug", "info" or "warning" (other ranks log warnings only)."""

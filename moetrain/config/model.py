@@ -253,6 +253,21 @@ class ModelConfig:
         return self.qk_rope_head_dim if self.attention == "mla" else self.resolved_head_dim
 
     @property
+    def resolved_vocab_size(self) -> int:
+        """``vocab_size``, which must be set by now (``with_vocab_size``)."""
+        if self.vocab_size is None:
+            raise ValueError("model.vocab_size (None) must be set here: ModelConfig.with_vocab_size(tokenizer's)")
+        return self.vocab_size
+
+    @property
+    def num_outputs(self) -> int:
+        """Logits per position of the head: ``num_classes`` for a classifier, else the vocabulary."""
+        if self.head == "classifier":
+            assert self.num_classes is not None, "__post_init__ requires num_classes for a classifier"
+            return self.num_classes
+        return self.resolved_vocab_size
+
+    @property
     def resolved_num_kv_heads(self) -> int:
         return self.num_heads if self.num_kv_heads is None else self.num_kv_heads
 

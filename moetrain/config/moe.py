@@ -212,8 +212,8 @@ class MoEConfig:
 
     collapse_threshold: float = 0.5
     """Routing-collapse alarm: warn (naming the layer and expert) when one expert was chosen by more
-    than this fraction of a layer's tokens over a balance_interval window (50%: the share at which a blog post on DeepSpeed
-    ZeRO-3 with MoE calls routing collapsed), at
+    than this fraction of a layer's tokens over a balance_interval window (50%: the share at which a
+    blog post on DeepSpeed ZeRO-3 with MoE calls routing collapsed), at
     collapse_consecutive_checks checks in a row and after collapse_warmup_steps. Disabled, with a
     warning, when top_k / num_experts (every expert's fraction under perfectly balanced routing)
     is already >= it. 1.0 = never."""
@@ -321,9 +321,9 @@ class MoEConfig:
                     'must be false with moe.router "expert_choice" (its load is balanced by construction)')
         require_positive("moe.dynamic_capacity_base", self.dynamic_capacity_base)
         _require_finite_non_negative("moe.dynamic_capacity_scale", self.dynamic_capacity_scale)
-        require(isinstance(self.dynamic_capacity_shift, (int, float)) and not isinstance(self.dynamic_capacity_shift, bool)
-                and math.isfinite(self.dynamic_capacity_shift), "moe.dynamic_capacity_shift",
-                self.dynamic_capacity_shift, "must be a finite number")
+        shift = self.dynamic_capacity_shift
+        require(isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift),
+                "moe.dynamic_capacity_shift", shift, "must be a finite number")
         require_int("moe.balance_interval", self.balance_interval, min_value=1)
         require(isinstance(self.expert_lr_scale_max, (int, float)) and not isinstance(self.expert_lr_scale_max, bool)
                 and math.isfinite(self.expert_lr_scale_max) and self.expert_lr_scale_max >= 1,

@@ -10,6 +10,7 @@ the tests, never by building them. The job files that use them (``--config tiny`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -22,7 +23,7 @@ class Preset:
     description: str
 
 
-_TINY_MODEL = {"dim": 128, "num_layers": 4, "num_heads": 4, "max_seq_len": 256, "activation": "gelu",
+_TINY_MODEL: dict[str, Any] = {"dim": 128, "num_layers": 4, "num_heads": 4, "max_seq_len": 256, "activation": "gelu",
                "tie_embeddings": True}
 _TINY_MOE = MoEConfig(num_experts=8, top_k=2, expert_hidden_dim=256, activation="gelu")
 

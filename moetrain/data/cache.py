@@ -99,6 +99,7 @@ def cached_corpus_files(name: str, cache_dir: str | os.PathLike | None = None) -
             f"corpus {name!r} is not cached in {folder}; run `moetrain data fetch {name}` first.\n"
             + _supply_instructions(corpus, resolve_cache_dir(cache_dir)))
     manifest = _read_manifest(folder)
+    assert manifest is not None, "_is_valid_entry read it"
     return [folder / "texts" / f["name"] for f in manifest["files"]]
 
 
@@ -130,8 +131,8 @@ def _download(corpus: Corpus, root: Path) -> Path:
     """pip-download the archive into ``root/downloads`` and return its path."""
     downloads = root / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=downloads, prefix=".pip-") as tmp_name:
+        tmp = Path(tmp_name)
         command = download_command(corpus, tmp / "out", tmp / "requirements.txt")
         try:
             proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=600)
@@ -184,7 +185,9 @@ def _archive_members(archive: Path, pattern: str) -> Iterator[tuple[str, bytes]]
         with tarfile.open(archive, "r:*") as tf:
             for member in sorted(tf.getmembers(), key=lambda m: m.name):
                 if member.isfile() and fnmatch.fnmatchcase(member.name, pattern):
-                    yield member.name, tf.extractfile(member).read()
+                    reader = tf.extractfile(member)
+                    assert reader is not None, "a regular file always has a reader"
+                    yield member.name, reader.read()
 
 
 def _extract(corpus: Corpus, archive: Path, folder: Path) -> None:

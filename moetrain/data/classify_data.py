@@ -136,8 +136,10 @@ def prepare_labelled(data: DataConfig, cfg: ClassifyConfig, *, download: bool = 
     end_id, pad_id = _end_and_pad(tokenizer)
     key = _fingerprint(splits.train, splits.val, splits.test, [tokenizer.key, str(data.seq_len)])[:24]
     path = resolve_cache_dir(data.cache_dir) / "labelled" / f"{key}.npz"
-    encoded, stats = _read_cache(path)
-    if encoded is None:
+    cached = _read_cache(path)
+    if cached is not None:
+        encoded, stats = cached
+    else:
         encoded, raw = {}, {}
         for name in SPLITS:
             encoded[name], raw[name] = encode_split(getattr(splits, name), label_ids[name], tokenizer,
@@ -158,14 +160,14 @@ def _write_cache(path: Path, encoded: dict[str, EncodedSplit], stats: dict) -> N
         np.savez(f, meta=np.array(meta), **arrays)
 
 
-def _read_cache(path: Path) -> tuple[dict[str, EncodedSplit] | None, dict | None]:
+def _read_cache(path: Path) -> tuple[dict[str, EncodedSplit], dict] | None:
     try:
         with np.load(path) as z:
             meta = json.loads(str(z["meta"]))
             if meta.get("format") != CACHE_FORMAT:
-                return None, None
+                return None
             encoded = {name: EncodedSplit(*(z[f"{name}_{field}"] for field in ("ids_NS", "lengths_N", "labels_N")))
                        for name in SPLITS}
     except (OSError, ValueError, KeyError):
-        return None, None  # absent or written by another format: rebuild
+        return None  # absent or written by another format: rebuild
     return encoded, meta["length_stats"]

@@ -94,13 +94,14 @@ class ClassificationLoader:
             weight_N = 1.0 / counts_C[split.labels_N]
             self._p_N = weight_N / weight_N.sum()
         self._epoch = self._step = self._micro = 0
-        self._order_epoch, self._order = -1, None
+        self._order_epoch = -1
+        self._order: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.steps_per_epoch
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
+        if self._order is None or self._order_epoch != epoch:
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))
             if self.balanced:
                 self._order = rng.choice(self.num_examples, size=self.num_examples, replace=True, p=self._p_N)

@@ -160,7 +160,7 @@ class LabelledSplits:
         examples = getattr(self, split)
         index = {c: i for i, c in enumerate(self.classes)}
         ids = np.empty(len(examples), dtype=np.int64)
-        for n, (label, where) in enumerate(zip(examples.labels, examples.where)):
+        for n, (label, where) in enumerate(zip(examples.labels, examples.where, strict=True)):
             if label not in index:
                 raise ValueError(f"{where}: unknown label {label!r} in the {split} split: every label must occur in "
                                  f"the train split of {self.source} ({len(self.classes)} classes: "
@@ -208,7 +208,9 @@ def _user_files(path: str) -> list[Path]:
 def load_splits(data: DataConfig, cfg: ClassifyConfig, *, download: bool = True) -> LabelledSplits:
     """The train/val/test examples of ``data.corpus`` (a labelled registered corpus, fetched unless
     cached, or "path"), split as the module docstring says."""
+    test_fraction: float | None
     if data.corpus == "path":
+        assert data.path is not None, "DataConfig requires data.path with corpus 'path'; job forbids data.sources"
         files, source = _user_files(data.path), f"data.path {data.path!r}"
         test_fraction, split_seed, fmt = cfg.test_fraction, cfg.split_seed, None
     else:

@@ -112,7 +112,7 @@ class TokenLoader:
         """Window indices [W] in the order epoch ``epoch`` visits them."""
         if not self.shuffle:
             return np.arange(self.num_windows)
-        if self._order_epoch != epoch:
+        if self._order is None or self._order_epoch != epoch:
             # SeedSequence mixes (seed, epoch) into independent streams: seed s epoch 1 and seed s+1
             # epoch 0 do not share an order.
             rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, epoch])))

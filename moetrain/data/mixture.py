@@ -79,7 +79,7 @@ class MixtureLoader:
                                  + (", or a larger data.val_fraction" if name == "val" else ""))
         self.steps_per_epoch = self._steps_before_a_source_repeats()
         if self.steps_per_epoch == 0:
-            counts = ", ".join(f"{n!r}: {w} windows" for n, w in zip(self.names, self.num_windows))
+            counts = ", ".join(f"{n!r}: {w} windows" for n, w in zip(self.names, self.num_windows, strict=True))
             raise ValueError(
                 f"the {name} part of a data source is smaller than its share of one global batch of "
                 f"{global_batch_size} sequences ({counts}; shares {self._shares()}); use more data, "
@@ -159,7 +159,7 @@ class MixtureLoader:
         source_G, k_G = samples
         start = micro * self.micro_batch_size + self.dp_rank * self.local_batch_size
         rows = [self._window(s, k) for s, k in zip(source_G[start:start + self.local_batch_size],
-                                                   k_G[start:start + self.local_batch_size])]
+                                                   k_G[start:start + self.local_batch_size], strict=True)]
         chunk_BS1 = torch.from_numpy(np.stack(rows))
         return chunk_BS1[:, :-1].contiguous(), chunk_BS1[:, 1:].contiguous()
 
@@ -195,11 +195,11 @@ class MixtureLoader:
 
     def metrics(self) -> dict:
         """Input tokens drawn from each source so far (whole steps), by source name."""
-        return {"source_tokens": {n: int(c) * self.seq_len for n, c in zip(self.names, self._consumed)}}
+        return {"source_tokens": {n: int(c) * self.seq_len for n, c in zip(self.names, self._consumed, strict=True)}}
 
     def _sources_state(self) -> list[dict]:
         return [{"name": n, "weight": float(w), "num_windows": int(num)}
-                for n, w, num in zip(self.names, self.weights, self.num_windows)]
+                for n, w, num in zip(self.names, self.weights, self.num_windows, strict=True)]
 
     def state_dict(self) -> dict:
         """The position (windows taken per source, micro-batch) plus what must match on resume."""

@@ -75,7 +75,7 @@ def load_documents(cfg: DataConfig, *, download: bool = True) -> Documents:
     """
     check_corpus(cfg.corpus)
     if cfg.corpus == "path":
-        kind, files = scan_user_path(cfg.path)
+        kind, files = scan_user_path(_user_path(cfg))
         if kind != "text":
             raise ValueError(f"data.path ({cfg.path!r}) holds pre-tokenised .bin data, not documents")
         return Documents(files, label=f"data.path {cfg.path!r}")
@@ -89,9 +89,9 @@ def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData | Mi
     check_corpus(cfg.corpus)  # before any work, whichever kind of data follows
     if cfg.sources is not None:
         return prepare_sources(cfg, list(cfg.sources))
-    kind, files = scan_user_path(cfg.path) if cfg.corpus == "path" else ("corpus", [])
+    kind, files = scan_user_path(_user_path(cfg)) if cfg.corpus == "path" else ("corpus", [])
     if kind == "tokens" and len(files) > 1:  # shards of one source
-        return prepare_sources(cfg, [DataSource(path=cfg.path)], field="data.path")
+        return prepare_sources(cfg, [DataSource(path=_user_path(cfg))], field="data.path")
     if kind == "tokens":
         token_file = files[0]
         tokens, meta = open_token_file(token_file)
@@ -111,3 +111,8 @@ def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData | Mi
     return PreparedData(train_tokens=train_tokens, val_tokens=val_tokens, vocab_size=vocab_size,
                         eos_id=eos_id, tokenizer=tokenizer, seq_len=cfg.seq_len, token_file=Path(token_file),
                         document_separator=separator)
+
+
+def _user_path(cfg: DataConfig) -> str:
+    assert cfg.path is not None, "DataConfig requires data.path with corpus 'path' when data.sources is unset"
+    return cfg.path

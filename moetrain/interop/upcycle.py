@@ -48,7 +48,9 @@ import os
 import re
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -169,22 +171,28 @@ def _moe_jobs(layer: int, src: ExportTensors, hf_of: dict[str, str], model: Mode
     (``hf_of``: moetrain name -> HF name of the dense model's tensors)."""
     mt = f"layers.{layer}.feed_forward"
     D, E, f = model.dim, moe.num_experts, moe.expert_hidden_dim
-    kw = {"num_experts": E, "granularity": granularity, "noise": noise, "seed": seed}
+    kw: dict[str, Any] = {"num_experts": E, "granularity": granularity, "noise": noise, "seed": seed}
     router = f"{mt}.router.gate.weight"
     jobs: list[Job] = [(TensorSpec(router, (E, D), dtype), lambda: _router(router, moe, D, granularity=granularity,
                                                                            seed=seed).to(dtype))]
     for w, shape in (("w1", (E, D, f)), ("w3", (E, D, f)), ("w2", (E, f, D))):
         name = f"{mt}.experts.{w}"
-        jobs.append((TensorSpec(name, shape, dtype), lambda n=name, w=w: _experts(
-            n, src.get(hf_of[f"{mt}.{w}.weight"]), down=w == "w2", **kw).to(dtype)))
+        jobs.append((TensorSpec(name, shape, dtype), partial(_expert_stack, name, src, hf_of[f"{mt}.{w}.weight"],
+                                                             down=w == "w2", dtype=dtype, **kw)))
     return jobs
+
+
+def _expert_stack(name: str, src: ExportTensors, dense_name: str, *, down: bool, dtype: torch.dtype,
+                  **kw: Any) -> torch.Tensor:
+    """One job of ``_moe_jobs``: the stack ``name`` from the dense tensor ``dense_name``, read when written."""
+    return _experts(name, src.get(dense_name), down=down, **kw).to(dtype)
 
 
 def _copy_tokenizer(hf_dir: Path, out: Path) -> list[str]:
     copied = []
     for name in TOKENIZER_FILES:
         if (hf_dir / name).is_file():
-            atomic_write_with(out / name, lambda tmp, n=name: shutil.copyfile(hf_dir / n, tmp), shared=True)
+            atomic_write_with(out / name, partial(shutil.copyfile, hf_dir / name), shared=True)
             copied.append(name)
     return copied
 

@@ -119,8 +119,10 @@ def apply_lora(model: nn.Module, finetune: FinetuneConfig, *, seed: int = 0) -> 
         for prefix, module in modules:
             where = f"{prefix}." if prefix else ""
             if isinstance(module, GroupedExperts):
-                module.add_lora(rank=rank, scale=scale,
-                                generator_for=lambda attr, where=where: lora_generator(seed, where + attr))
+                def generator_for(attr: str, where: str = where) -> torch.Generator:
+                    return lora_generator(seed, where + attr)
+
+                module.add_lora(rank=rank, scale=scale, generator_for=generator_for)
                 continue
             for child_name, child in list(module.named_children()):
                 if isinstance(child, nn.Linear) and not isinstance(child, LoRALinear):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +81,7 @@ class ParamCounts:
     """The token-embedding table (V * D)."""
 
 
-def build_attention(config: ModelConfig) -> nn.Module:
+def build_attention(config: ModelConfig) -> Attention | MultiHeadLatentAttention:
     """The attention module ``config.attention`` names, with its fields."""
     if config.attention == "mla":
         return MultiHeadLatentAttention(
@@ -134,13 +135,18 @@ class Transformer(nn.Module):
     when built on the meta device: then call ``init_weights`` after ``to_empty``.
     """
 
+    rope_cos_SA: torch.Tensor
+    rope_sin_SA: torch.Tensor
+
     def __init__(self, config: ModelConfig, *, moe: MoEConfig | None = None, seed: int = 0) -> None:
         super().__init__()
-        require(config.vocab_size is not None, "model.vocab_size", config.vocab_size,
-                "must be set before building the model (ModelConfig.with_vocab_size(tokenizer vocab size))")
+        vocab_size = config.vocab_size
+        if vocab_size is None:
+            raise ValueError("model.vocab_size (None) must be set before building the model "
+                             "(ModelConfig.with_vocab_size(tokenizer vocab size))")
         moe = MoEConfig() if moe is None else moe
         self.config, self.moe_config = config, moe
-        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.tok_embeddings = nn.Embedding(vocab_size, config.dim)
         self.embedding_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self.layers = nn.ModuleList(TransformerBlock(config, moe, layer_id=i)
                                     for i in range(config.num_layers))
@@ -148,9 +154,10 @@ class Transformer(nn.Module):
         if config.head == "classifier":
             if config.pooling == "attention":
                 self.pool_query = nn.Parameter(torch.zeros(config.dim))
+            assert config.num_classes is not None, "ModelConfig requires num_classes for a classifier"
             self.output = nn.Linear(config.dim, config.num_classes, bias=False)
         else:
-            self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+            self.output = nn.Linear(config.dim, vocab_size, bias=False)
             if config.tie_embeddings:
                 self.output.weight = self.tok_embeddings.weight
         # Rotary tables (for the rotary part of each head): derived from the config, so not saved
@@ -256,8 +263,8 @@ class Transformer(nn.Module):
         if dtype is None:
             autocast = torch.is_autocast_enabled(device.type)
             dtype = torch.get_autocast_dtype(device.type) if autocast else self.tok_embeddings.weight.dtype
-        layers = [layer.attention.new_cache(batch_size, max_len=max_len, dtype=dtype, device=device)
-                  for layer in self.layers]
+        layers = [block.attention.new_cache(batch_size, max_len=max_len, dtype=dtype, device=device)
+                  for block in self._blocks()]
         return DecodeCache(layers, batch_size=batch_size, max_len=max_len,
                            document_separator=cfg.document_separator, device=device)
 
@@ -320,10 +327,8 @@ class Transformer(nn.Module):
             std_of[id(self.pool_query)] = "zeros"  # uniform weights: training starts from mean pooling
         for name, param in self.named_parameters():
             p_std = std_of.get(id(param), std)
-            if p_std == "ones":
-                full = torch.ones(param.shape)
-            elif p_std == "zeros":
-                full = torch.zeros(param.shape)
+            if isinstance(p_std, str):
+                full = torch.ones(param.shape) if p_std == "ones" else torch.zeros(param.shape)
             else:
                 full = torch.empty(param.shape).normal_(0.0, p_std, generator=_generator(seed, name))
             _copy_full(param, full)
@@ -337,9 +342,9 @@ class Transformer(nn.Module):
         """Counts of the instantiated model (global sizes, also when sharded)."""
         total = sum(p.numel() for p in self.parameters())
         expert = active_expert = 0
-        for layer in self.layers:
-            if layer.is_moe:
-                n = sum(p.numel() for p in layer.feed_forward.experts.parameters())
+        for block in self._blocks():
+            if isinstance(block.feed_forward, MoELayer):
+                n = sum(p.numel() for p in block.feed_forward.experts.parameters())
                 expert += n
                 active_expert += n * self.moe_config.top_k // self.moe_config.num_experts
         return ParamCounts(total=total, active=total - expert + active_expert, expert=expert,
@@ -349,12 +354,17 @@ class Transformer(nn.Module):
         """Training FLOPs per token (forward + backward); see ``flops_per_token``."""
         return flops_per_token(self.config, self.moe_config, seq_len=seq_len)
 
+    def _blocks(self) -> list[TransformerBlock]:
+        # nn.ModuleList types its items as nn.Module; this model's are always TransformerBlocks.
+        return [cast(TransformerBlock, block) for block in self.layers]
+
 
 def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None = None) -> ParamCounts:
     """Parameter counts from the configs alone (no tensors): for planning the large presets.
     ``vocab_size`` replaces ``config.vocab_size`` when that is None."""
     V = config.vocab_size if config.vocab_size is not None else vocab_size
-    require(V is not None, "model.vocab_size", V, "must be set (or vocab_size given) to count parameters")
+    if V is None:
+        raise ValueError("model.vocab_size (None) must be set (or vocab_size given) to count parameters")
     D, L = config.dim, config.num_layers
     attention = attention_params(config)
     norms = 2 * D
@@ -367,6 +377,7 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
 
     embedding = V * D
     if config.head == "classifier":
+        assert config.num_classes is not None, "ModelConfig requires num_classes for a classifier"
         head = D * config.num_classes + (D if config.pooling == "attention" else 0)  # + the pooling query
     else:
         head = 0 if config.tie_embeddings else V * D

@@ -84,7 +84,7 @@ def _gemm_rates(cfg, procs: int, *, repeats: int, barrier) -> dict:
     micro, _, _ = planned_micro_batch(cfg.train, procs)
     T, D, S, A = micro * cfg.data.seq_len, model.dim, cfg.data.seq_len, model.resolved_head_dim
     shapes = [(D, model.num_heads * A), (D, model.resolved_num_kv_heads * A), (D, model.resolved_num_kv_heads * A),
-              (model.num_heads * A, D), (D, model.vocab_size)]
+              (model.num_heads * A, D), (D, model.resolved_vocab_size)]
     if any(not model.is_moe_layer(i) for i in range(model.num_layers)):
         shapes += [(D, model.resolved_dense_hidden_dim), (model.resolved_dense_hidden_dim, D)]
     mats = [(torch.randn(T, i), torch.randn(i, o), torch.randn(T, o)) for i, o in shapes]
@@ -139,7 +139,7 @@ def _elementwise_bandwidth(cfg, procs: int, *, repeats: int, barrier) -> float:
 
     model, moe = resolve_vocab(cfg), cfg.moe
     micro, _, _ = planned_micro_batch(cfg.train, procs)
-    T, D, V = micro * cfg.data.seq_len, model.dim, model.vocab_size
+    T, D, V = micro * cfg.data.seq_len, model.dim, model.resolved_vocab_size
     N, H = T * moe.top_k, moe.expert_hidden_dim if model.is_moe else model.resolved_dense_hidden_dim
     x_TD, w_D = torch.randn(T, D), torch.randn(D)
     h_NH, g_NH = torch.randn(N, H), torch.randn(N, H)
@@ -320,11 +320,11 @@ def main(argv=None) -> int:
         t0 = time.perf_counter()
         measured[n] = measure(n, config=args.config, repeats=args.repeats)
         profiles[n] = profile_from_measurement(measured[n])
-        print(f"{n} process(es), {measured[n]['threads_per_rank']} thread(s) each: peak "
-              f"{measured[n]['peak'] / 1e9:.1f} GFLOP/s, dense GEMMs {measured[n]['dense'] / 1e9:.1f}, experts "
-              f"{measured[n].get('expert', 0) / 1e9:.1f}, attention {measured[n]['attention'] / 1e9:.1f}, elementwise "
-              f"{measured[n]['elementwise_bandwidth'] / 1e9:.2f} GB/s, optimizer "
-              f"{measured[n]['optimizer_bandwidth'] / 1e9:.2f} GB/s ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+        m = measured[n]
+        print(f"{n} process(es), {m['threads_per_rank']} thread(s) each: peak {m['peak'] / 1e9:.1f} GFLOP/s, "
+              f"dense GEMMs {m['dense'] / 1e9:.1f}, experts {m.get('expert', 0) / 1e9:.1f}, attention "
+              f"{m['attention'] / 1e9:.1f}, elementwise {m['elementwise_bandwidth'] / 1e9:.2f} GB/s, optimizer "
+              f"{m['optimizer_bandwidth'] / 1e9:.2f} GB/s ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     doc = {"machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                        "torch": torch.__version__, "load_average": os.getloadavg(), "config": args.config},
            "measured": {str(n): m for n, m in measured.items()},

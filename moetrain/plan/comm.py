@@ -20,9 +20,10 @@ shard over edp; gradients reduced in fp32; parameters gathered in the compute dt
     HSDP      the reduce-scatter inside a shard group, then an all-reduce of the shard across
               the replicas
 
-All-to-all (the textbook per-layer volume, dispatch + combine of every routed copy, made per rank): each MoE layer sends its T*K routed copies
-(times min(1, capacity factor)) of D values, of which (ep-1)/ep go to other ranks under balanced
-routing, in dispatch and again in combine: 2 * T*K*D*bytes * (ep-1)/ep per layer and forward.
+All-to-all (the textbook per-layer volume, dispatch + combine of every routed copy, made per rank):
+each MoE layer sends its T*K routed copies (times min(1, capacity factor)) of D values, of which
+(ep-1)/ep go to other ranks under balanced routing, in dispatch and again in combine:
+2 * T*K*D*bytes * (ep-1)/ep per layer and forward.
 Backward repeats both exchanges, and a checkpointed MoE layer's recompute repeats the forward.
 With ``moe.dispatch_dtype`` "bf16" every one of them moves 2 bytes per value; with "fp8_e4m3" the
 forward dispatch moves D + 4 * ceil(D / 128) bytes per row (e4m3 values and fp32 block scales),

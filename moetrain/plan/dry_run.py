@@ -118,7 +118,8 @@ def _check(cfg: JobConfig, world: int, rank: int | None) -> None:
             raise ValueError(f"parallel.{name} ({getattr(cfg.parallel, name)}) must be 1 for a dry run: it measures "
                              "the dp x ep (x etp) layouts of the planner's shard arithmetic (plan without --dry-run "
                              "has the tp and pp tables)")
-    for name, value in (("zero.offload_optimizer", cfg.zero.offload_optimizer), ("zero.offload_param", cfg.zero.offload_param)):
+    for name, value in (("zero.offload_optimizer", cfg.zero.offload_optimizer),
+                        ("zero.offload_param", cfg.zero.offload_param)):
         if value != "none":
             raise ValueError(f"{name} ({value!r}) must be 'none' for a dry run: offloaded shards are copied to "
                              "host memory, which meta tensors cannot be (plan without --dry-run covers offload)")
@@ -207,7 +208,7 @@ def _build(cfg: JobConfig, model_cfg, world: int):
         wrapped = parallelize(model, dims, activation_checkpointing=t.activation_checkpointing,
                               activation_checkpointing_every=t.activation_checkpointing_every, compile=t.compile,
                               grad_compression=cfg.dp.grad_compression, **zero_settings(cfg))
-    optimizer = wrap_optimizer(build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas),
+    optimizer = wrap_optimizer(build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
                                                eps=o.eps),
                                dims, zero_stage=cfg.parallel.zero_stage,
                                offload_optimizer=cfg.zero.offload_optimizer == "cpu",
@@ -289,7 +290,8 @@ def dry_run_isolated(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "config.yaml"
         save_config(cfg, path)
-        cmd = [sys.executable, "-m", "moetrain.plan.dry_run", str(path), str(nproc)] + ([] if rank is None else [str(rank)])
+        cmd = [sys.executable, "-m", "moetrain.plan.dry_run", str(path), str(nproc)]
+        cmd += [] if rank is None else [str(rank)]
         out = subprocess.run(cmd, check=True, capture_output=True, text=True)
     return DryRun.from_dict(json.loads(out.stdout.strip().splitlines()[-1]))
 

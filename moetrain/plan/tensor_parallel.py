@@ -95,8 +95,7 @@ def tp_bytes_per_micro_batch(model: ModelConfig, *, tp: int, micro_batch_size: i
     # input's all-gather; backward swaps them; recomputed blocks repeat their forward pairs.
     gathers = pairs + 1 + pairs + 1 + recompute_blocks
     scatters = pairs + 1 + pairs + 1 + recompute_blocks
-    vocab = model.num_classes if model.head == "classifier" else model.vocab_size
-    logits = micro_batch_size * seq_len * vocab * compute_bytes
+    logits = micro_batch_size * seq_len * model.num_outputs * compute_bytes
     all_gather = round(frac * (gathers * X + logits))
     per_layer = round(frac * X * 4 * 2)  # attention + dense FFN, forward and backward
     return all_gather, round(frac * scatters * X), per_layer

@@ -261,7 +261,7 @@ class Balancer:
             return targets
         for i, layer in enumerate(self.layers):
             for w in (layer.experts.w1, layer.experts.w2, layer.experts.w3):
-                if id(w) in layer_of:
+                if w is not None and id(w) in layer_of:
                     local, first, rows = _local_expert_rows(w)
                     expert_R = torch.arange(first, first + rows, device=local.device)
                     targets.append(_LrTarget(i, local, expert_R, (-1,) + (1,) * (local.dim() - 1)))
@@ -336,9 +336,9 @@ class Balancer:
                                   idle_steps_LE=self.idle_steps_LE.cpu(), unused_after=c.unused_expert_steps)
         m["routing_collapse_alarms"] = list(self.window_alarms_L)
         if c.dynamic_capacity:
-            m["capacity_factor"] = [round(layer.capacity_factor, 5) for layer in self.layers]
+            m["capacity_factor"] = [round(layer.dynamic_capacity_factor, 5) for layer in self.layers]
         if c.router_bias_update_rate > 0:
-            m["expert_bias"] = [[round(v, 5) for v in layer.router.expert_bias.tolist()] for layer in self.layers]
+            m["expert_bias"] = [[round(v, 5) for v in _expert_bias(layer).tolist()] for layer in self.layers]
         if c.expert_lr_scale_max > 1:
             m["expert_lr_scale"] = [[round(v, 4) for v in layer.expert_lr_scale.tolist()] for layer in self.layers]
         if c.collapse_aux_increase > 0:
@@ -400,3 +400,9 @@ def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     """The optimizer whose step updates the tensors: ZeRO-1's inner optimizer (which steps this
     rank's slices, host copies when offloading), else ``optimizer`` itself."""
     return optimizer.inner if isinstance(optimizer, ZeroShardedOptimizer) else optimizer
+
+
+def _expert_bias(layer: MoELayer) -> torch.Tensor:
+    bias_E = layer.router.expert_bias
+    assert bias_E is not None, "moe.router_bias_update_rate > 0 gives every router an expert_bias"
+    return bias_E

@@ -43,7 +43,7 @@ def f1_per_class(confusion_CC: torch.Tensor) -> list[float | None]:
     c = confusion_CC.double()
     tp = c.diagonal()
     denom = c.sum(dim=0) + c.sum(dim=1)  # (TP + FP) + (TP + FN)
-    return [None if d == 0 else float(2 * t / d) for t, d in zip(tp.tolist(), denom.tolist())]
+    return [None if d == 0 else float(2 * t / d) for t, d in zip(tp.tolist(), denom.tolist(), strict=True)]
 
 
 def metrics_from_confusion(confusion_CC: torch.Tensor, *, prefix: str) -> dict:

@@ -113,7 +113,7 @@ def load_run(path: str | os.PathLike, name: str) -> Run:
 def run_names(paths: list[str | os.PathLike]) -> list[str]:
     """Each run's folder name, or its path as given where two runs share a folder name."""
     names = [Path(p).resolve().name for p in paths]
-    return [n if names.count(n) == 1 else str(p) for n, p in zip(names, paths)]
+    return [n if names.count(n) == 1 else str(p) for n, p in zip(names, paths, strict=True)]
 
 
 def flatten(config: dict, prefix: str = "") -> dict:
@@ -189,7 +189,8 @@ def summary_markdown(runs: list[Run], finals: dict[str, list], differences: dict
     names = [format_value(r.name) for r in runs]
     lines = ["# Run comparison", "", "| run | folder | last step |", "|---|---|---|"]
     lines += [f"| {n} | {format_value(str(r.path))}{'' if r.config is not None else ' (no config.yaml)'} | "
-              f"{format_value(r.last_step) if r.last_step is not None else MISSING} |" for n, r in zip(names, runs)]
+              f"{format_value(r.last_step) if r.last_step is not None else MISSING} |"
+              for n, r in zip(names, runs, strict=True)]
     labels = {q.key: q.label for q in QUANTITIES}
     lines += ["", "## Final figures", "",
               "Last logged value of each quantity; per-layer quantities are averaged over the MoE layers.", ""]
@@ -212,7 +213,7 @@ def compare_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike =
     files written (summary.md first)."""
     if len(run_dirs) < 2:
         raise ValueError(f"compare needs at least two runs, got {len(run_dirs)}: {[str(p) for p in run_dirs]}")
-    runs = [load_run(p, name) for p, name in zip(run_dirs, run_names(run_dirs))]
+    runs = [load_run(p, name) for p, name in zip(run_dirs, run_names(run_dirs), strict=True)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = [p for p in (plot_quantity(runs, q, out) for q in QUANTITIES) if p is not None]

@@ -98,7 +98,7 @@ def collective_site(exc: BaseException) -> str:
         return "unknown operation"
     paths = [f.filename.replace(os.sep, "/") for f in frames]
     op = where = None
-    for f, path in zip(reversed(frames), reversed(paths)):
+    for f, path in zip(reversed(frames), reversed(paths), strict=True):
         public = not f.name.startswith("_") and f.name != "wrapper"  # skip torch's logging decorators
         if op is None and "/torch/distributed/" in path and public:
             op = f"torch.distributed.{f.name}"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -134,11 +135,11 @@ def generate(model: Transformer, prompt_ids_BS: torch.Tensor, *, max_new_tokens:
     model.eval()
     device = prompt_ids_BS.device
     gen = torch.Generator(device=device).manual_seed(seed)
-    sample = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "generator": gen}
+    sample = partial(sample_next, temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
     done_B = torch.zeros(B, dtype=torch.bool, device=device)
     start = time.perf_counter()
     cache = model.new_cache(B, max_len=num_prompt + max_new_tokens) if use_cache else None
-    next_B = sample_next(model(prompt_ids_BS, cache=cache).logits[:, -1], **sample)
+    next_B = sample(model(prompt_ids_BS, cache=cache).logits[:, -1])
     ids = [prompt_ids_BS, next_B[:, None]]
     _synchronize(device)
     prefill_s, decode_start = time.perf_counter() - start, time.perf_counter()
@@ -148,7 +149,7 @@ def generate(model: Transformer, prompt_ids_BS: torch.Tensor, *, max_new_tokens:
             if bool(done_B.all()):  # a host sync
                 break
         step_ids_BS = next_B[:, None] if use_cache else torch.cat(ids, dim=1)
-        next_B = sample_next(model(step_ids_BS, cache=cache).logits[:, -1], **sample)
+        next_B = sample(model(step_ids_BS, cache=cache).logits[:, -1])
         if stop_id is not None:
             next_B = next_B.masked_fill(done_B, stop_id)
         ids.append(next_B[:, None])

@@ -15,7 +15,8 @@ from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
 def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     """AdamW groups: matrices (and stacked expert matrices) decay; norms, biases and other
     vectors do not (decaying a norm gain pulls it towards zero, not towards "simple")."""
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue

@@ -75,7 +75,7 @@ def plot_expert_load(records, out: Path) -> Path | None:
                        extent=(steps[0], steps[-1], num_experts - 0.5, -0.5))
         pts = [(s, e) for s, per_layer in unused.items() for e in per_layer[i]]
         if pts:
-            ax.scatter(*zip(*pts), marker="x", s=14, color="cyan", label="unused")
+            ax.scatter(*zip(*pts, strict=True), marker="x", s=14, color="cyan", label="unused")
         hits = [s for s, per_layer in alarms.items() if per_layer[i] > 0]
         if hits:
             ax.scatter(hits, [-0.5] * len(hits), marker="v", s=30, color="red", clip_on=False, label="collapse alarm")
@@ -100,7 +100,7 @@ def plot_expert_health(records, out: Path) -> Path | None:
     if not panels:
         return None
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.2 * len(panels)), squeeze=False, sharex=True)
-    for ax, (key, label) in zip(axes[:, 0], panels):
+    for ax, (key, label) in zip(axes[:, 0], panels, strict=True):
         s, v = _series(records, key)
         arr = np.asarray(v, dtype=float).reshape(len(s), -1)
         for i in range(arr.shape[1]):

@@ -172,7 +172,7 @@ class MemoryTracker(TorchDispatchMode):
             return
         info = _Info(st.nbytes(), category)
         self._info[st] = info
-        self._refs.append(weakref.ref(st, lambda _ref, info=info: self._free(info)))
+        self._refs.append(weakref.ref(st, lambda _ref: self._free(info)))
         self.current[category] += info.nbytes
         self._update_peak()
 
@@ -260,7 +260,8 @@ class MemoryTracker(TorchDispatchMode):
                 finally:
                     self._pop_label()
 
-            self.model._pre_forward = ddp_pre_forward
+            # nn.Module.__setattr__ takes any value; its stub allows only Tensor | Module.
+            self.model._pre_forward = ddp_pre_forward  # type: ignore[assignment]
             self._undo.append(lambda: delattr(self.model, "_pre_forward"))
         # 5. Storage resizes (FSDP2 frees gathered parameters by resizing to 0).
         orig_resize = torch.UntypedStorage.resize_
@@ -271,7 +272,7 @@ class MemoryTracker(TorchDispatchMode):
             tracker._resized(st)
             return out
 
-        torch.UntypedStorage.resize_ = resize_
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]  # undone in __exit__
         self._undo.append(lambda: setattr(torch.UntypedStorage, "resize_", orig_resize))
         self._update_peak()
         return super().__enter__()

@@ -21,6 +21,7 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -218,7 +219,7 @@ class ShardedWriter:
         self._order = [(i, spec) for i, shard in enumerate(self.shards) for spec in shard]
         self._next = 0
         self._tmp = [self.folder / f".{f}.tmp-{os.getpid()}" for f in self.files]
-        self._handle = None
+        self._handle: BinaryIO | None = None
         self._shard = -1
 
     def __enter__(self) -> ShardedWriter:  # noqa: PYI034
@@ -249,12 +250,14 @@ class ShardedWriter:
             # Open across write() calls (one shard spans many); closed by _finish_file or __exit__.
             self._handle = open(self._tmp[shard], "wb")  # noqa: SIM115
             self._handle.write(_header_bytes(self.shards[shard], self.metadata))
+        assert self._handle is not None, "the shard of every tensor was opened above"
         data = tensor.detach().to("cpu").contiguous().reshape(-1)
         if data.numel():
             self._handle.write(data.view(torch.uint8).numpy().data)
         self._next += 1
 
     def _finish_file(self) -> None:
+        assert self._handle is not None, "called with a shard open"
         self._handle.flush()
         os.fsync(self._handle.fileno())
         self._handle.close()
@@ -266,13 +269,13 @@ class ShardedWriter:
         assert self._next == len(self._order), f"{len(self._order) - self._next} tensors were never written"
         if self._handle is not None:
             self._finish_file()
-        for tmp, shard in zip(self._tmp, self.shards):
+        for tmp, shard in zip(self._tmp, self.shards, strict=True):
             if not tmp.exists():  # a shard of no tensors (an empty model): its header alone
                 tmp.write_bytes(_header_bytes(shard, self.metadata))
         umask = os.umask(0)
         os.umask(umask)
         out = []
-        for tmp, name in zip(self._tmp, self.files):
+        for tmp, name in zip(self._tmp, self.files, strict=True):
             os.chmod(tmp, 0o666 & ~umask)  # exports are for sharing
             os.replace(tmp, self.folder / name)
             out.append(self.folder / name)

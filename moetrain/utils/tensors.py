@@ -6,11 +6,12 @@ import torch
 
 try:
     from torch.distributed.tensor import DTensor
+    _HAS_DTENSOR = True
 except ImportError:  # a torch build without distributed support has no DTensor to unwrap
-    DTensor = ()
+    _HAS_DTENSOR = False
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t``: the local shard of a DTensor (differentiable, as
     ``DTensor.to_local``), or ``t`` itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if _HAS_DTENSOR and isinstance(t, DTensor) else t

@@ -27,6 +27,7 @@ import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -36,7 +37,7 @@ from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import export_metadata, model_configs, open_source, write_config_yaml
 from moetrain.interop.hf.family import Copy, Entry, Family, has_fused_experts
 from moetrain.interop.hf.registry import choose_family, family_of, read_hf_config
-from moetrain.interop.sources import ExportTensors
+from moetrain.interop.sources import CheckpointTensors, ExportTensors
 from moetrain.utils.files import atomic_write_text
 from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
 
@@ -44,6 +45,7 @@ RECORD = "moetrain_conversion.json"
 """What an export to Hugging Face cast and kept, written beside its config.json."""
 
 Job = tuple[TensorSpec, Callable[[], torch.Tensor]]
+TensorSource = ExportTensors | CheckpointTensors
 
 
 @dataclass
@@ -103,7 +105,7 @@ def _import_jobs(entries: list[Entry], src: ExportTensors, dtype_of: Callable[[s
     for entry in entries:
         if isinstance(entry, Copy):
             spec = TensorSpec(entry.mt, src.shape(entry.hf), dtype_of(entry.mt))
-            jobs.append((spec, lambda e=entry, s=spec: src.get(e.hf).to(s.dtype)))
+            jobs.append((spec, partial(_read, src, entry.hf, spec.dtype)))
             continue
         gate, up, down = entry.proj
         E = entry.num_experts
@@ -113,17 +115,41 @@ def _import_jobs(entries: list[Entry], src: ExportTensors, dtype_of: Callable[[s
             halves = {"w1": slice(0, F), "w3": slice(F, F2)}
             for w in ("w1", "w3"):
                 spec = TensorSpec(f"{entry.mt}.{w}", (E, D, F), dtype_of(f"{entry.mt}.{w}"))
-                jobs.append((spec, lambda e=entry, s=spec, h=halves[w]:
-                             src.get(f"{e.hf}.gate_up_proj")[:, h, :].transpose(1, 2).to(s.dtype)))
+                jobs.append((spec, partial(_read_swapped, src, f"{entry.hf}.gate_up_proj", spec.dtype, rows=halves[w])))
             spec = TensorSpec(f"{entry.mt}.w2", (E, F, D), dtype_of(f"{entry.mt}.w2"))
-            jobs.append((spec, lambda e=entry, s=spec: src.get(f"{e.hf}.down_proj").transpose(1, 2).to(s.dtype)))
+            jobs.append((spec, partial(_read_swapped, src, f"{entry.hf}.down_proj", spec.dtype)))
             continue
         F, D = src.shape(f"{entry.hf}.0.{gate}.weight")  # nn.Linear [out, in]
         for w, proj, shape in (("w1", gate, (E, D, F)), ("w3", up, (E, D, F)), ("w2", down, (E, F, D))):
             spec = TensorSpec(f"{entry.mt}.{w}", shape, dtype_of(f"{entry.mt}.{w}"))
-            jobs.append((spec, lambda e=entry, s=spec, p=proj: torch.stack(
-                [src.get(f"{e.hf}.{i}.{p}.weight").t().to(s.dtype) for i in range(e.num_experts)])))
+            names = [f"{entry.hf}.{i}.{proj}.weight" for i in range(entry.num_experts)]
+            jobs.append((spec, partial(_stack_transposed, src, names, spec.dtype)))
     return jobs
+
+
+# Readers of one job each (bound with partial): a tensor is read only when the writer reaches it.
+
+def _read(src: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
+    return src.get(name).to(dtype)
+
+
+def _read_swapped(src: TensorSource, name: str, dtype: torch.dtype, *, rows: slice = slice(None)) -> torch.Tensor:
+    """``[E, A, B]`` (rows ``rows`` of dim 1) as ``[E, B, A]``: the fused HF expert layout <-> moetrain's."""
+    return src.get(name)[:, rows, :].transpose(1, 2).to(dtype)
+
+
+def _stack_transposed(src: TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    """Per-expert nn.Linear weights ``[out, in]`` stacked as ``[E, in, out]``."""
+    return torch.stack([src.get(name).t().to(dtype) for name in names])
+
+
+def _fuse_gate_up(src: TensorSource, w1: str, w3: str, dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([src.get(w1).transpose(1, 2), src.get(w3).transpose(1, 2)], dim=1).to(dtype)
+
+
+def _expert_linear(src: TensorSource, name: str, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``expert`` of a stacked ``[E, in, out]`` weight as an nn.Linear weight ``[out, in]``."""
+    return src.get_rows(name, expert, expert + 1)[0].t().to(dtype)
 
 
 def _hf_names(entries: list[Entry], *, exported_only: bool = False) -> list[str]:
@@ -156,10 +182,10 @@ def _check_hf_names(family: Family, hf: dict, src: ExportTensors, entries: list[
 
 def _check_against_model(jobs: list[Job], shapes: dict[str, tuple], what: str) -> None:
     planned = {spec.name: spec.shape for spec, _ in jobs}
+    reshaped = [f"{n} {planned[n]} vs {shapes[n]}" for n in planned if n in shapes and planned[n] != shapes[n]]
     problems = (_listed(set(shapes) - set(planned), "moetrain tensors it does not fill")
                 + _listed(set(planned) - set(shapes), "tensors the moetrain model lacks")
-                + _listed([f"{n} {planned[n]} vs {shapes[n]}" for n in planned if n in shapes and planned[n] != shapes[n]],
-                          "tensors of another shape"))
+                + _listed(reshaped, "tensors of another shape"))
     if problems:
         raise ValueError(f"{what} does not match the moetrain model its configs build: " + "; ".join(problems))
 
@@ -206,29 +232,28 @@ def _plain(cfg) -> dict:
 # --- moetrain -> HF ---------------------------------------------------------------------------------
 
 
-def _export_jobs(entries: list[Entry], src, dtype_of: Callable[[str], torch.dtype]) -> list[Job]:
+def _export_jobs(entries: list[Entry], src: TensorSource, dtype_of: Callable[[str], torch.dtype]) -> list[Job]:
     jobs: list[Job] = []
     for entry in entries:
         if isinstance(entry, Copy):
             if entry.export:
                 spec = TensorSpec(entry.hf, src.shape(entry.mt), dtype_of(entry.mt))
-                jobs.append((spec, lambda e=entry, s=spec: src.get(e.mt).to(s.dtype)))
+                jobs.append((spec, partial(_read, src, entry.mt, spec.dtype)))
             continue
         E, D, F = src.shape(f"{entry.mt}.w1")
         dts = {w: dtype_of(f"{entry.mt}.{w}") for w in ("w1", "w3", "w2")}
         if entry.fused:
             assert dts["w1"] == dts["w3"], "gate and up stacks of one layer in different dtypes"
-            jobs.append((TensorSpec(f"{entry.hf}.gate_up_proj", (E, 2 * F, D), dts["w1"]), lambda e=entry, d=dts["w1"]:
-                         torch.cat([src.get(f"{e.mt}.w1").transpose(1, 2), src.get(f"{e.mt}.w3").transpose(1, 2)],
-                                   dim=1).to(d)))
+            jobs.append((TensorSpec(f"{entry.hf}.gate_up_proj", (E, 2 * F, D), dts["w1"]),
+                         partial(_fuse_gate_up, src, f"{entry.mt}.w1", f"{entry.mt}.w3", dts["w1"])))
             jobs.append((TensorSpec(f"{entry.hf}.down_proj", (E, D, F), dts["w2"]),
-                         lambda e=entry, d=dts["w2"]: src.get(f"{e.mt}.w2").transpose(1, 2).to(d)))
+                         partial(_read_swapped, src, f"{entry.mt}.w2", dts["w2"])))
             continue
         for i in range(E):
             for w, proj, shape in (("w1", entry.proj[0], (F, D)), ("w3", entry.proj[1], (F, D)),
                                    ("w2", entry.proj[2], (D, F))):
                 jobs.append((TensorSpec(f"{entry.hf}.{i}.{proj}.weight", shape, dts[w]),
-                             lambda e=entry, i=i, w=w, d=dts[w]: src.get_rows(f"{e.mt}.{w}", i, i + 1)[0].t().to(d)))
+                             partial(_expert_linear, src, f"{entry.mt}.{w}", i, dts[w])))
     return jobs
 
 

@@ -157,6 +157,7 @@ class DeepseekV3(Family):
 
 
 def _mla_entries(hf: str, mt: str, model: ModelConfig) -> list[Entry]:
+    q: list[Entry]
     if model.q_lora_rank is None:
         q = [Copy(f"{hf}q_proj.weight", f"{mt}wq.weight")]
     else:

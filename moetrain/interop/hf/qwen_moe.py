@@ -24,6 +24,7 @@ On export every block pattern is written as ``decoder_sparse_step = 1`` plus ``m
 from __future__ import annotations
 
 from abc import abstractmethod
+from typing import Any
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -80,7 +81,7 @@ class _QwenMoe(Family):
         hf_require(not (norm and top_k == 1), hf, "norm_topk_prob",
                    "must be false with num_experts_per_tok 1 (moetrain keeps the router probability of a single "
                    "expert, HF renormalises it to 1)")
-        shared = {}
+        shared: dict[str, Any] = {}
         if self.shared_expert:
             size = int(hf.get("shared_expert_intermediate_size", 0) or 0)
             hf_require(size > 0, hf, "shared_expert_intermediate_size", "must be > 0")

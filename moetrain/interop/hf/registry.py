@@ -56,5 +56,6 @@ def choose_family(model: ModelConfig, moe: MoEConfig, name: str | None = None) -
         return FAMILIES[fits[0]]
     if fits:
         raise ValueError(f"this model can be written as any of {', '.join(fits)}: pass --family NAME")
-    detail = "; ".join(f"{k}: {p[0]}" + (f" (and {len(p) - 1} more)" if len(p) > 1 else "") for k, p in problems.items())
+    detail = "; ".join(f"{k}: {p[0]}" + (f" (and {len(p) - 1} more)" if len(p) > 1 else "")
+                       for k, p in problems.items())
     raise ValueError(f"no Hugging Face family can express this model ({detail})")

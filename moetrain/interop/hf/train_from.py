@@ -116,9 +116,10 @@ def init_from_hf_overrides(hf_dir: str | os.PathLike, *, config: str | None, ove
             if (section, name) in user:
                 given = user[(section, name)]
                 if name not in TRAINING_FIELDS[section] and given != value:
+                    allowed = ", ".join(sorted(TRAINING_FIELDS[section]))
                     raise ValueError(
-                        f"--{section}.{name}={given!r} contradicts the Hugging Face checkpoint {hf_dir} ({section}.{name} "
-                        f"= {value!r}); only training settings may differ: {', '.join(sorted(TRAINING_FIELDS[section]))}")
+                        f"--{section}.{name}={given!r} contradicts the Hugging Face checkpoint {hf_dir} "
+                        f"({section}.{name} = {value!r}); only training settings may differ: {allowed}")
                 continue
             text = value if isinstance(value, str) else json.dumps(value)
             out.append(f"--{section}.{name}={text}")

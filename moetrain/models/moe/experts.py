@@ -134,13 +134,14 @@ class GroupedExperts(nn.Module):
         for name in self.projection_names():
             w = getattr(self, name)
             assert not _is_dtensor(w), "add_lora runs before expert parallelism"
-            E, I, O = w.shape
-            a = torch.empty(E, I, rank, device=w.device, dtype=w.dtype)
+            E, in_dim, out_dim = w.shape
+            a = torch.empty(E, in_dim, rank, device=w.device, dtype=w.dtype)
             with torch.no_grad():
-                bound = 1.0 / math.sqrt(I)
-                a.copy_(torch.empty(E, I, rank).uniform_(-bound, bound, generator=generator_for(f"lora_a_{name}")))
+                bound = 1.0 / math.sqrt(in_dim)
+                a.copy_(torch.empty(E, in_dim, rank).uniform_(-bound, bound, generator=generator_for(f"lora_a_{name}")))
             setattr(self, f"lora_a_{name}", nn.Parameter(a))
-            setattr(self, f"lora_b_{name}", nn.Parameter(torch.zeros(E, rank, O, device=w.device, dtype=w.dtype)))
+            setattr(self, f"lora_b_{name}",
+                    nn.Parameter(torch.zeros(E, rank, out_dim, device=w.device, dtype=w.dtype)))
         self.lora_rank, self.lora_scale = rank, scale
 
     def projection_names(self) -> list[str]:
@@ -157,7 +158,8 @@ class GroupedExperts(nn.Module):
             t = getattr(self, name, None)
             return local_tensor(t).to(dtype) if t is not None else None
 
-        return {n: (local(n), local(f"lora_a_{n}"), local(f"lora_b_{n}")) for n in self.projection_names()}
+        return {n: (local_tensor(getattr(self, n)).to(dtype), local(f"lora_a_{n}"), local(f"lora_b_{n}"))
+                for n in self.projection_names()}
 
     def forward(self, x_MD: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         # Under autocast, inputs and weights in the autocast dtype, as autocast treats nn.Linear:
@@ -172,6 +174,7 @@ class GroupedExperts(nn.Module):
 
     def _act(self, h_MF: torch.Tensor, gate_MF: torch.Tensor | None) -> torch.Tensor:
         if self.activation == "swiglu":
+            assert gate_MF is not None, "swiglu experts have a gate projection (w3)"
             return F.silu(h_MF) * gate_MF
         return F.gelu(h_MF)
 

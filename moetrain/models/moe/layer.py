@@ -76,10 +76,19 @@ class MoELayer(nn.Module):
     ``moe.aux_loss_type="sequence"`` the last-but-one dim of ``x`` is the sequence.
     """
 
+    tokens_per_expert: torch.Tensor
+    step_routed_E: torch.Tensor
+    step_local_stats: torch.Tensor
+    # Registered only when their feature is on (see __init__); read only then.
+    capacity_factor_now: torch.Tensor
+    expert_lr_scale: torch.Tensor
+    aux_loss_coef_now: torch.Tensor
+
     def __init__(self, dim: int, config: MoEConfig) -> None:
         super().__init__()
         self.dim, self.config = dim, config
         c = config
+        self.router: TopKRouter
         if c.is_expert_choice:
             self.router = ExpertChoiceRouter(dim, c.num_experts, init_std=c.router_init_std,
                                              jitter=c.router_jitter, noise_std=c.router_noise_std)
@@ -124,6 +133,7 @@ class MoELayer(nn.Module):
         # their keys) and persistent (a resumed run continues with the same values).
         self._host_cache: dict[str, tuple[torch.Tensor, int, float]] = {}
         if c.dynamic_capacity:
+            assert c.capacity_factor is not None, "MoEConfig requires a starting capacity_factor"
             self.register_buffer("capacity_factor_now", torch.tensor(float(c.capacity_factor), dtype=torch.float64))
         if c.expert_lr_scale_max > 1:
             self.register_buffer("expert_lr_scale", torch.ones(c.num_experts, dtype=torch.float32))
@@ -152,8 +162,13 @@ class MoELayer(nn.Module):
         if c.is_expert_choice:
             return Fraction(str(c.capacity_factor)) * c.top_k / c.num_experts
         if c.dynamic_capacity:
-            return self._host_value("capacity_factor_now")
+            return self.dynamic_capacity_factor
         return c.capacity_factor
+
+    @property
+    def dynamic_capacity_factor(self) -> float:
+        """The factor ``moe.dynamic_capacity`` moves (set by the balancer's interval updates)."""
+        return self._host_value("capacity_factor_now")
 
     @property
     def aux_loss_coef(self) -> float:
@@ -223,6 +238,7 @@ class MoELayer(nn.Module):
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
         """The shared experts' output, times sigmoid(x w^T) per token with ``shared_gate``."""
+        assert self.shared_experts is not None, "called only when the layer has shared experts"
         y_TD = self.shared_experts(x_TD)
         if self.shared_gate is None:
             return y_TD
@@ -250,6 +266,7 @@ class MoELayer(nn.Module):
         with torch.no_grad():
             self.tokens_per_expert.copy_(num_routed_E)
         if c.aux_loss_type == "sequence" and sequence_ids is not None:
+            assert num_sequences is not None, "a token mask gives both sequence_ids and num_sequences"
             lb = masked_sequence_load_balancing_loss(routing.probs_TE, routing.idx_TK, sequence_ids, num_sequences)
         elif c.aux_loss_type == "sequence":
             seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
@@ -272,7 +289,9 @@ class MoELayer(nn.Module):
         # Every token is a candidate of every expert, so over the global batch of W ranks each
         # expert takes exactly min(capacity, T * W) tokens: known without counting.
         world = dist.get_world_size(self.balance_group) if self.balance_group is not None else 1
-        taken = min(self.capacity(num_tokens * world), num_tokens * world)
+        capacity = self.capacity(num_tokens * world)
+        assert capacity is not None, "expert choice always has a capacity"
+        taken = min(capacity, num_tokens * world)
         num_taken_E = torch.full((c.num_experts,), taken, dtype=torch.int64, device=z.device)
         with torch.no_grad():
             self.tokens_per_expert.copy_(num_taken_E)

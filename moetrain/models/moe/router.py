@@ -57,6 +57,8 @@ class TopKRouter(nn.Module):
     :func:`forced_assignment`; the gate weights are then the scores of the forced experts.
     """
 
+    expert_bias: torch.Tensor | None
+
     def __init__(self, dim: int, num_experts: int, *, top_k: int, renormalize: bool = True,
                  init_std: float = 0.02, score_func: str = "softmax", bias: bool = False,
                  num_groups: int = 1, top_groups: int = 1, group_score: str = "top2_sum",
@@ -108,8 +110,9 @@ class TopKRouter(nn.Module):
         # so a cast there and back loses nothing.
         bias = self.expert_bias
         super()._apply(fn, recurse=recurse)
-        if bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = bias.to(device=self.expert_bias.device)
+        applied = self.expert_bias
+        if bias is not None and applied is not None and applied.dtype != torch.float32:
+            self.expert_bias = bias.to(device=applied.device)
         return self
 
     def _logits(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -168,9 +171,11 @@ class TopKRouter(nn.Module):
         lower it for over-loaded ones by ``rate``, ``b_e += rate * sign(mean - load_e)``, then
         subtract the mean step (a common shift of every bias changes no selection; centring keeps
         the bias from drifting). ``num_routed_E`` must be the same on every rank."""
-        load_E = num_routed_E.to(self.expert_bias.device, torch.float64)
+        bias_E = self.expert_bias
+        assert bias_E is not None, "update_bias needs a router built with bias=True"
+        load_E = num_routed_E.to(bias_E.device, torch.float64)
         step_E = rate * torch.sign(load_E.mean() - load_E)
-        self.expert_bias.add_((step_E - step_E.mean()).float())
+        bias_E.add_((step_E - step_E.mean()).float())
 
 
 def forced_assignment(num_tokens: int, num_experts: int, top_k: int, *, mode: str,
