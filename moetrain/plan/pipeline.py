@@ -161,8 +161,9 @@ class PipelineChoice:
 
 
 def pipeline_choices(model, *, world: int, micro_batch_size: int, seq_len: int, split: str,
-                     microbatches_of: Callable[[int], int | None], saved_bytes_per_microbatch: int, head_bytes_per_microbatch: int,
-                     compute_bytes: int, device_memory: int | None) -> list[PipelineChoice]:
+                     microbatches_of: Callable[[int], int | None], saved_bytes_per_microbatch: int,
+                     head_bytes_per_microbatch: int, compute_bytes: int,
+                     device_memory: int | None) -> list[PipelineChoice]:
     """Every pp > 1 dividing ``world`` with at least one block per stage, under each schedule
     (interleaved with 2 stages per rank where the blocks allow). ``microbatches_of(pp)`` is the
     micro-batch count per step at data-parallel size world / pp (the accumulation steps); None
@@ -205,8 +206,8 @@ def format_pipeline_choices(choices: list[PipelineChoice]) -> list[str]:
              "   pp  schedule            v  micro  bubble   params/rank   states MiB  activ MiB  p2p MiB/step  fits"]
     for c in choices:
         fits = "-" if c.fits is None else ("yes" if c.fits else "NO")
-        text = (f"  {c.pp:>3}  {c.schedule:<18} {c.virtual_stages:>2}  {c.num_microbatches:>5}  {c.bubble_fraction:6.3f}"
-                f"  {c.max_params:>12,}  {c.state_bytes / 2**20:>11.1f}  {c.activation_bytes / 2**20:>9.1f}"
-                f"  {c.p2p_bytes / 2**20:>12.2f}  {fits}")
+        text = (f"  {c.pp:>3}  {c.schedule:<18} {c.virtual_stages:>2}  {c.num_microbatches:>5}"
+                f"  {c.bubble_fraction:6.3f}  {c.max_params:>12,}  {c.state_bytes / 2**20:>11.1f}"
+                f"  {c.activation_bytes / 2**20:>9.1f}  {c.p2p_bytes / 2**20:>12.2f}  {fits}")
         lines.append(text + (f"  [invalid: {c.reason}]" if c.reason else ""))
     return lines
