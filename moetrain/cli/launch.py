@@ -63,12 +63,14 @@ def load_job(args: argparse.Namespace, overrides: list[str], *, world: int | Non
     (``ParallelDims``) and of the batch and pipeline schedule (``JobConfig.grad_accum_steps``);
     without one, the layout rules that hold at any world size."""
     from moetrain.config.loader import load_config
-    from moetrain.data.registry import check_corpus
-    from moetrain.distributed.parallel_dims import ParallelDims
 
     deepspeed = args.deepspeed
     # A DeepSpeed config's batch sizes are per process: without a world size, one process.
     cfg = load_config(args.config, overrides, deepspeed=deepspeed, world_size=world or 1)
+    # Imported once the config holds: they bring torch, which a refused config does not wait for.
+    from moetrain.data.registry import check_corpus
+    from moetrain.distributed.parallel_dims import ParallelDims
+
     check_corpus(cfg.data.corpus)
     par = cfg.parallel
     if sample_tokens and par.pp > 1:
@@ -90,3 +92,23 @@ def load_job(args: argparse.Namespace, overrides: list[str], *, world: int | Non
         told = "WORLD_SIZE" in os.environ or args.nproc
         raise ValueError(str(e) if told else f"{e} (this runs 1 process: pass --nproc N to launch N)") from e
     return cfg
+
+
+def check_model(cfg) -> None:
+    """What only the built model tells, checked on the model built on the meta device (no memory,
+    no weights: the modules every rank builds): LoRA targets that match nothing, and the shapes
+    tensor parallelism cannot split (``check_tensor_parallel``). The vocabulary is data.vocab_size's;
+    no rule here reads it."""
+    import torch
+
+    from moetrain.models.lora import apply_lora
+    from moetrain.models.transformer import Transformer
+
+    model_cfg = cfg.model.with_vocab_size(cfg.data.vocab_size)
+    with torch.device("meta"):
+        model = Transformer(model_cfg, moe=cfg.moe if model_cfg.is_moe else None, seed=cfg.train.seed)
+        apply_lora(model, cfg.finetune, seed=cfg.train.seed)
+    if cfg.parallel.tp > 1:
+        from moetrain.distributed.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(model, cfg.parallel.tp)

@@ -15,7 +15,15 @@ from __future__ import annotations
 
 import argparse
 
-from moetrain.cli.launch import add_job_args, launch, load_job, strip_option, under_launcher, world_size
+from moetrain.cli.launch import (
+    add_job_args,
+    check_model,
+    launch,
+    load_job,
+    strip_option,
+    under_launcher,
+    world_size,
+)
 
 DEMO_CONFIG = "tiny"
 """The shipped config ``moetrain demo`` trains (moetrain/configs/tiny.yaml)."""
@@ -70,6 +78,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     world = world_size(args, default=1)
     cfg = load_job(args, overrides, world=world, sample_tokens=args.sample_tokens)
     if args.nproc and args.nproc > 1 and not under_launcher():
+        check_model(cfg)  # the model's own rules, once here rather than once per rank
         return launch(args.nproc, argv)
     from moetrain.distributed import runtime
 

@@ -1,7 +1,8 @@
 """Import of a DeepSpeed JSON config (``--deepspeed ds_config.json``) into a ``JobConfig``.
 
 Mapped: the three batch sizes (checked as DeepSpeed does), fp16/bf16, gradient_clipping,
-optimizer (Adam/AdamW params), scheduler (WarmupLR, WarmupCosineLR), steps_per_print,
+optimizer (Adam/AdamW params), scheduler (WarmupLR, WarmupCosineLR; a "log" warmup, DeepSpeed's
+default warmup_type, is warned about: the warmup here is linear), steps_per_print,
 zero_optimization (stage -> parallel.zero_stage; offload and bucket sizes -> the `zero` section)
 and a top-level ``"moe": {"ep_size", "num_experts", "k", "capacity_factor", "drop_tokens"}``.
 Every other key is ignored with ONE warning naming them all: among them the ZeRO knobs FSDP2/DDP
@@ -158,10 +159,17 @@ def _apply_scheduler(d: dict, block: Any, ignored: list[str]) -> None:
         ignored.append(f"scheduler (type {kind!r})")
         return
     d["optim"]["schedule"] = "constant" if kind == "WarmupLR" else "cosine"
+    params = {k: v for k, v in (block.get("params") or {}).items() if not _auto(v)}
+    if params.get("warmup_num_steps") != 0 and params.get("warmup_type", "log") == "log":
+        # DeepSpeed's default warmup (WarmupLR and WarmupCosineLR alike) is "log", which the
+        # linear warmup here cannot express: said out loud, not mapped silently.
+        told = "is 'log'" if "warmup_type" in params else "is not set, and DeepSpeed's default is 'log'"
+        warnings.warn(f"DeepSpeed config: scheduler.params.warmup_type {told} (the learning rate rising as "
+                      "log(step + 1) / log(warmup_num_steps)); moetrain warms up linearly, from lr / "
+                      "optim.warmup_steps to lr: set \"warmup_type\": \"linear\" to accept that", UserWarning,
+                      stacklevel=3)
     min_ratio = None
-    for key, value in (block.get("params") or {}).items():
-        if _auto(value):
-            continue
+    for key, value in params.items():
         if key == "warmup_num_steps":
             d["optim"]["warmup_steps"] = value
         elif key == "warmup_max_lr":
@@ -170,8 +178,8 @@ def _apply_scheduler(d: dict, block: Any, ignored: list[str]) -> None:
             d["train"]["steps"] = value
         elif key == "cos_min_ratio" and kind == "WarmupCosineLR":
             min_ratio = value
-        elif not (key == "warmup_min_lr" and value == 0) and not (key == "warmup_type" and value == "linear"):
-            # DeepSpeed's warmup starts at warmup_min_lr and defaults to a log curve; ours is linear from 0.
+        elif not (key == "warmup_min_lr" and value == 0) and not (key == "warmup_type" and value in ("linear", "log")):
+            # DeepSpeed's warmup starts at warmup_min_lr; ours starts at lr / optim.warmup_steps.
             ignored.append(f"scheduler.params.{key}")
     if min_ratio is not None:
         d["optim"]["min_lr"] = min_ratio * float(d["optim"]["lr"])

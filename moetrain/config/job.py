@@ -16,6 +16,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.optim import OptimConfig
 from moetrain.config.parallel import ParallelConfig
+from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
 from moetrain.config.train import TrainConfig
 from moetrain.config.zero import ZeroConfig
 
@@ -98,11 +99,17 @@ class JobConfig:
         require(self.dp.grad_compression != "onebit" or par.zero_stage == 0, "dp.grad_compression",
                 self.dp.grad_compression, f"needs parallel.zero_stage = 0 (is {par.zero_stage}): 1-bit Adam keeps "
                 "the whole momentum and frozen variance on every replica")
+        check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
+        check_pipeline_reduction(pp=par.pp, zero_stage=par.zero_stage, grad_compression=self.dp.grad_compression,
+                                 offload_optimizer=self.zero.offload_optimizer == "cpu",
+                                 offload_param=self.zero.offload_param == "cpu")
         if m.head == "classifier":
             require(self.data.sources is None, "data.sources", "(set)",
                     'needs model.head = "lm": a classifier reads one labelled corpus (data.corpus)')
             require(not self.data.document_mask, "data.document_mask", self.data.document_mask,
                     'needs model.head = "lm": a classifier\'s examples are not packed')
+        require(not self.finetune.enabled or par.tp == 1, "parallel.tp", par.tp,
+                "must be 1 with LoRA (finetune.lora_rank > 0): the adapters are not split by tensor parallelism")
         lora_experts = self.finetune.lora_rank > 0 and "experts" in self.finetune.lora_targets
         require(not lora_experts or par.etp == 1, "parallel.etp", par.etp,
                 "must be 1 with LoRA on the routed experts (finetune.lora_targets): the adapters are not split by etp")
@@ -123,5 +130,9 @@ class JobConfig:
         return world_size // (par.tp * par.pp)
 
     def grad_accum_steps(self, world_size: int) -> int:
-        """Micro-batches per optimizer step on each rank for ``world_size`` processes (checked)."""
-        return self.train.grad_accum_steps(self.data_parallel_size(world_size))
+        """Micro-batches per optimizer step on each rank for ``world_size`` processes, checked: they
+        split the global batch, and under pp they are a count the schedule accepts."""
+        num_microbatches = self.train.grad_accum_steps(self.data_parallel_size(world_size))
+        if self.parallel.pp > 1:
+            check_microbatches(self.parallel.pp_schedule, num_microbatches=num_microbatches, pp=self.parallel.pp)
+        return num_microbatches

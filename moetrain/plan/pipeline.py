@@ -29,13 +29,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moetrain.distributed.pipeline.stages import (
-    PP_SCHEDULES,
-    check_microbatches,
-    layer_costs,
-    rank_stage_ids,
-    split_stages,
-)
+from moetrain.config.pipeline import PP_SCHEDULES, check_microbatches
+from moetrain.distributed.pipeline.stages import layer_costs, rank_stage_ids, split_stages
 
 
 def bubble_fraction(*, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:

@@ -3,7 +3,8 @@ and ``evaluate_run`` (what `moetrain eval RUN` runs on every rank).
 
 The trainer evaluates the live model; ``evaluate_run`` rebuilds the model of a saved run at this
 job's process count and reads a checkpoint into it through the same DCP resharding as a training
-resume, so a run trained on 2 processes with ep=2 evaluates on 1 (or 4) to the same numbers.
+resume, so a run trained on 2 processes with ep=2 (or tp=2, or pp=2) evaluates on 1 (or 4) to the
+same numbers: the layout is folded to fit the process count (``eval_layout``).
 """
 
 from __future__ import annotations
@@ -83,18 +84,23 @@ def evaluate_classifier(model: nn.Module, data: PreparedLabelled, split: str, *,
     return metrics
 
 
-def _eval_layout(cfg: JobConfig, world_size: int) -> JobConfig:
-    """The run's parallel layout for evaluation at ``world_size`` processes: no ZeRO sharding (nothing is
-    trained), and expert (tensor) parallelism kept where it still divides the ranks of a stage and the
-    experts, else 1."""
+def eval_layout(cfg: JobConfig, world_size: int) -> JobConfig:
+    """The run's parallel layout folded to fit ``world_size`` processes for evaluation: no pipeline
+    (every rank holds the whole model: nothing is trained, and a checkpoint saved by pipeline
+    stages loads into one model), no ZeRO sharding, tensor parallelism kept where parallel.tp
+    divides the processes, expert (tensor) parallelism where it still divides the ranks and the
+    experts; whatever does not fit becomes 1."""
     par = cfg.parallel
-    stage = world_size // (par.tp * par.pp) * par.tp if world_size % (par.tp * par.pp) == 0 else world_size
-    etp = par.etp if stage % (par.ep * par.etp) == 0 else 1
-    ep = par.ep if stage % (par.ep * etp) == 0 and (not cfg.model.is_moe or cfg.moe.num_experts % par.ep == 0) else 1
-    if (ep, etp) != (par.ep, par.etp):
-        log.info("evaluating at %d process(es): parallel.ep %d -> %d, parallel.etp %d -> %d", world_size, par.ep, ep,
-                 par.etp, etp)
-    return replace(cfg, parallel=replace(par, ep=ep, etp=etp, dp=-1, zero_stage=0, hsdp_replicate=1))
+    tp = par.tp if world_size % par.tp == 0 else 1
+    etp = par.etp if world_size % (par.ep * par.etp) == 0 else 1
+    experts_split = not cfg.model.is_moe or cfg.moe.num_experts % par.ep == 0
+    ep = par.ep if world_size % (par.ep * etp) == 0 and experts_split else 1
+    folded = {"pp": 1, "tp": tp, "ep": ep, "etp": etp}
+    changed = [f"parallel.{k} {getattr(par, k)} -> {v}" for k, v in folded.items() if getattr(par, k) != v]
+    if changed:
+        log.info("evaluating at %d process(es): %s", world_size, ", ".join(changed))
+    return replace(cfg, parallel=replace(par, **folded, dp=-1, zero_stage=0, hsdp_replicate=1, pp_virtual_stages=1,
+                                         pp_schedule="1f1b"))
 
 
 def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: str | None = None) -> dict | None:
@@ -117,7 +123,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
         raise ValueError(f"run {str(run_dir)!r} has no complete checkpoint in {ckpt_dir}; pass --checkpoint PATH")
     proc = runtime.init_runtime(device=cfg.train.device, backend=cfg.parallel.backend,
                                 deterministic=cfg.train.deterministic)
-    cfg = _eval_layout(cfg, proc.world_size)
+    cfg = eval_layout(cfg, proc.world_size)
     dims = ParallelDims.from_config(cfg.parallel, world_size=proc.world_size,
                                     num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)
     dims.build_mesh(proc.device.type)

@@ -117,7 +117,7 @@ def test_zero_optimizer_scheduler_and_moe_fields():
         "optimizer": {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.99], "eps": 1e-6,
                                                   "weight_decay": 0.05}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 200,
-                                                           "cos_min_ratio": 0.1}},
+                                                           "cos_min_ratio": 0.1, "warmup_type": "linear"}},
         "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                               "allgather_partitions": True, "reduce_scatter": True, "overlap_comm": True,
                               "reduce_bucket_size": 2e8, "allgather_bucket_size": 3e8},
@@ -134,6 +134,25 @@ def test_zero_optimizer_scheduler_and_moe_fields():
     assert (z.offload_optimizer, z.offload_param, z.pin_memory) == ("cpu", "none", False)
     assert (z.reduce_bucket_size, z.allgather_bucket_size) == (200_000_000, 300_000_000)
     assert (cfg.parallel.ep, cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.capacity_factor) == (4, 8, 1, 1.25)
+
+
+@pytest.mark.parametrize("kind", ["WarmupLR", "WarmupCosineLR"])
+@pytest.mark.parametrize("warmup_type", [None, "log"])
+def test_a_log_warmup_is_said_out_loud(kind, warmup_type):
+    """DeepSpeed warms up along a log curve unless told "linear"; the warmup here is linear."""
+    params = {"warmup_num_steps": 10, "warmup_max_lr": 1e-3}
+    if warmup_type is not None:
+        params["warmup_type"] = warmup_type
+    with pytest.warns(UserWarning) as record:
+        cfg = apply_deepspeed_config(JobConfig(), {"scheduler": {"type": kind, "params": params}}, world_size=8)
+    assert len(record) == 1
+    message = str(record[0].message)
+    told = "is 'log'" if warmup_type else "is not set, and DeepSpeed's default is 'log'"
+    assert f"scheduler.params.warmup_type {told}" in message and "moetrain warms up linearly" in message
+    assert (cfg.optim.warmup_steps, cfg.optim.lr) == (10, 1e-3)
+    # "linear" is what runs here, and without a warmup its shape does not matter: no warning.
+    for quiet in ({**params, "warmup_type": "linear"}, {"warmup_num_steps": 0}):
+        _apply({"scheduler": {"type": kind, "params": quiet}})
 
 
 @pytest.mark.parametrize("moe, capacity", [({"drop_tokens": False, "capacity_factor": 2.0}, None),

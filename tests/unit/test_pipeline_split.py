@@ -8,9 +8,9 @@ import torch
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
+from moetrain.config.pipeline import check_microbatches
 from moetrain.distributed.pipeline.stages import (
     build_pipeline_model,
-    check_microbatches,
     layer_costs,
     rank_stage_ids,
     split_stages,

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
 from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
@@ -49,7 +50,6 @@ from moetrain.models.attention import attention_mask
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer
 
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PP_SPLITS = ("layers", "params", "flops")
 
 
@@ -263,11 +263,7 @@ def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_s
     ``seed``, drawn by parameter name exactly as ``Transformer.init_weights`` draws the whole
     model's)."""
     cfg = model.config
-    if cfg.tie_embeddings and pp > 1:
-        raise ValueError(f"model.tie_embeddings ({cfg.tie_embeddings}) must be false with parallel.pp ({pp}) > 1: "
-                         "the embedding lives on the first stage and the head on the last")
-    if cfg.head != "lm" and pp > 1:
-        raise ValueError(f"model.head ({cfg.head!r}) must be 'lm' with parallel.pp ({pp}) > 1")
+    check_pipeline_model(cfg, pp=pp, virtual_stages=virtual_stages)
     costs, first, last = layer_costs(model, split, seq_len=seq_len or cfg.max_seq_len)
     stage_layers = split_stages(costs, pp * virtual_stages, first_extra=first, last_extra=last)
     pm = PipelineModel(model, stage_layers, rank_stage_ids(pp_rank, pp, virtual_stages))
@@ -311,9 +307,8 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
 
     del bucket_cap_mb
-    if grad_compression != "none":
-        raise ValueError(f"dp.grad_compression ({grad_compression!r}) must be 'none' with parallel.pp ({dims.pp}) > 1: "
-                         "the stage gradients are reduced once, after the schedule's last backward")
+    check_pipeline_reduction(pp=dims.pp, zero_stage=zero_stage, grad_compression=grad_compression,
+                             offload_optimizer=offload_optimizer, offload_param=offload_params)
     apply_tensor_parallel(pm, dims)
     for chunk in pm.chunks:
         chunk.sequence_shards = dims.tp
@@ -331,23 +326,6 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
                                 mixed_precision=mixed_precision, offload_params=offload_params,
                                 offload_optimizer=offload_optimizer, pin_memory=pin_memory,
                                 hsdp_replicate=hsdp_replicate)
-    elif offload_params or offload_optimizer:
-        raise ValueError("zero.offload_param / zero.offload_optimizer need parallel.zero_stage >= 2 with "
-                         f"parallel.pp ({dims.pp}) > 1 (FSDP2's offload)")
-
-
-def check_microbatches(schedule: str, *, num_microbatches: int, pp: int) -> None:
-    """The micro-batch counts the schedules accept, named by the fields that set them."""
-    where = ("train.global_batch_size / (train.micro_batch_size * data-parallel size) "
-             f"= {num_microbatches} micro-batches per step")
-    if schedule not in PP_SCHEDULES:
-        raise ValueError(f"parallel.pp_schedule ({schedule!r}) must be one of {', '.join(map(repr, PP_SCHEDULES))}")
-    if schedule == "1f1b" and num_microbatches < pp:
-        raise ValueError(f"parallel.pp_schedule ('1f1b') needs at least parallel.pp ({pp}) micro-batches: {where}")
-    rounds = max(1, num_microbatches // pp)
-    if schedule == "interleaved_1f1b" and num_microbatches % rounds != 0:
-        raise ValueError(f"parallel.pp_schedule ('interleaved_1f1b') needs the micro-batches to be a multiple of "
-                         f"max(1, micro-batches // parallel.pp) = {rounds}: {where}")
 
 
 def build_schedule(pm: PipelineModel, *, schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup,
