@@ -106,7 +106,7 @@ def _open_export(path: Path) -> tuple[dict, ExportTensors, dict]:
     if meta.get("format") != EXPORT_FORMAT:
         raise ValueError(f"{str(path)!r} is not a {EXPORT_FORMAT} export (format {meta.get('format')!r})")
     config = yaml.safe_load((path / CONFIG).read_text()) or {}
-    info = {k: v for k, v in meta.items() if k != "format"}
+    info: dict[str, Any] = {k: v for k, v in meta.items() if k != "format"}
     if "step" in info:
         info["step"] = int(info["step"])
     return config, tensors, info

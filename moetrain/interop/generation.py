@@ -57,6 +57,6 @@ def load_tokenizer(config: dict, tokenizer: str | None, *, source: str) -> Token
 
 
 def require_vocab(tokenizer: Tokenizer, model: Transformer) -> None:
-    if tokenizer.vocab_size > model.config.vocab_size:
+    if tokenizer.vocab_size > model.config.resolved_vocab_size:
         raise ValueError(f"the tokenizer's vocab_size ({tokenizer.vocab_size}) must be <= model.vocab_size "
-                         f"({model.config.vocab_size}): it is not the tokenizer this model was trained with")
+                         f"({model.config.resolved_vocab_size}): it is not the tokenizer this model was trained with")

@@ -51,9 +51,10 @@ class CheckpointTensors:
         self._meta = {k[len("model."):]: md for k, md in entries.items()
                       if k.startswith("model.") and isinstance(md, TensorStorageMetadata)}
         self.averaged = {k[len("ema."):] for k in entries if k.startswith("ema.")} & set(self._meta)
-        if "trainer" not in entries:
+        trainer_md = entries.get("trainer")
+        if not isinstance(trainer_md, TensorStorageMetadata):  # absent, or not the tensor a trainer writes
             raise CheckpointError(f"checkpoint {str(self.path)!r} has no trainer entry")
-        trainer = torch.empty(entries["trainer"].size, dtype=torch.uint8)
+        trainer = torch.empty(trainer_md.size, dtype=torch.uint8)
         self._load({"trainer": trainer})
         try:
             self.trainer_state = json.loads(tensor_text(trainer))

@@ -130,11 +130,9 @@ class DeviceProfile:
         return DeviceProfile(**d)
 
     @staticmethod
-    def from_json(path: str | Path, *, procs_per_node: int | None = None) -> CalibratedProfiles | DeviceProfile:
-        """A calibration file (``python -m moetrain.plan.calibrate``): its profiles by the number
-        of processes that shared the machine; ``procs_per_node`` picks one."""
-        profiles = CalibratedProfiles.from_dict(json.loads(Path(path).read_text()))
-        return profiles if procs_per_node is None else profiles.for_procs(procs_per_node)
+    def from_json(path: str | Path) -> CalibratedProfiles:
+        """A calibration file (``python -m moetrain.plan.calibrate``): its profiles by process count."""
+        return CalibratedProfiles.from_dict(json.loads(Path(path).read_text()))
 
 
 @dataclass(frozen=True)
@@ -182,7 +180,7 @@ def load_profile(name_or_path: str, *, procs_per_node: int) -> DeviceProfile:
     if not Path(name_or_path).is_file():
         raise ValueError(f"--device-profile ({name_or_path!r}) must be one of {', '.join(PROFILES)} or a "
                          "calibration file written by python -m moetrain.plan.calibrate")
-    return DeviceProfile.from_json(name_or_path, procs_per_node=procs_per_node)
+    return DeviceProfile.from_json(name_or_path).for_procs(procs_per_node)
 
 
 @dataclass
@@ -196,10 +194,11 @@ class Work:
 
     def seconds(self, p: DeviceProfile, peak: float) -> tuple[float, float]:
         """(forward, backward) seconds, the matmuls at ``peak`` (``DeviceProfile.peak``)."""
-        return tuple(self.dense_gemm_flops[i] / (peak * p.gemm_efficiency)
-                     + self.expert_gemm_flops[i] / (peak * p.expert_gemm_efficiency)
-                     + self.attention_flops[i] / (peak * p.attention_efficiency)
-                     + self.elementwise_bytes[i] / p.memory_bandwidth for i in (0, 1))
+        fwd, bwd = (self.dense_gemm_flops[i] / (peak * p.gemm_efficiency)
+                    + self.expert_gemm_flops[i] / (peak * p.expert_gemm_efficiency)
+                    + self.attention_flops[i] / (peak * p.attention_efficiency)
+                    + self.elementwise_bytes[i] / p.memory_bandwidth for i in (0, 1))
+        return fwd, bwd
 
 
 def _recomputed_blocks(model: ModelConfig, ac: str, every: int) -> tuple[list[int], list[int]]:
@@ -225,7 +224,7 @@ def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_
     moe_dense = shared + D * moe.num_experts  # shared experts + router
     kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
     expert_per_token = moe.top_k * kept * mats[moe.activation] * D * moe.expert_hidden_dim
-    head = D * (model.num_classes if model.head == "classifier" else model.vocab_size)
+    head = D * model.num_outputs
     attention_fwd = 2 * S * D  # per token and layer
 
     def block(i: int, ffn_only: bool = False) -> tuple[float, float, float]:
@@ -235,14 +234,14 @@ def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_
             return 2 * ffn[0], 2 * ffn[1], 0.0
         return 2 * (attn_proj + ffn[0]), 2 * ffn[1], attention_fwd
 
-    fwd = [sum(x) for x in zip(*(block(i) for i in range(model.num_layers)))]
+    fwd = [sum(x) for x in zip(*(block(i) for i in range(model.num_layers)), strict=True)]
     fwd[0] += 2 * head
     whole, ffn_only = _recomputed_blocks(model, ac, ac_every)
     rec = [0.0, 0.0, 0.0]
     for i in whole:
-        rec = [a + b for a, b in zip(rec, block(i))]
+        rec = [a + b for a, b in zip(rec, block(i), strict=True)]
     for i in ffn_only:
-        rec = [a + b for a, b in zip(rec, block(i, ffn_only=True))]
+        rec = [a + b for a, b in zip(rec, block(i, ffn_only=True), strict=True)]
     tokens = T * grad_accum
 
     def act(mode: str) -> int:
@@ -443,8 +442,9 @@ def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | 
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
     micro, accum, _ = planned_micro_batch(cfg.train, world)
-    specs = param_specs(model, cfg.moe)
-    return estimate_step_time(specs, Layout.of_config(cfg, world), model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
-                              grad_accum=accum, profile=profile, dtype=cfg.train.dtype, tf32=cfg.train.tf32,
-                              ac=cfg.train.activation_checkpointing, ac_every=cfg.train.activation_checkpointing_every,
-                              procs_per_node=per_node, dispatch_chunks=cfg.moe.dispatch_chunks)
+    t = cfg.train
+    return estimate_step_time(param_specs(model, cfg.moe), Layout.of_config(cfg, world), model, cfg.moe,
+                              micro_batch_size=micro, seq_len=cfg.data.seq_len, grad_accum=accum, profile=profile,
+                              dtype=t.dtype, tf32=t.tf32, ac=t.activation_checkpointing,
+                              ac_every=t.activation_checkpointing_every, procs_per_node=per_node,
+                              dispatch_chunks=cfg.moe.dispatch_chunks)

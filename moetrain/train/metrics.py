@@ -12,10 +12,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
 from moetrain.config.moe import MoEConfig
+
+if TYPE_CHECKING:  # imported lazily at run time: only a logging rank with TensorBoard on needs it
+    from torch.utils.tensorboard import SummaryWriter
 
 
 def expert_load_summary(counts_LE: torch.Tensor) -> dict:
@@ -84,7 +88,8 @@ class MetricsWindow(StepSums):
 
 class ProgressBar:
     """The tqdm bar of the training steps, showing the last logged loss, tokens/s and validation
-    loss (and a classifier's validation accuracy); does nothing when not ``enabled`` (on every rank but the main one)."""
+    loss (and a classifier's validation accuracy); does nothing when not ``enabled`` (on every rank
+    but the main one)."""
 
     def __init__(self, *, enabled: bool, total: int, initial: int) -> None:
         self._bar = None
@@ -95,10 +100,12 @@ class ProgressBar:
 
     def show(self, metrics: dict) -> None:
         if self._bar is not None:
-            val = {"val": f"{metrics['val_loss']:.3f}"} if "val_loss" in metrics else {}
+            postfix = {"loss": f"{metrics['loss']:.3f}", "tok_s": f"{metrics['tokens_per_s']:.0f}"}
+            if "val_loss" in metrics:
+                postfix["val"] = f"{metrics['val_loss']:.3f}"
             if "val_accuracy" in metrics:  # a classifier
-                val["val_acc"] = f"{metrics['val_accuracy']:.4f}"
-            self._bar.set_postfix(loss=f"{metrics['loss']:.3f}", tok_s=f"{metrics['tokens_per_s']:.0f}", **val)
+                postfix["val_acc"] = f"{metrics['val_accuracy']:.4f}"
+            self._bar.set_postfix(postfix)
 
     def update(self) -> None:
         if self._bar is not None:
@@ -142,8 +149,8 @@ class MetricsLogger:
         self.enabled = enabled
         self.tags = dict(tags or {})
         self.path = Path(run_dir) / "metrics.jsonl"
-        self._file = None
-        self._tb = None
+        self._file: TextIO | None = None
+        self._tb: SummaryWriter | None = None
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -160,31 +167,11 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = {"step": step, **self.tags, **metrics}
+        assert self._file is not None, "an enabled logger holds its file until close()"
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in metrics.items():
-                self._tb_write(key, value, step)
-
-    def _tb_write(self, key: str, value, step: int) -> None:
-        if isinstance(value, bool) or value is None:
-            return
-        if isinstance(value, (int, float)):
-            if math.isfinite(value):
-                self._tb.add_scalar(key, value, step)
-        elif key.endswith(PER_CLASS_SUFFIX) and isinstance(value, list):
-            # A classifier's per-class F1 (None for a class neither present nor predicted).
-            for i, v in enumerate(value):
-                if v is not None:
-                    self._tb.add_scalar(f"{key}/class{i}", v, step)
-        elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
-            # Per-layer lists (load_cv, dropped_fraction, ...) become one scalar per layer.
-            for i, v in enumerate(value):
-                self._tb.add_scalar(f"{key}/layer{i}", v, step)
-        elif key in PER_EXPERT_KEYS and isinstance(value, list):
-            # [layer][expert] values: one histogram over the experts per layer.
-            for i, row in enumerate(value):
-                self._tb.add_histogram(f"{key}/layer{i}", torch.tensor(row, dtype=torch.float64),
-                                       step, bins=len(row))
+                _tb_write(self._tb, key, value, step)
 
     def close(self) -> None:
         if self._file is not None:
@@ -193,6 +180,27 @@ class MetricsLogger:
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+
+
+def _tb_write(tb: SummaryWriter, key: str, value, step: int) -> None:
+    if isinstance(value, bool) or value is None:
+        return
+    if isinstance(value, (int, float)):
+        if math.isfinite(value):
+            tb.add_scalar(key, value, step)
+    elif key.endswith(PER_CLASS_SUFFIX) and isinstance(value, list):
+        # A classifier's per-class F1 (None for a class neither present nor predicted).
+        for i, v in enumerate(value):
+            if v is not None:
+                tb.add_scalar(f"{key}/class{i}", v, step)
+    elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
+        # Per-layer lists (load_cv, dropped_fraction, ...) become one scalar per layer.
+        for i, v in enumerate(value):
+            tb.add_scalar(f"{key}/layer{i}", v, step)
+    elif key in PER_EXPERT_KEYS and isinstance(value, list):
+        # [layer][expert] values: one histogram over the experts per layer.
+        for i, row in enumerate(value):
+            tb.add_histogram(f"{key}/layer{i}", torch.tensor(row, dtype=torch.float64), step, bins=len(row))
 
 
 def _records_until(path: Path, step: int) -> list[str]:
