@@ -112,10 +112,10 @@ class Plan:
     @property
     def ranked(self) -> list[PlanRow]:
         """Valid choices that fit (all valid ones when no device memory is given): those whose
-        expert-parallel groups stay inside a node first (the advice of a blog post on DeepSpeed ZeRO-3 with MoE: all-to-alls are the
-        bulk of an MoE step's traffic and must not cross the slow link), then fewest
-        communication bytes, then fewest inter-node bytes; ties go to the lower stage (fewer, larger collectives), no
-        offload, less recomputation, then least device memory."""
+        expert-parallel groups stay inside a node first (the advice of a blog post on DeepSpeed ZeRO-3
+        with MoE: all-to-alls are the bulk of an MoE step's traffic and must not cross the slow link),
+        then fewest communication bytes, then fewest inter-node bytes; ties go to the lower stage
+        (fewer, larger collectives), no offload, less recomputation, then least device memory."""
         ok = [r for r in self.rows if r.valid and r.fits is not False]
         # With a device profile the estimated step time ranks first. Ties (offload and
         # checkpointing move no collective bytes) go to the cheaper choice: no offload before
@@ -338,9 +338,10 @@ def _step_estimate(specs, model: ModelConfig, cfg: JobConfig, c: Choice, *, npro
 
     if isinstance(profile, CalibratedProfiles):
         profile = profile.for_procs(per_node)
-    return estimate_step_time(specs, _layout(c, cfg, nproc), model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
-                              grad_accum=grad_accum, profile=profile, dtype=cfg.train.dtype, tf32=cfg.train.tf32,
-                              ac=c.ac, ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,
+    return estimate_step_time(specs, _layout(c, cfg, nproc), model, cfg.moe, micro_batch_size=micro,
+                              seq_len=cfg.data.seq_len, grad_accum=grad_accum, profile=profile,
+                              dtype=cfg.train.dtype, tf32=cfg.train.tf32, ac=c.ac,
+                              ac_every=cfg.train.activation_checkpointing_every, procs_per_node=per_node,
                               dispatch_chunks=cfg.moe.dispatch_chunks).as_dict()
 
 
@@ -356,7 +357,8 @@ def _step_columns(step: dict | None) -> str:
 
 
 def stage3_advice(plan: Plan) -> list[str]:
-    """The advice of a blog post on DeepSpeed ZeRO-3 with MoE, from the numbers: stage 3 only when nothing lighter fits; EP inside a node."""
+    """The advice of a blog post on DeepSpeed ZeRO-3 with MoE, from the numbers: stage 3 only when
+    nothing lighter fits; EP inside a node."""
     out = []
     ranked = plan.ranked
     if ranked:
@@ -401,9 +403,10 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
     def line(i: int, r: PlanRow) -> str:
         cm = r.comm
         fits = "-" if r.fits is None else ("yes" if r.fits else "NO")
-        return (f"{i:>3} {r.choice.label():44s} {g(r.param_bytes)} {g(r.grad_bytes)} {g(r.optim_bytes + r.average_bytes)} "
-                f"{g(r.gathered_param_bytes)} {g(r.transient_bytes)} {g(r.activation_bytes)} {g(r.a2a_buffer_bytes)} "
-                f"{g(r.device_bytes)} {g(r.host_bytes)} | {g(cm['all_to_all'])} {g(cm['all_reduce'])} "
+        return (f"{i:>3} {r.choice.label():44s} {g(r.param_bytes)} {g(r.grad_bytes)} "
+                f"{g(r.optim_bytes + r.average_bytes)} {g(r.gathered_param_bytes)} {g(r.transient_bytes)} "
+                f"{g(r.activation_bytes)} {g(r.a2a_buffer_bytes)} {g(r.device_bytes)} {g(r.host_bytes)} | "
+                f"{g(cm['all_to_all'])} {g(cm['all_reduce'])} "
                 f"{g(cm['reduce_scatter'])} {g(cm['all_gather'])} {g(cm['total'])} {g(cm['inter_node'])} {fits:4s}"
                 + (_step_columns(r.step) if timed else "") + (f" [{'; '.join(r.notes)}]" if r.notes else ""))
 
@@ -420,7 +423,7 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
     if show_invalid:
         reasons: dict[str, int] = {}
         for r in plan.rows:
-            if not r.valid:
+            if r.reason is not None:  # the invalid ones
                 reasons[r.reason] = reasons.get(r.reason, 0) + 1
         if reasons:
             lines.append("invalid:")
