@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_int
-from moetrain.config.base import require_choice
+from moetrain.config.base import require, require_choice
 
 GRAD_COMPRESSIONS = ("none", "bf16", "onebit")
 
@@ -18,6 +18,21 @@ ONEBIT_WARMUP_FRACTION = 0.2
 """Share of train.steps that 1-bit Adam runs uncompressed when dp.onebit_warmup_steps is None.
 DeepSpeed's guidance for its freeze_step is 15-25% of the run; BENCHMARKS.md has the measurement
 that picked 20% for the demo."""
+
+
+def check_grad_compression(mode: str, *, zero_stage: int, tp: int) -> None:
+    """dp.grad_compression against the layout (``ValueError`` naming the field): compressed
+    reductions are the stage 0/1 wrapper's, 1-bit Adam's only at stage 0, and none under tensor
+    parallelism."""
+    require_choice("dp.grad_compression", mode, GRAD_COMPRESSIONS)
+    require(mode == "none" or zero_stage <= 1, "dp.grad_compression", mode,
+            f"needs parallel.zero_stage <= 1 (is {zero_stage}): at stages 2/3 FSDP2 reduce-scatters its own "
+            "gradient buckets, which cannot be compressed")
+    require(mode != "onebit" or zero_stage == 0, "dp.grad_compression", mode,
+            f"needs parallel.zero_stage = 0 (is {zero_stage}): 1-bit Adam keeps the whole momentum and frozen "
+            "variance on every replica (DeepSpeed's 1-bit Adam rejects ZeRO too)")
+    require(mode == "none" or tp == 1, "dp.grad_compression", mode,
+            f"needs parallel.tp = 1 (is {tp}): tensor-parallel gradients are reduced uncompressed")
 
 
 @dataclass

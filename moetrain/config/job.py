@@ -9,7 +9,7 @@ from moetrain.config.base import require
 from moetrain.config.checkpoint import CheckpointConfig
 from moetrain.config.classify import ClassifyConfig
 from moetrain.config.data import DataConfig
-from moetrain.config.dp import DataParallelConfig
+from moetrain.config.dp import DataParallelConfig, check_grad_compression
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig
@@ -18,7 +18,7 @@ from moetrain.config.optim import OptimConfig
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
 from moetrain.config.train import TrainConfig
-from moetrain.config.zero import ZeroConfig
+from moetrain.config.zero import ZeroConfig, check_offload
 
 
 @dataclass
@@ -89,16 +89,9 @@ class JobConfig:
                 "over the tp ranks")
         if par.dp != -1:
             self.train.grad_accum_steps(par.dp)
-        require(self.zero.offload_param == "none" or par.zero_stage == 3, "zero.offload_param",
-                self.zero.offload_param, f"needs parallel.zero_stage = 3 (is {par.zero_stage})")
-        require(self.zero.offload_optimizer == "none" or par.zero_stage >= 1, "zero.offload_optimizer",
-                self.zero.offload_optimizer, f"needs parallel.zero_stage >= 1 (is {par.zero_stage})")
-        require(self.dp.grad_compression == "none" or par.zero_stage <= 1, "dp.grad_compression",
-                self.dp.grad_compression, f"needs parallel.zero_stage <= 1 (is {par.zero_stage}): at stages 2/3 "
-                "FSDP2 reduce-scatters its own gradient buckets, which cannot be compressed")
-        require(self.dp.grad_compression != "onebit" or par.zero_stage == 0, "dp.grad_compression",
-                self.dp.grad_compression, f"needs parallel.zero_stage = 0 (is {par.zero_stage}): 1-bit Adam keeps "
-                "the whole momentum and frozen variance on every replica")
+        check_offload(par.zero_stage, offload_optimizer=self.zero.offload_optimizer == "cpu",
+                      offload_param=self.zero.offload_param == "cpu")
+        check_grad_compression(self.dp.grad_compression, zero_stage=par.zero_stage, tp=par.tp)
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
         check_pipeline_reduction(pp=par.pp, zero_stage=par.zero_stage, grad_compression=self.dp.grad_compression,
                                  offload_optimizer=self.zero.offload_optimizer == "cpu",

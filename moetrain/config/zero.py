@@ -11,7 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_bool, require_int
-from moetrain.config.base import require_choice
+from moetrain.config.base import require, require_choice
+
+
+def check_offload(zero_stage: int, *, offload_optimizer: bool, offload_param: bool) -> None:
+    """Offload moves this rank's shard of what it names to the host, so it needs that sharded:
+    the parameters at stage 3 only, the optimizer states from stage 1. ``ValueError`` naming
+    the field otherwise."""
+    require(not offload_param or zero_stage == 3, "zero.offload_param", "cpu",
+            f"needs parallel.zero_stage = 3 (is {zero_stage})")
+    require(not offload_optimizer or zero_stage >= 1, "zero.offload_optimizer", "cpu",
+            f"needs parallel.zero_stage >= 1 (is {zero_stage})")
 
 
 @dataclass
@@ -25,7 +35,11 @@ class ZeroConfig:
     Needs parallel.zero_stage == 3."""
 
     pin_memory: bool = True
-    """Page-lock the offloaded host buffers (faster copies). Ignored without CUDA."""
+    """Page-lock the offloaded host buffers for faster copies to and from the device, as
+    DeepSpeed's offload_optimizer/offload_param.pin_memory: at stage 1 the optimizer slices and
+    their gradients' host copies, at stages 2/3 FSDP2's ``CPUOffloadPolicy(pin_memory=...)``.
+    Pinned memory needs CUDA: without it (a CPU-only run, where the host copy is the only copy)
+    nothing is pinned, as DeepSpeed's accelerators without pinning do, and the run goes on."""
 
     reduce_bucket_size: int = 500_000_000
     """Elements per gradient all-reduce bucket of DDP (stages 0/1). At this default DDP keeps its

@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass, field
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.train import TrainConfig
+from moetrain.config.zero import check_offload
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
@@ -274,10 +275,10 @@ def _invalid(c: Choice, model: ModelConfig, moe, world: int, *, per_node: int, h
         return str(e)
     if c.zero_stage > 0 and world == 1:
         return f"parallel.zero_stage ({c.zero_stage}) needs more than one data-parallel rank to shard over"
-    if c.offload == "optimizer" and c.zero_stage == 0:
-        return "zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)"
-    if c.offload == "params" and c.zero_stage != 3:
-        return f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {c.zero_stage})"
+    try:
+        check_offload(c.zero_stage, offload_optimizer=c.offload != "none", offload_param=c.offload == "params")
+    except ValueError as e:
+        return str(e)
     if c.ac == "moe" and not model.is_moe:
         return "train.activation_checkpointing ('moe') needs MoE blocks (model.moe_every > 0)"
     if c.ac == "every_n" and model.num_layers < 2:

@@ -32,8 +32,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.distributed.comm.collectives import mean_over_dp
+from moetrain.distributed.data_parallel.finalize import finalize_grads
+from moetrain.distributed.data_parallel.grads import clip_pipeline_grad_norm_
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.pipeline.grads import clip_pipeline_grad_norm_, reduce_stage_gradients
 from moetrain.distributed.pipeline.stages import PipelineModel, build_schedule, forward_only
 from moetrain.models.transformer import IGNORE_INDEX
 from moetrain.train.precision import autocast_context
@@ -42,14 +43,13 @@ from moetrain.train.precision import autocast_context
 class PipelineStep:
     """The schedule of one rank's stages and the per-step bookkeeping around it.
 
-    ``pp_group`` defaults to ``dims.pp_group``; ``zero_stage`` 0/1 reduces the stage gradients
-    over dp after the schedule (2/3: FSDP2 did it inside)."""
+    ``pp_group`` defaults to ``dims.pp_group``. After the schedule ``finalize_grads`` reduces the
+    stage gradients over dp (at ZeRO 2/3 the FSDP2 units did it inside)."""
 
     def __init__(self, pm: PipelineModel, dims: ParallelDims, *, schedule: str, num_microbatches: int,
-                 device: torch.device, dtype: str = "fp32", zero_stage: int = 0,
-                 pp_group: dist.ProcessGroup | None = None) -> None:
+                 device: torch.device, dtype: str = "fp32", pp_group: dist.ProcessGroup | None = None) -> None:
         self.pm, self.dims, self.device, self.dtype = pm, dims, device, dtype
-        self.num_microbatches, self.zero_stage = num_microbatches, zero_stage
+        self.num_microbatches = num_microbatches
         self.pp_group = pp_group if pp_group is not None else dims.pp_group
         self.holds_first = 0 in pm.stage_ids
         self.holds_last = pm.num_stages - 1 in pm.stage_ids
@@ -89,8 +89,7 @@ class PipelineStep:
         with autocast_context(self.device, self.dtype):
             losses: list[torch.Tensor] = []
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
-        if self.zero_stage < 2:
-            reduce_stage_gradients(self.pm, self.dims)
+        finalize_grads(self.pm, self.dims)
         self._step_seconds += time.perf_counter() - t0
         self._steps += 1
         sums = torch.zeros(2, dtype=torch.float64, device=self.device)
@@ -185,7 +184,7 @@ def build_pipeline(model, dims: ParallelDims, cfg, *, grad_accum: int, device: t
                          activation_checkpointing_every=t.activation_checkpointing_every, compile=t.compile,
                          grad_compression=cfg.dp.grad_compression, **zero_settings(cfg))
     step = PipelineStep(pm, dims, schedule=p.pp_schedule, num_microbatches=grad_accum, device=device,
-                        dtype=t.dtype, zero_stage=p.zero_stage)
+                        dtype=t.dtype)
     return pm, step
 
 
@@ -193,4 +192,5 @@ def next_step_batch(loader, grad_accum: int, device: torch.device) -> tuple[torc
     """The step's ``grad_accum`` loader micro-batches stacked into one ``[M * B, S]`` batch, which the
     schedule cuts back into the same micro-batches."""
     batches = [loader.next_batch() for _ in range(grad_accum)]
-    return tuple(torch.cat([b[i] for b in batches]).to(device) for i in (0, 1))
+    input_ids_BS, labels_BS = (torch.cat([b[i] for b in batches]).to(device) for i in (0, 1))
+    return input_ids_BS, labels_BS

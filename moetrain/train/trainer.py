@@ -33,6 +33,7 @@ from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.data_parallel import ddp as data_parallel
 from moetrain.distributed.data_parallel.ddp import no_sync, wrap_optimizer, zero_settings
+from moetrain.distributed.data_parallel.finalize import finalize_grads
 from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.distributed.expert_parallel.apply import collect_comm_stats
 from moetrain.distributed.parallel_dims import ParallelDims
@@ -146,7 +147,7 @@ class Trainer:
             build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
                             data_parallel=self.parallel_model, onebit_warmup_steps=self.cfg.dp.onebit_warmup(t.steps)),
             self.dims, zero_stage=self.cfg.parallel.zero_stage,
-            offload_optimizer=self.cfg.zero.offload_optimizer == "cpu",
+            offload_optimizer=self.cfg.zero.offload_optimizer == "cpu", pin_memory=self.cfg.zero.pin_memory,
             bucket_numel=self.cfg.zero.allgather_bucket_size)
         self.scheduler = build_scheduler(self.optimizer, lr=o.lr, min_lr=o.resolved_min_lr,
                                          warmup_steps=o.warmup_steps, total_steps=t.steps, schedule=o.schedule)
@@ -230,6 +231,7 @@ class Trainer:
                         last_micro = micro == self.grad_accum - 1
                         with contextlib.nullcontext() if last_micro else no_sync(self.parallel_model):
                             self.forward_backward(*batch)
+                    finalize_grads(self.parallel_model, self.dims)
             with self.phase(f"optimizer step {self.step + 1}"):
                 good = self.optimizer_step()
         if tracker is not None:

@@ -22,7 +22,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.workers.grad_overlap_worker import EMBEDDING_GRAD, bf16_expert_worker, overlap_worker
+from tests.distributed.workers.grad_overlap_worker import (
+    EMBEDDING_GRAD,
+    bf16_expert_worker,
+    finalize_worker,
+    overlap_worker,
+)
 from tests.helpers.dist_launcher import run_ranks
 
 CASES = [(0, "none"), (0, "bf16"), (1, "none"), (1, "bf16"), (2, "none"), (3, "none")]
@@ -77,3 +82,22 @@ def test_bf16_expert_reduction_is_the_bf16_sum_of_scaled_local_gradients():
             half_b = (ranks[b]["local"][n] / world).to(torch.bfloat16)
             assert got.dtype == torch.float32
             assert torch.equal(got, (half_a + half_b).float()), n
+
+
+@pytest.mark.slow
+def test_finalize_grads_applies_the_hooks_rule_to_a_bare_model():
+    """One rule, two places that apply it: ``finalize_grads`` on the bare model (what a pipeline
+    stage gets) reduces one backward to the gradients ``MoEDataParallel``'s hooks give (experts
+    bit for bit: a sum of two copies; dense within fp32 rounding: the 4-rank sum runs in another
+    buffer layout), and after the hooks it has nothing left to do."""
+    ranks = run_ranks(finalize_worker, 4, timeout_s=120)
+    for res in ranks:
+        experts = set(res["experts"])
+        assert experts and set(res["finalize"]) == set(res["hooks"])
+        for n, hooked in res["hooks"].items():
+            assert torch.equal(res["hooks_then_finalize"][n], hooked), n
+            assert not torch.equal(res["local"][n], res["finalize"][n]), n  # reduced: not the local gradient
+            if n in experts:
+                assert torch.equal(res["finalize"][n], hooked), n
+            else:
+                torch.testing.assert_close(res["finalize"][n], hooked, rtol=1e-5, atol=1e-8, msg=n)

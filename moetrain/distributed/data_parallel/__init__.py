@@ -1,5 +1,7 @@
 """Data parallelism, expert-aware, at every ZeRO stage.
 
+    finalize.py         the gradient rule (scale by 1/dp, sum over the copies) and finalize_grads,
+                        every reduction after backward
     ddp.py              stage 0/1 reduction (DDP, expert shards over edp), picks the wrapper
     tp_reduction.py     the same reduction when tensor parallelism is on
     zero1.py            ZeRO-1: optimizer states sharded over the data-parallel ranks

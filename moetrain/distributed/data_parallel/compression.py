@@ -131,7 +131,7 @@ class OneBitReducer:
         world, rank = self.world, self.rank
         # 1. Worker compression: every chunk of every tensor, with the worker residual added.
         masks, rows = [], []
-        for t, key in zip(tensors, keys):
+        for t, key in zip(tensors, keys, strict=True):
             n, length = t.numel(), chunk_len(t.numel(), world)
             x_WL = torch.zeros(world * length, device=t.device)
             x_WL[:n] = t.detach().reshape(-1).float() + self.worker[key]
@@ -147,7 +147,7 @@ class OneBitReducer:
         dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
         # 3. Server: decompress and sum this rank's chunk, add the server residual, compress again.
         own_rows, offset = [], 0
-        for t, mask_WL, key in zip(tensors, masks, keys):
+        for t, mask_WL, key in zip(tensors, masks, keys, strict=True):
             width = own_width(t.numel(), world)
             packed, scale_W = _bytes_to_rows(recv[:, offset:offset + width])
             own_mask_1L = mask_WL[rank].expand(world, -1)
@@ -162,7 +162,7 @@ class OneBitReducer:
         all_gather_single(gathered, mine, group=self.group)
         gathered = gathered.view(world, -1)
         offset = 0
-        for t, mask_WL in zip(tensors, masks):
+        for t, mask_WL in zip(tensors, masks, strict=True):
             width = own_width(t.numel(), world)
             packed, scale_W = _bytes_to_rows(gathered[:, offset:offset + width])
             t.copy_(decompress_rows(packed, scale_W, mask_WL).reshape(-1)[:t.numel()].view_as(t))

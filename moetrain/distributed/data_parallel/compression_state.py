@@ -31,7 +31,7 @@ class CompressionStateMixin:
         like its local shard) by its 1-bit compressed mean over the parameter's replicas.
         Collective over dp, then edp; taken in the model's parameter order whatever order the
         lists come in, so every rank runs the same exchanges with the same residuals."""
-        by_id = {id(p): t for p, t in zip(params, tensors)}
+        by_id = {id(p): t for p, t in zip(params, tensors, strict=True)}
         assert len(by_id) == len(params), "a parameter was passed twice"
         moved = 0
         # 1. Replicated parameters over dp.
@@ -42,7 +42,8 @@ class CompressionStateMixin:
             for _, t in dense:
                 t.div_(self.process_group.size())
         # 2. Expert shards over edp.
-        experts = [(n, by_id[id(p)]) for n, p in zip(self._expert_names, self._expert_params) if id(p) in by_id]
+        experts = [(n, by_id[id(p)]) for n, p in zip(self._expert_names, self._expert_params, strict=True)
+                   if id(p) in by_id]
         if experts and self._expert_reducer is not None:
             with self.timer.span("grad_reduce"):
                 moved += self._expert_reducer.all_reduce_sum([t for _, t in experts], [n for n, _ in experts])

@@ -56,10 +56,14 @@ from torch import nn
 from torch.autograd import Variable
 from torch.nn.parallel import DistributedDataParallel
 
+from moetrain.config.dp import check_grad_compression
 from moetrain.config.job import JobConfig
+from moetrain.config.parallel import ParallelConfig
+from moetrain.config.zero import check_offload
 from moetrain.distributed.comm.timer import CommTimer
 from moetrain.distributed.data_parallel.compression import Bf16AllReduce, OneBitReducer, fp32_bytes
 from moetrain.distributed.data_parallel.compression_state import CompressionStateMixin
+from moetrain.distributed.data_parallel.finalize import grad_reduction
 from moetrain.distributed.expert_parallel.apply import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
 
@@ -87,15 +91,20 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         # renamed in torch 2.13; older releases only know broadcast_buffers.)
         no_buffer_sync = ({"forward_sync_buffers": False} if _DDP_HAS_FORWARD_SYNC_BUFFERS
                           else {"broadcast_buffers": False})
-        # gradient_as_bucket_view: the gradients are views into DDP's flat buckets instead of a
-        # second full-size copy next to them, so replicated gradients cost 1x, not 2x, memory.
+        # The replicated parameters' rule is DDP's own mean over its group: at tp = 1 their copies
+        # are the dp ranks. gradient_as_bucket_view: the gradients are views into DDP's flat
+        # buckets instead of a second full-size copy next to them, so they cost 1x, not 2x, memory.
+        dense = grad_reduction(dims, "dp_tp")
+        assert dims.tp == 1 and dense.size == dense.divisor, "MoEDataParallel reduces over dp only"
+        self._dense_divisor = dense.divisor
         super().__init__(module, process_group=dims.dp_group, bucket_cap_mb=bucket_cap_mb,
                          gradient_as_bucket_view=True, **no_buffer_sync)
         params = dict(module.named_parameters())
         expert_names = [n for n in expert_names if params[n].requires_grad]  # frozen shards (LoRA) get no gradient
         self._expert_params = [params[n] for n in expert_names]
-        self._edp_group = dims.edp_group if dims.edp > 1 else None
-        self._expert_grad_scale = 1.0 / dims.dp
+        experts = grad_reduction(dims, "edp")
+        self._edp_group = experts.group
+        self._expert_grad_scale = experts.scale
         self._expert_local_scale = dims.edp / dims.dp  # local-gradient mode (module docstring)
         self._local_gradients = self._sync_experts = self._callback_queued = False
         # Each expert shard's place in the launch order of the reductions, the same on every rank:
@@ -127,7 +136,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         self._expert_names = expert_names
         expert_set = set(expert_names)
         dense = {n: p.numel() for n, p in module.named_parameters() if n not in expert_set and p.requires_grad}
-        experts = {n: p.to_local().numel() for n, p in zip(expert_names, self._expert_params)}
+        experts = {n: p.to_local().numel() for n, p in zip(expert_names, self._expert_params, strict=True)}
         # Bytes per synced step, counted as ring all-reduces (2 x payload) for fp32 and bf16.
         self._fp32_bytes_per_step = sum(map(fp32_bytes, dense.values()))
         if self._edp_group is not None:
@@ -172,7 +181,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
             fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
             fut.set_result(buffer)
             return fut
-        buffer.div_(self.process_group.size())  # mean = sum of the pre-divided gradients
+        buffer.div_(self._dense_divisor)  # as DDP without a hook: divide, then sum
         with self.timer.span("grad_reduce"):
             if self.grad_compression == "bf16":
                 reduction = Bf16AllReduce([buffer], self.process_group)
@@ -266,27 +275,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
     parameter/compute dtype at stages 2/3; at stages 0/1 the trainer's autocast does that job.
     ``grad_compression`` ("none", "bf16", "onebit") compresses the gradient reductions at stages 0/1.
     """
-    if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage ({zero_stage!r}) must be one of 0, 1, 2, 3")
-    if hsdp_replicate != 1 and zero_stage < 2:
-        raise ValueError(f"parallel.hsdp_replicate ({hsdp_replicate}) needs parallel.zero_stage >= 2 "
-                         f"(is {zero_stage}): stages 0/1 replicate the parameters anyway")
-    if offload_params and zero_stage != 3:
-        raise ValueError(f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {zero_stage})")
-    if grad_compression not in ("none", "bf16", "onebit"):
-        raise ValueError(f"dp.grad_compression ({grad_compression!r}) must be one of 'none', 'bf16', 'onebit'")
-    if grad_compression != "none" and zero_stage >= 2:
-        raise ValueError(f"dp.grad_compression ({grad_compression!r}) needs parallel.zero_stage <= 1 (is {zero_stage}): "
-                         "at stages 2/3 FSDP2 reduce-scatters its own gradient buckets")
-    if grad_compression == "onebit" and zero_stage != 0:
-        raise ValueError(f"dp.grad_compression ('onebit') needs parallel.zero_stage = 0 (is {zero_stage}): 1-bit Adam "
-                         "keeps the whole momentum and frozen variance on every replica (DeepSpeed's 1-bit Adam "
-                         "rejects ZeRO too)")
-    if offload_optimizer and zero_stage == 0:
-        raise ValueError("zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 1 (is 0)")
-    if dims.tp > 1 and grad_compression != "none":
-        raise ValueError(f"dp.grad_compression ({grad_compression!r}) needs parallel.tp = 1 (is {dims.tp}): "
-                         "tensor-parallel gradients are reduced uncompressed")
+    # The config's rules, for callers that pass the settings directly.
+    ParallelConfig(zero_stage=zero_stage, hsdp_replicate=hsdp_replicate)
+    check_offload(zero_stage, offload_optimizer=offload_optimizer, offload_param=offload_params)
+    check_grad_compression(grad_compression, zero_stage=zero_stage, tp=dims.tp)
     if zero_stage >= 2:
         from moetrain.distributed.data_parallel.fsdp import apply_fsdp
 
@@ -334,16 +326,19 @@ def load_grad_compression_state(model: nn.Module, state: dict[str, torch.Tensor]
         model.load_compression_state_dict(state)
 
 
-def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims, *, zero_stage: int, offload_optimizer: bool = False,
+def wrap_optimizer(optimizer: torch.optim.Optimizer, dims: ParallelDims, *, zero_stage: int,
+                   offload_optimizer: bool = False, pin_memory: bool = True,
                    bucket_numel: int = 500_000_000) -> torch.optim.Optimizer:
     """The optimizer to step for ZeRO stage ``zero_stage``: at stage 1 a ``ZeroShardedOptimizer``
-    (states sharded over dp, experts' over edp); otherwise ``optimizer`` itself (at stages 2/3 it
-    was built over FSDP's sharded parameters, so its states are sharded already)."""
+    (states sharded over dp, experts' over edp; ``offload_optimizer`` keeps them on the host,
+    page-locked as ``pin_memory`` says); otherwise ``optimizer`` itself (at stages 2/3 it was built
+    over FSDP's sharded parameters, so its states are sharded already)."""
     if zero_stage != 1:
         return optimizer
     from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
 
-    return ZeroShardedOptimizer(optimizer, dims, offload=offload_optimizer, bucket_numel=bucket_numel)
+    return ZeroShardedOptimizer(optimizer, dims, offload=offload_optimizer, pin_memory=pin_memory,
+                                bucket_numel=bucket_numel)
 
 
 def zero_settings(cfg: JobConfig) -> dict:

@@ -14,15 +14,13 @@ ZeRO-3 stack: each rank keeps 1/edp of 1/ep of the experts. Under bf16/fp16 each
 unit of its own that gathers its gate weight in fp32: routing is fp32 on the same weights as at
 stages 0/1.
 
-Expert gradient scale. Each rank's loss is a mean over its own tokens, so every gradient must be
-(1/W) * sum over ranks. An expert shard collects the contributions of its whole ep group through
-the all-to-all backward, and its edp copies together cover all W ranks: the right reduction is
-sum over edp / W. FSDP's default (average over the unit's mesh, edp) would leave expert
-gradients ep times too large, so the expert units get ``set_gradient_divide_factor(W)``.
-On gloo a factor that differs from the mesh size would need ``ReduceOp.PREMUL_SUM``, which gloo
-lacks, so those units also force plain-sum collectives (FSDP then divides by hand). Not when
-edp = 1: torch 2.13 divides twice on a one-rank unit with forced sums (see
-/work/shared/notes/torch-cpu-distributed-facts.md, row 4).
+Gradient scale: ``moetrain.distributed.data_parallel.finalize``'s rule, scale by 1/dp and sum over
+the copies. An expert unit shards over its copies (edp) and divides by dp, not by its mesh size
+(FSDP's default average would leave expert gradients ep times too large), and so does a unit of
+modules whose tp ranks hold partial gradients (over dp x tp). On gloo a factor that differs from
+the mesh size would need ``ReduceOp.PREMUL_SUM``, which gloo lacks, so those units also force
+plain-sum collectives (FSDP then divides by hand). Not when edp = 1: torch 2.13 divides twice on
+a one-rank unit with forced sums (see /work/shared/notes/torch-cpu-distributed-facts.md, row 4).
 
 HSDP (``hsdp_replicate = R > 1``): the dense units shard over groups of W/R consecutive ranks
 and replicate across the R groups (reduce-scatter inside a group, then all-reduce of the shard
@@ -46,6 +44,8 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import Shard
 
+from moetrain.distributed.data_parallel.finalize import grad_reduction
+from moetrain.distributed.data_parallel.zero1 import use_pinned_memory
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.attention import Attention
 from moetrain.models.moe.experts import GroupedExperts
@@ -67,11 +67,11 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
 
 def offload_policy(offload: bool, *, pin_memory: bool = True) -> OffloadPolicy:
     """FSDP2's CPU offload keeps sharded parameters, gradients and optimizer states in host
-    memory and runs the optimizer step there. Pinned host memory needs an accelerator: without
-    one torch raises "Cannot access accelerator device", so pinning is off on CPU-only hosts."""
+    memory and runs the optimizer step there, page-locked as zero.pin_memory says where CUDA
+    exists (``use_pinned_memory``)."""
     if not offload:
         return OffloadPolicy()
-    return CPUOffloadPolicy(pin_memory=pin_memory and torch.cuda.is_available())
+    return CPUOffloadPolicy(pin_memory=use_pinned_memory(pin_memory))
 
 
 def dense_fsdp_mesh(dims: ParallelDims, *, hsdp_replicate: int = 1) -> DeviceMesh:
@@ -93,24 +93,23 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
     """
     if zero_stage not in (2, 3):
         raise ValueError(f"parallel.zero_stage ({zero_stage!r}) must be 2 or 3 for FSDP")
-    if offload_params and zero_stage != 3:
-        raise ValueError(f"zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is {zero_stage})")
     reshard = zero_stage == 3
     common = {"mp_policy": mixed_precision_policy(mixed_precision),
               "offload_policy": offload_policy(offload_params or offload_optimizer, pin_memory=pin_memory)}
     dense_mesh = dense_fsdp_mesh(dims, hsdp_replicate=hsdp_replicate)
 
-    # 1. Experts, over edp, with the W divide factor (see the module docstring). At ep = 1 the
-    #    experts are plain tensors replicated on every rank like the dense weights: they stay in
-    #    their block's unit and shard over dp.
+    # 1. Experts, over their copies (edp), divided by dp (see the module docstring). At ep = 1
+    #    the experts are plain tensors replicated on every rank like the dense weights: they stay
+    #    in their block's unit and shard over dp.
     if dims.ep > 1:
+        experts = grad_reduction(dims, "edp")
         for module in model.modules():
             if isinstance(module, GroupedExperts):
                 fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard,
                             shard_placement_fn=lambda p: expert_shard_placement(p.shape, dims.ep, dims.edp),
                             **common)
-                module.set_gradient_divide_factor(float(dims.dp))
-                if dims.edp > 1:
+                module.set_gradient_divide_factor(float(experts.divisor))
+                if experts.size > 1:
                     module.set_force_sum_reduction_for_comms(True)
     # 2. Routers under bf16/fp16: their own units with fp32 parameters. The router computes in
     #    fp32, and in the block's unit it would get FSDP's bf16-rounded gate weight, unlike at
@@ -136,14 +135,15 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
 
 
 def _shard_unit(module: nn.Module, dims: ParallelDims, dense_mesh: DeviceMesh, *, reshard: bool, **common) -> None:
-    """A unit over the dense mesh, or at tp > 1 over the stage's dp x tp ranks with the 1/dp
-    gradient scale: its tp ranks hold partial gradients (different tokens or heads) to be summed.
-    Plain sums on the wire (gloo has no PREMUL_SUM for a factor other than the mesh size)."""
+    """A unit over the dense mesh, or at tp > 1 over its copies, the stage's dp x tp ranks, divided
+    by dp: its tp ranks hold partial gradients (different tokens or heads) to be summed. Plain
+    sums on the wire (gloo has no PREMUL_SUM for a factor other than the mesh size)."""
     if dims.tp == 1:
         fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard, **common)
         return
+    copies = grad_reduction(dims, "dp_tp")
     fully_shard(module, mesh=dims.dp_tp_mesh, reshard_after_forward=reshard, **common)
-    module.set_gradient_divide_factor(float(dims.dp))
+    module.set_gradient_divide_factor(float(copies.divisor))
     module.set_force_sum_reduction_for_comms(True)
 
 

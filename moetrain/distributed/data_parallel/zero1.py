@@ -42,9 +42,15 @@ from torch.distributed.tensor import DTensor
 
 from moetrain.distributed.comm.collectives import all_gather_single
 from moetrain.distributed.comm.timer import CommTimer
-from moetrain.distributed.expert_parallel.apply import is_expert_shard
+from moetrain.distributed.data_parallel.finalize import COPIES_AXES, copies_axis
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.utils.tensors import local_tensor
+
+
+def use_pinned_memory(pin_memory: bool) -> bool:
+    """Whether zero.pin_memory pins host buffers here: page-locked memory needs CUDA, and without
+    it torch refuses to allocate any, so a CPU-only run keeps plain host memory."""
+    return pin_memory and torch.cuda.is_available()
 
 
 def shard_range(numel: int, *, rank: int, world: int) -> tuple[int, int]:
@@ -66,7 +72,8 @@ class _Shard:
     master: torch.Tensor
     """What the inner optimizer steps: ``flat[lo:hi]`` itself, or a host copy when offloading."""
     group: str
-    """"dense" (over dp x tp), "tensor" (tp-split, over dp) or "expert" (over edp)."""
+    """The axis of the ranks holding a copy, which the slices split over: "dp_tp" (plain and
+    tp-replicated), "dp" (tp-split) or "edp" (expert shards)."""
 
 
 class ZeroShardedOptimizer(torch.optim.Optimizer):
@@ -77,18 +84,20 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
     ``offload=True`` keeps the stepped slices (fp32 master copies) and the optimizer states in
     host memory: each step copies this rank's gradient slice to the host, steps there and copies
     the slice back (DeepSpeed's ZeRO-Offload). On a CPU-only host that only duplicates the slice.
-    ``bucket_numel`` bounds the elements per all-gather (zero.allgather_bucket_size).
+    ``pin_memory`` (zero.pin_memory) page-locks those host copies where CUDA exists
+    (``use_pinned_memory``). ``bucket_numel`` bounds the elements per all-gather
+    (zero.allgather_bucket_size).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, dims: ParallelDims, *, offload: bool = False,
-                 bucket_numel: int = 500_000_000) -> None:
-        # Each parameter's slices go over the ranks holding a copy of it (tp_data_parallel's
-        # table): plain and tp-replicated over dp x tp (dp at tp = 1), tp-split over dp, experts
-        # over edp.
-        self._groups = {"dense": (dims.dp_tp_group if dims.dp_tp > 1 else None, dims.dp_tp, dims.dp_tp_rank),
-                        "tensor": (dims.dp_group if dims.dp > 1 else None, dims.dp, dims.dp_rank),
-                        "expert": (dims.edp_group if dims.edp > 1 else None, dims.edp, dims.edp_rank)}
+                 pin_memory: bool = True, bucket_numel: int = 500_000_000) -> None:
+        # Each parameter's slices go over the ranks holding a copy of it (``copies_axis``): plain
+        # and tp-replicated over dp x tp (dp at tp = 1), tp-split over dp, experts over edp.
+        self._groups = {axis: (getattr(dims, f"{axis}_group") if getattr(dims, axis) > 1 else None,
+                               getattr(dims, axis), getattr(dims, f"{axis}_rank")) for axis in COPIES_AXES}
         self.offload = offload
+        self.pin_memory = offload and use_pinned_memory(pin_memory)
+        """Whether the host copies are page-locked."""
         self.bucket_numel = bucket_numel
         self.timer = CommTimer()
         self.gather_bytes = 0
@@ -119,19 +128,14 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         return tuple(self._shards)
 
     def _make_shard(self, p: torch.Tensor) -> torch.Tensor:
-        if is_expert_shard(p):
-            group = "expert"
-        elif isinstance(p, DTensor) and any(not pl.is_replicate() for pl in p.placements):
-            group = "tensor"
-        else:
-            group = "dense"
+        group = copies_axis(p)
         _, world, rank = self._groups[group]
         local = local_tensor(p)
         flat = local.detach().view(-1)  # a view of the parameter's storage (checked below)
         assert flat.data_ptr() == local.data_ptr(), "parameter data must be contiguous"
         lo, hi = shard_range(flat.numel(), rank=rank, world=world)
         view = flat[lo:hi]
-        master = view.detach().to("cpu", copy=True) if self.offload else view
+        master = self._host_copy(view.detach()) if self.offload else view
         self._shards.append(_Shard(p, flat, lo, hi, math.ceil(flat.numel() / world), master, group))
         return master
 
@@ -148,7 +152,7 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
                 s.master.grad = None
                 continue
             g = local_tensor(g).reshape(-1)[s.lo:s.hi]
-            s.master.grad = g.to("cpu", copy=True) if self.offload else g
+            s.master.grad = self._host_copy(g) if self.offload else g
         # 2. Step the slices.
         self.inner.step()
         # 3. Offload: bring the updated slices back.
@@ -158,6 +162,10 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         # 4. All-gather every rank's slices into every replica.
         self._all_gather()
         return loss
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``t``, page-locked when ``self.pin_memory``."""
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=self.pin_memory).copy_(t)
 
     def _all_gather(self) -> None:
         for name, (group, world, _) in self._groups.items():
@@ -175,12 +183,12 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         # [world, sum of chunks] and column block p of row r is rank r's slice of parameter p.
         widths = [s.chunk for s in bucket]
         send = bucket[0].flat.new_zeros(sum(widths))
-        for s, part in zip(bucket, send.split(widths)):
+        for s, part in zip(bucket, send.split(widths), strict=True):
             part[:s.hi - s.lo].copy_(s.flat[s.lo:s.hi])
         recv = send.new_empty(world * send.numel())
         all_gather_single(recv, send, group=group)
         recv_WC = recv.view(world, -1)
-        for s, part in zip(bucket, recv_WC.split(widths, dim=1)):
+        for s, part in zip(bucket, recv_WC.split(widths, dim=1), strict=True):
             s.flat.copy_(part.reshape(-1)[:s.flat.numel()])
 
     # ----- checkpoints ---------------------------------------------------------------------------
@@ -232,7 +240,7 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         if len(full.param_groups) != len(self.inner.param_groups):
             raise ValueError(f"optimizer state with {len(full.param_groups)} parameter groups cannot be loaded "
                              f"into one with {len(self.inner.param_groups)}")
-        for mine, theirs in zip(self.inner.param_groups, full.param_groups):
+        for mine, theirs in zip(self.inner.param_groups, full.param_groups, strict=True):
             mine.update({k: v for k, v in theirs.items() if k != "params"})
         self.inner.state.clear()  # the same dict as self.state
         for s in self._shards:

@@ -26,9 +26,9 @@ stage split. The schedule's own division by M is therefore off (``scale_grads=Fa
 Gradient reduction. At ZeRO stages 2/3 each chunk is an FSDP2 root and the schedule runs its
 reduce-scatters after the last micro-batch. At stages 0/1 the chunks are not wrapped in DDP (the
 schedule runs every forward under ``no_sync``, which hides the expert shards' edp reduction of
-``MoEDataParallel``): :func:`reduce_stage_gradients` reduces after the schedule instead, with the
-same rule as ``moetrain.distributed.data_parallel.ddp`` (dense: mean over dp; expert shards: sum over
-edp divided by dp), one flat all-reduce per dtype (``moetrain.distributed.pipeline.grads``).
+``MoEDataParallel``): ``finalize_grads`` reduces after the schedule instead, by the same rule
+(``moetrain.distributed.data_parallel.finalize``: scale by 1/dp, sum over the copies), one flat
+all-reduce per group and dtype.
 
 Shape legend: B batch (a micro-batch inside a stage), S sequence, D model dim, V vocabulary.
 """
@@ -300,7 +300,7 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     shard, sent to the same tp rank of the next stage), 2. expert parallelism over the stage's ep
     group, 3. activation checkpointing, 4. compile per block, 5. data parallelism: FSDP2 per chunk
     at ZeRO stages 2/3 (each chunk a root over its blocks); nothing at 0/1, where
-    :func:`reduce_stage_gradients` runs after the schedule.
+    ``finalize_grads`` reduces after the schedule.
     ``bucket_cap_mb`` (DDP's) has no use here: the stage 0/1 reduction is one flat buffer."""
     from moetrain.distributed.data_parallel.ddp import apply_data_parallel
     from moetrain.distributed.expert_parallel.apply import apply_expert_parallel

@@ -22,7 +22,10 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.distributed import ParallelDims, no_sync, parallelize, wrap_optimizer
+from moetrain.distributed.data_parallel.finalize import finalize_grads
+from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
 from moetrain.train.optim import build_optimizer
+from moetrain.utils.tensors import local_tensor
 from tests.distributed.workers.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
 
 EMBEDDING_GRAD = "embedding_grad"
@@ -58,7 +61,7 @@ class CollectiveRecorder(TorchDispatchMode):
         if func in _REDUCTIONS:
             schema = func._schema.arguments
             bound = {a.name: a.default_value for a in schema}
-            bound.update({a.name: v for a, v in zip(schema, args)}, **kwargs)
+            bound.update({a.name: v for a, v in zip(schema, args, strict=False)}, **kwargs)
             self.events.append({"op": _REDUCTIONS[func],
                                 "group": self.group_names.get(_group_name(bound["process_group"]), "other"),
                                 "async": bool(bound["async_op"]),
@@ -127,6 +130,37 @@ def bf16_expert_worker(rank: int, world_size: int) -> dict:
         out[key] = {n: p.grad.to_local().clone() for n, p in experts.items()}
         model.zero_grad(set_to_none=True)
     del model, train_model
+    gc.collect()
+    dist.barrier()
+    return out
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: local_tensor(p.grad).clone() for n, p in model.named_parameters()}
+
+
+def finalize_worker(rank: int, world_size: int) -> dict:
+    """Stage 0, fp32, ep = 2: the gradients of one synced backward reduced by ``MoEDataParallel``'s
+    hooks, the same after ``finalize_grads`` on that wrapper, and those of the same backward on the
+    bare model (expert parallelism only, nothing reduced) before and after ``finalize_grads``."""
+    run = Run("finalize", zero_stage=0, ep=2, model={"moe_every": 1})
+    dims = ParallelDims(world_size=world_size, ep=run.ep, num_experts=model_configs(run)[1].num_experts)
+    dims.build_mesh("cpu")
+    B = GLOBAL_BATCH // world_size
+    tokens = make_batches(run, 1)[0][rank * B:(rank + 1) * B]
+    model = build(run)
+    wrapper = parallelize(model, dims, zero_stage=0)
+    wrapper(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
+    out = {"hooks": _grads(model)}
+    finalize_grads(wrapper, dims)
+    out["hooks_then_finalize"] = _grads(model)
+    bare = apply_expert_parallel(build(run), dims)
+    bare(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
+    out["local"] = _grads(bare)
+    finalize_grads(bare, dims)
+    out["finalize"] = _grads(bare)
+    out["experts"] = [n for n, _ in model.named_parameters() if ".experts." in n]
+    del model, wrapper, bare
     gc.collect()
     dist.barrier()
     return out

@@ -145,7 +145,7 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         raise ValueError("the empty-experts bias is set on a materialised model")
     parallelize_pipeline(pm, dims, zero_stage=case.zero_stage, activation_checkpointing=case.activation_checkpointing)
     step = PipelineStep(pm, dims, schedule=case.schedule, num_microbatches=case.micro_batches,
-                        device=torch.device("cpu"), zero_stage=case.zero_stage)
+                        device=torch.device("cpu"))
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
     if case.zero_stage == 1:
         opt = wrap_optimizer(opt, dims, zero_stage=1)
