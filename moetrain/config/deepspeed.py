@@ -98,6 +98,7 @@ def _apply_batch(d: dict, ds: Mapping, dp: int) -> None:
         accum = 1
         micro, ok = batch // dp, batch % dp == 0
     else:
+        assert micro is not None  # train_batch_size is not set here, so the micro-batch size is
         accum = 1 if accum is None else accum
         batch, ok = micro * accum * dp, True
     if not ok or micro == 0 or accum == 0:

@@ -95,12 +95,13 @@ def eval_layout(cfg: JobConfig, world_size: int) -> JobConfig:
     etp = par.etp if world_size % (par.ep * par.etp) == 0 else 1
     experts_split = not cfg.model.is_moe or cfg.moe.num_experts % par.ep == 0
     ep = par.ep if world_size % (par.ep * etp) == 0 and experts_split else 1
-    folded = {"pp": 1, "tp": tp, "ep": ep, "etp": etp}
-    changed = [f"parallel.{k} {getattr(par, k)} -> {v}" for k, v in folded.items() if getattr(par, k) != v]
+    folded = replace(par, pp=1, tp=tp, ep=ep, etp=etp, dp=-1, zero_stage=0, hsdp_replicate=1, pp_virtual_stages=1,
+                     pp_schedule="1f1b")
+    changed = [f"parallel.{k} {getattr(par, k)} -> {getattr(folded, k)}" for k in ("pp", "tp", "ep", "etp")
+               if getattr(par, k) != getattr(folded, k)]
     if changed:
         log.info("evaluating at %d process(es): %s", world_size, ", ".join(changed))
-    return replace(cfg, parallel=replace(par, **folded, dp=-1, zero_stage=0, hsdp_replicate=1, pp_virtual_stages=1,
-                                         pp_schedule="1f1b"))
+    return replace(cfg, parallel=folded)
 
 
 def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: str | None = None) -> dict | None:
@@ -134,7 +135,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
     o = cfg.optim
     # The optimizer is read too (the checkpoint loader restores model and optimizer as one state);
     # nothing steps it.
-    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
+    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
     # A run that kept a weight average evaluated it: so does this.
     ema = WeightAverage(model, decay=o.ema_decay) if o.ema_decay > 0 else None
     loaded = load_checkpoint(path, model=model, optimizer=optimizer,
@@ -143,7 +144,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
         log.warning("checkpoint %s holds no weight average (optim.ema_decay %s): evaluating its weights", path,
                     o.ema_decay)
         ema = None
-    if ema is not None:
+    elif ema is not None and loaded.ema_state is not None:
         ema.load_state_dict(loaded.ema_state, num_updates=int(loaded.trainer_state.get("ema_updates", 0)))
     model.eval()
     t = cfg.train
