@@ -106,16 +106,13 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     return model
 
 
-def _dispatchers(model: nn.Module) -> list:
-    """Every MoE layer's dispatcher, the one inside the expert-tensor-parallel gathers included."""
-    found = [m.dispatcher for m in model.modules() if isinstance(m, MoELayer)]
-    return [d.inner if isinstance(d, ExpertTensorParallelDispatcher) else d for d in found]
-
-
-def _timed_dispatchers(model: nn.Module) -> list[EpExchanges | ExpertTensorParallelDispatcher]:
+def _communicating_dispatchers(model: nn.Module) -> list[EpExchanges | ExpertTensorParallelDispatcher]:
     """The dispatchers that communicate: the all-to-all ones and the etp gathers around them."""
-    out = []
-    for dispatcher in (m.dispatcher for m in model.modules() if isinstance(m, MoELayer)):
+    out: list[EpExchanges | ExpertTensorParallelDispatcher] = []
+    for layer in model.modules():
+        if not isinstance(layer, MoELayer):
+            continue
+        dispatcher = layer.dispatcher
         if isinstance(dispatcher, ExpertTensorParallelDispatcher):
             out.append(dispatcher)
             dispatcher = dispatcher.inner
@@ -127,7 +124,7 @@ def _timed_dispatchers(model: nn.Module) -> list[EpExchanges | ExpertTensorParal
 def enable_comm_timing(model: nn.Module, device: torch.device) -> None:
     """Time every exchange of every MoE layer's dispatcher (``log.comm_timing``): each is then
     waited for at once, so the all-to-alls no longer overlap compute (see ``comm_timer``)."""
-    for dispatcher in _timed_dispatchers(model):
+    for dispatcher in _communicating_dispatchers(model):
         dispatcher.timer = CommTimer(enabled=True, device=device)
 
 
@@ -135,7 +132,7 @@ def collect_comm_times(model: nn.Module, *, reset: bool = True) -> dict[str, flo
     """Seconds (``comm_time/<kind>``) and spans (``comm_calls/<kind>``) of the exchanges of every MoE
     layer on this rank since the last read, summed over layers; empty when not timed."""
     total: dict[str, float] = {}
-    for dispatcher in _timed_dispatchers(model):
+    for dispatcher in _communicating_dispatchers(model):
         for key, value in dispatcher.timer.read(reset=reset).items():
             total[key] = total.get(key, 0.0) + value
     return total
@@ -145,13 +142,6 @@ def collect_comm_stats(model: nn.Module, *, reset: bool = True) -> CommStats:
     """Sum of the byte counters of every MoE layer of ``model`` on this rank: its all-to-alls, and
     the etp gathers around them."""
     total = CommStats()
-    for layer in model.modules():
-        if not isinstance(layer, MoELayer):
-            continue
-        dispatcher = layer.dispatcher
-        if isinstance(dispatcher, ExpertTensorParallelDispatcher):
-            total = total + dispatcher.read_comm_stats(reset=reset)
-            dispatcher = dispatcher.inner
-        if isinstance(dispatcher, AllToAllDispatcher):
-            total = total + dispatcher.read_comm_stats(reset=reset)
+    for dispatcher in _communicating_dispatchers(model):
+        total = total + dispatcher.read_comm_stats(reset=reset)
     return total

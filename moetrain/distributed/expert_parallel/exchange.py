@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -69,13 +70,13 @@ class _Fp8Arrival(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MD, packed_RX, output_splits, input_splits, group):
-        ctx.splits, ctx.group, ctx.dtype = (output_splits, input_splits), group, x_MD.dtype
+        ctx.output_splits, ctx.input_splits = output_splits, input_splits
+        ctx.group, ctx.dtype = group, x_MD.dtype
         return unpack_e4m3(_wait(packed_RX), x_MD.shape[1], x_MD.dtype)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        output_splits, input_splits = ctx.splits
-        grad_MD = _wait(_launch(grad_RD.to(torch.bfloat16), input_splits, output_splits, ctx.group))
+        grad_MD = _wait(_launch(grad_RD.to(torch.bfloat16), ctx.input_splits, ctx.output_splits, ctx.group))
         return grad_MD.to(ctx.dtype), None, None, None, None
 
 
@@ -135,13 +136,6 @@ class EpExchanges(CountedExchanges):
         self.stats = CommStats()
         self.timer = CommTimer()
 
-    def _all_to_all(self, x_MX: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
-                    payload: str | None = None) -> torch.Tensor:
-        """Variable-size all-to-all over ep of the rows of ``x_MX``, waited for; see
-        ``_launch_all_to_all``."""
-        return self._launch_all_to_all(x_MX, output_splits=output_splits, input_splits=input_splits,
-                                       payload=payload)()
-
     def _launch_all_to_all(self, x_MX: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
                            payload: str | None = None) -> Callable[[], torch.Tensor]:
         """Start a variable-size all-to-all over ep of the rows of ``x_MX``; returns ``wait()``,
@@ -150,33 +144,33 @@ class EpExchanges(CountedExchanges):
         format of ``dispatch_dtype`` (the combine in bf16 when it is not "none")."""
         if self.ep_group is None:
             return lambda: x_MX
+        group = self.ep_group
         wire = "none" if payload is None else self.dispatch_dtype
         wire = "bf16" if wire == "fp8_e4m3" and payload == "combine" else wire
-        dim = x_MX.shape[1] if payload is not None else None
+        dim = x_MX.shape[1] if payload is not None else None  # gate weights travel as a column
         self.stats.count_exchange(input_splits=input_splits, output_splits=output_splits, own=self.ep_rank,
-                                  row_bytes=row_bytes(x_MX) if wire == "none" else wire_row_bytes(dim, wire),
+                                  row_bytes=row_bytes(x_MX) if wire == "none" else wire_row_bytes(x_MX.shape[1], wire),
                                   dispatch_row_elements=dim if payload == "dispatch" else None,
                                   peer_nodes=self.ep_nodes, combine=payload == "combine")
         if self.timer.enabled:
             # Timed means waited for at once: the span is the exchange, not the work overlapping it.
             y_RX = timed_exchange(lambda t: launch_rows(t, wire=wire, output_splits=output_splits,
-                                                        input_splits=input_splits, group=self.ep_group).wait(),
+                                                        input_splits=input_splits, group=group).wait(),
                                   x_MX, self.timer, kind=payload or "routing")
             return lambda: y_RX
         return launch_rows(x_MX, wire=wire, output_splits=output_splits, input_splits=input_splits,
-                           group=self.ep_group).wait
+                           group=group).wait
 
     def _exchange_ints(self, x_MX: torch.Tensor, *, output_splits: list[int], input_splits: list[int],
                        bound: int) -> torch.Tensor:
         """All-to-all over ep of integer rows in ``[0, bound]`` (no autograd)."""
         if self.ep_group is None:
             return x_MX
-        wire_MX, out_RX = self._int_buffers(x_MX, bound, output_splits, input_splits, self.ep_rank,
-                                           self.ep_nodes)
+        buffers = self._int_buffers(x_MX, bound, output_splits, input_splits, self.ep_rank, self.ep_nodes)
         with self.timer.span("routing"):
-            dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                                   group=self.ep_group)
-        return ints_from_bytes(out_RX, bound, x_MX.shape[1:]) if self.compact_ints else out_RX
+            dist.all_to_all_single(buffers.recv, buffers.send, output_split_sizes=output_splits,
+                                   input_split_sizes=input_splits, group=self.ep_group)
+        return ints_from_bytes(buffers.recv, bound, x_MX.shape[1:]) if self.compact_ints else buffers.recv
 
     def _exchange_counts(self, send_PX: torch.Tensor, *, bound: int) -> torch.Tensor:
         """Row p of ``send_PX`` (counts in ``[0, bound]``) to ep rank p; returns what each rank
@@ -184,27 +178,34 @@ class EpExchanges(CountedExchanges):
         if self.ep_group is None:
             return send_PX
         ones = [1] * self.ep_size
-        wire_PX, recv_PX = self._int_buffers(send_PX, bound, ones, ones, self.ep_rank, self.ep_nodes)
+        buffers = self._int_buffers(send_PX, bound, ones, ones, self.ep_rank, self.ep_nodes)
         with self.timer.span("routing"):
-            dist.all_to_all_single(recv_PX, wire_PX, group=self.ep_group)
-        return ints_from_bytes(recv_PX, bound, send_PX.shape[1:]) if self.compact_ints else recv_PX
+            dist.all_to_all_single(buffers.recv, buffers.send, group=self.ep_group)
+        return ints_from_bytes(buffers.recv, bound, send_PX.shape[1:]) if self.compact_ints else buffers.recv
 
     def _all_gather(self, x: torch.Tensor, *, bound: int | None = None) -> torch.Tensor:
         """Every data-parallel rank's ``x``, concatenated along dim 0 in rank order (no autograd);
         ``bound``: integers in ``[0, bound]``."""
-        compact = bound is not None and self.compact_ints
+        compact_bound = bound if self.compact_ints else None
         splits = [x.shape[0]] * self.dp_size
-        wire, out = self._int_buffers(x, bound if compact else None, splits, splits, self.dp_rank, self.dp_nodes)
+        buffers = self._int_buffers(x, compact_bound, splits, splits, self.dp_rank, self.dp_nodes)
         with self.timer.span("routing"):
-            all_gather_single(out, wire, group=self.dp_group)  # gloo wants the output flat along dim 0
-        return ints_from_bytes(out, bound, x.shape[1:]) if compact else out
+            all_gather_single(buffers.recv, buffers.send, group=self.dp_group)  # gloo wants the output flat on dim 0
+        return buffers.recv if compact_bound is None else ints_from_bytes(buffers.recv, compact_bound, x.shape[1:])
 
     def _int_buffers(self, x_MX: torch.Tensor, bound: int | None, output_splits: list[int], input_splits: list[int],
-                     own: int, nodes: Sequence[int] | None) -> tuple[torch.Tensor, torch.Tensor]:
+                     own: int, nodes: Sequence[int] | None) -> _Buffers:
         """Send and receive buffers of a no-autograd exchange, counted. With ``compact_ints`` (a
         dispatch_dtype under expert parallelism) integers in ``[0, bound]`` travel as the bytes
         of the smallest integer type that holds them; otherwise as they are."""
         wire_MX = ints_to_bytes(x_MX, bound) if bound is not None and self.compact_ints else x_MX.contiguous()
         self.stats.count_exchange(input_splits=input_splits, output_splits=output_splits, own=own,
                                   row_bytes=row_bytes(wire_MX), peer_nodes=nodes)
-        return wire_MX, wire_MX.new_empty(sum(output_splits), *wire_MX.shape[1:])
+        return _Buffers(send=wire_MX, recv=wire_MX.new_empty(sum(output_splits), *wire_MX.shape[1:]))
+
+
+class _Buffers(NamedTuple):
+    """Send and receive buffers of a no-autograd exchange."""
+
+    send: torch.Tensor
+    recv: torch.Tensor

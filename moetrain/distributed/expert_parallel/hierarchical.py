@@ -16,7 +16,7 @@ home rank sums the nodes. Example, P=4 on Q=2 nodes of G=2, E=8 (experts 2p, 2p+
 token of rank 0 routed to experts 4 and 6 (ranks 2 and 3, both on node 1) crosses once, to rank 2,
 which keeps it for expert 4 and forwards it to rank 3 for expert 6; flat, it would cross twice.
 
-Routing and drops are the flat dispatcher's own (``_route`` with the once-per-rank presence), so
+Routing and drops are the flat dispatcher's own (``AllToAllRouting.route``, once per rank), so
 the kept copies, and every expert input, are those of the flat exchange. Each row carries its K
 slots along, the node-local (stage 1) then rank-local (stage 2) expert of each kept copy there
 (0: none; the smallest integer type with a compressed ``dispatch_dtype``) and the K gate weights
@@ -45,8 +45,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.comm.stats import row_bytes
 from moetrain.distributed.comm.timer import timed_exchange
-from moetrain.distributed.expert_parallel.dispatcher import AllToAllDispatcher
-from moetrain.distributed.expert_parallel.index import kept_positions, to_host
+from moetrain.distributed.expert_parallel.index import to_host
+from moetrain.distributed.expert_parallel.route import AllToAllRouting, Route
 from moetrain.distributed.expert_parallel.wire import (
     exchange_rows,
     ints_from_bytes,
@@ -73,7 +73,62 @@ class _Stage:
 
 
 @dataclass
-class _HierarchicalState:
+class _Stages:
+    """Both all-to-alls of a dispatch."""
+
+    inter: _Stage
+    """Across nodes, between the ranks of one local index (a rail)."""
+    intra: _Stage
+    """Inside the node, from the relay to the ranks holding the experts."""
+    node_present_QT: torch.Tensor
+    """(destination node, token) pairs of the kept copies."""
+
+
+@dataclass
+class _Outbound:
+    """The rows that cross nodes, one per token and destination node (``dispatch_preprocess``)."""
+
+    route: Route
+    stages: _Stages
+    send_token_U: torch.Tensor
+    """Local token of each row sent across, in send order (by destination node, then token)."""
+    token_bags: TokenBags
+    """Rows sent across of each local token."""
+    x_UD: torch.Tensor
+    here_UK: torch.Tensor
+    """Kept copies of each row whose expert lives on the row's destination node."""
+    slot_UK: torch.Tensor
+    """Node-local expert of each slot there, plus one (0: none)."""
+
+
+@dataclass
+class _Forwarded:
+    """The relay's rows to forward inside the node (step 5)."""
+
+    relay_S: torch.Tensor
+    """Relayed row (of V) that each forwarded row copies, in send order (by local rank, then row)."""
+    slot_SK: torch.Tensor
+    """Rank-local expert of each slot there, plus one (0: none)."""
+    w_SK: torch.Tensor
+
+
+@dataclass
+class _InFlight:
+    """The rows and their slots and gate weights after both stages (``token_dispatch``)."""
+
+    outbound: _Outbound
+    relay_S: torch.Tensor
+    relay_bags: TokenBags
+    """Forwarded rows of each relayed row."""
+    x_RD: torch.Tensor
+    slot_RK: torch.Tensor
+    w_RK: torch.Tensor
+
+
+@dataclass
+class HierarchicalState:
+    """What ``HierarchicalDispatcher.combine`` needs."""
+
     send_token_U: torch.Tensor
     """Local token of each row sent across, in send order (by destination node, then token)."""
     token_bags: TokenBags
@@ -90,8 +145,10 @@ class _HierarchicalState:
     intra: _Stage
 
 
-class HierarchicalDispatcher(AllToAllDispatcher):
-    """The two-stage exchange (module docstring) behind the ``Dispatcher`` interface.
+class HierarchicalDispatcher(AllToAllRouting):
+    """The two-stage exchange (module docstring) behind the ``Dispatcher`` interface, in the
+    phases of ``AllToAllDispatcher`` with one more, ``plan_stages``: only ``route``,
+    ``plan_stages``, ``token_dispatch`` and ``token_combine`` communicate.
 
     ``inter_group``: this rank's peers with the same local index on the ep group's other nodes
     (``ParallelDims.ep_inter_group``); ``intra_group``: its ep group's ranks on its node
@@ -104,12 +161,10 @@ class HierarchicalDispatcher(AllToAllDispatcher):
                  intra_group: dist.ProcessGroup, ep_nodes: Sequence[int], dp_group: dist.ProcessGroup | None = None,
                  dp_nodes: Sequence[int] | None = None, dispatch_dtype: str = "none") -> None:
         # dedup: the routing step then finds each token's (destination rank) pairs, which both
-        # stages are made of.
+        # stages are made of. The routing exchanges count their inter-node bytes by the nodes.
         super().__init__(num_experts, ep_group=ep_group, dp_group=dp_group, dedup=True,
-                         dispatch_dtype=dispatch_dtype)
-        # The inherited exchanges (routing counts, capacity all-gather) count their inter-node
-        # bytes by these.
-        self.ep_nodes, self.dp_nodes = list(ep_nodes), None if dp_nodes is None else list(dp_nodes)
+                         dispatch_dtype=dispatch_dtype, ep_nodes=list(ep_nodes),
+                         dp_nodes=None if dp_nodes is None else list(dp_nodes))
         self.inter_group, self.intra_group = inter_group, intra_group
         self.num_nodes, self.node_size = dist.get_world_size(inter_group), dist.get_world_size(intra_group)
         self.node_index, self.local_index = dist.get_rank(inter_group), dist.get_rank(intra_group)
@@ -117,122 +172,144 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         assert self.num_nodes * self.node_size == self.ep_size, (self.num_nodes, self.node_size, self.ep_size)
         assert self.ep_rank == self.node_index * self.node_size + self.local_index, self.ep_rank
         G, g = self.node_size, self.local_index
-        self._inter_nodes = [self.ep_nodes[q * G + g] for q in range(self.num_nodes)]
-        self._intra_nodes = [self.ep_nodes[self.node_index * G + h] for h in range(G)]
-        assert len(set(self._inter_nodes)) == self.num_nodes and len(set(self._intra_nodes)) == 1, self.ep_nodes
+        self._inter_nodes = [ep_nodes[q * G + g] for q in range(self.num_nodes)]
+        self._intra_nodes = [ep_nodes[self.node_index * G + h] for h in range(G)]
+        assert len(set(self._inter_nodes)) == self.num_nodes and len(set(self._intra_nodes)) == 1, ep_nodes
 
-    # ----- dispatch and combine ------------------------------------------------------------------
+    # ----- the Dispatcher interface ----------------------------------------------------------------
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
+                 capacity_factor: float | Fraction | None = None,
+                 drop_policy: str = "position") -> DispatchResult[HierarchicalState]:
         """As ``AllToAllDispatcher.dispatch`` (the same copies kept and grouped by local expert),
         through the two stages."""
-        return self._launch(x_TD, idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)()
+        # 1.-2. Count, exchange counts (or decide the global drops), one host sync.
+        route = self.route(x_TD, idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)
+        # 3. Both stages' splits; 4.-5. the rows through them; 6. fanned out to the experts.
+        outbound = self.dispatch_preprocess(x_TD, idx_TK, route, self.plan_stages(route))
+        return self.dispatch_postprocess(self.token_dispatch(outbound, weights_TK))
+
+    def combine(self, y_MD: torch.Tensor, state: HierarchicalState) -> torch.Tensor:
+        """7. Each row's weighted sum on this rank; 8.-9. back through both stages, summed."""
+        return self.combine_postprocess(self.token_combine(self.combine_preprocess(y_MD, state), state), state)
 
     def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn, *,
                     capacity_factor: float | Fraction | None = None, drop_policy: str = "position",
                     in_flight: Callable[[], torch.Tensor] | None = None) -> RoutedOutput:
         """Dispatch, ``experts``, combine; ``in_flight()`` runs while the rows travel inside the
         node (with ``dispatch_dtype`` "none", whose exchanges are waited for when read)."""
-        receive = self._launch(x_TD, idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)
+        route = self.route(x_TD, idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)
+        outbound = self.dispatch_preprocess(x_TD, idx_TK, route, self.plan_stages(route))
+        flight = self.token_dispatch(outbound, weights_TK)
         overlapped = in_flight() if in_flight is not None else None
-        d = receive()
+        d = self.dispatch_postprocess(flight)
         out_TD = self.combine(experts(d.x_MD, d.num_tokens_per_expert), d.state)
         return RoutedOutput(out_TD=out_TD, overlapped=overlapped, num_routed_per_expert=d.num_routed_per_expert,
                             num_dropped=d.num_dropped, token_idx_M=d.token_idx_M,
                             num_token_rank_sends=d.num_token_rank_sends)
 
-    def _launch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                capacity_factor: float | Fraction | None,
-                drop_policy: str) -> Callable[[], DispatchResult]:
-        """Steps 1-5 (the rows leave for the experts' ranks); returns step 6, which reads them."""
+    # ----- steps 3-6: the way there --------------------------------------------------------------
+
+    def dispatch_preprocess(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, route: Route,
+                            stages: _Stages) -> _Outbound:
+        """3. The rows of each destination node, and the node-local slots of the copies kept there.
+        No communication here."""
         num_tokens, top_k = idx_TK.shape
-        # 1.-2. Count, exchange counts or decide the global drops (the flat dispatcher's step).
-        route = self._route(idx_TK, weights_TK, capacity_factor=capacity_factor, drop_policy=drop_policy)
-        self._count_minimum(route, dim=x_TD.shape[1], element_bytes=x_TD.element_size())
-        order_M = route.order_N
-        if capacity_factor is not None:
-            order_M = order_M.index_select(0, kept_positions(route.num_routed_E, route.num_send_E,
-                                                              sum(route.send_splits)))
         keep_TK = torch.zeros(num_tokens * top_k, dtype=torch.bool, device=idx_TK.device)
-        keep_TK = keep_TK.index_fill_(0, order_M, True).view(num_tokens, top_k)
-        # 3. The rows of each destination node, and every split of both stages (host sync).
-        present_QGT = route.present_PT.view(self.num_nodes, self.node_size, num_tokens)
-        node_present_QT = present_QGT.any(dim=1)
-        inter, intra = self._stages(node_present_QT, present_QGT, route.recv_rows, bound=num_tokens)
-        # 4. Across nodes: each token once per destination node (uncompressed rows leave first),
-        #    with its slots and gate weights there.
-        send_QT = torch.nonzero_static(node_present_QT.reshape(-1), size=sum(inter.send)).squeeze(1)
+        keep_TK = keep_TK.index_fill_(0, route.order_M, True).view(num_tokens, top_k)
+        send_QT = torch.nonzero_static(stages.node_present_QT.reshape(-1), size=sum(stages.inter.send)).squeeze(1)
         send_token_U, dest_node_U = send_QT % num_tokens, torch.div(send_QT, num_tokens, rounding_mode="floor")
         token_bags = bags_by_index(send_token_U, num_tokens)
         x_UD = gather_rows(x_TD, send_token_U, token_bags)
-        x_VD = self._stage_rows(x_UD, inter, payload="dispatch") if self.dispatch_dtype == "none" else None
         node_experts = self.node_size * self.num_local_experts
         idx_UK = idx_TK.index_select(0, send_token_U)
         here_UK = keep_TK.index_select(0, send_token_U) & (
             torch.div(idx_UK, node_experts, rounding_mode="floor") == dest_node_U.unsqueeze(1))
         slot_UK = torch.where(here_UK, idx_UK - dest_node_U.unsqueeze(1) * node_experts + 1, 0)
-        slot_VK = self._stage_ints(slot_UK, inter, bound=node_experts)
-        w_VK = self._stage_weights(weights_TK.index_select(0, send_token_U) * here_UK, inter)
-        # 5. Inside the node: each relayed row once to every rank holding one of its experts.
-        relay_S, slot_SK, w_SK = self._forward_rows(slot_VK, w_VK, num_forward=sum(intra.send))
-        slot_RK = self._stage_ints(slot_SK, intra, bound=self.num_local_experts)
-        w_RK = self._stage_weights(w_SK, intra)
-        relay_bags = bags_by_index(relay_S, slot_VK.shape[0])
+        return _Outbound(route, stages, send_token_U, token_bags, x_UD, here_UK, slot_UK)
+
+    def token_dispatch(self, outbound: _Outbound, weights_TK: torch.Tensor) -> _InFlight:
+        """4. Across nodes: each token once per destination node (uncompressed rows leave first),
+        with its slots and gate weights there; 5. inside the node: each relayed row once to every
+        rank holding one of its experts."""
+        inter, intra = outbound.stages.inter, outbound.stages.intra
+        x_VD = self._stage_rows(outbound.x_UD, inter, payload="dispatch") if self.dispatch_dtype == "none" else None
+        slot_VK = self._stage_ints(outbound.slot_UK, inter, bound=self.node_size * self.num_local_experts)
+        w_VK = self._stage_weights(weights_TK.index_select(0, outbound.send_token_U) * outbound.here_UK, inter)
+        forwarded = self._forward_rows(slot_VK, w_VK, num_forward=sum(intra.send))
+        slot_RK = self._stage_ints(forwarded.slot_SK, intra, bound=self.num_local_experts)
+        w_RK = self._stage_weights(forwarded.w_SK, intra)
+        relay_bags = bags_by_index(forwarded.relay_S, slot_VK.shape[0])
         if x_VD is not None:
-            x_RD = self._stage_rows(gather_rows(x_VD, relay_S, relay_bags), intra, payload="dispatch")
+            x_RD = self._stage_rows(gather_rows(x_VD, forwarded.relay_S, relay_bags), intra, payload="dispatch")
         else:
-            x_RD = self._relay_compressed(x_UD, relay_S, inter, intra)
+            x_RD = self._relay_compressed(outbound.x_UD, forwarded.relay_S, inter, intra)
+        return _InFlight(outbound, forwarded.relay_S, relay_bags, x_RD, slot_RK, w_RK)
 
-        def receive() -> DispatchResult:
-            # 6. Fan each row out to its experts: copies grouped by local expert (stable: row order).
-            slot_C = slot_RK.reshape(-1)
-            expert_C = torch.where(slot_C > 0, slot_C - 1, self.num_local_experts)
-            copy_M = torch.sort(expert_C, stable=True).indices[:sum(route.recv_splits)]
-            row_M = torch.div(copy_M, top_k, rounding_mode="floor")
-            row_bags = bags_by_index(row_M, slot_RK.shape[0])
-            state = _HierarchicalState(send_token_U, token_bags, relay_S, relay_bags, row_M,
-                                       w_RK.reshape(-1).index_select(0, copy_M), row_bags, inter, intra)
-            return DispatchResult(
-                x_MD=gather_rows(x_RD, row_M, row_bags), num_tokens_per_expert=route.num_recv_PL.sum(dim=0),
-                num_routed_per_expert=route.num_routed_E, num_dropped=(route.num_routed_E - route.num_send_E).sum(),
-                token_idx_M=torch.div(order_M, top_k, rounding_mode="floor"), state=state,
-                num_token_rank_sends=self._token_rank_sends(idx_TK))
+    def dispatch_postprocess(self, flight: _InFlight) -> DispatchResult[HierarchicalState]:
+        """6. Fan each row out to its experts: copies grouped by local expert (stable: row order).
+        No communication here."""
+        route, outbound, top_k = flight.outbound.route, flight.outbound, flight.slot_RK.shape[1]
+        slot_C = flight.slot_RK.reshape(-1)
+        expert_C = torch.where(slot_C > 0, slot_C - 1, self.num_local_experts)
+        copy_M = torch.sort(expert_C, stable=True).indices[:sum(route.recv_splits)]
+        row_M = torch.div(copy_M, top_k, rounding_mode="floor")
+        row_bags = bags_by_index(row_M, flight.slot_RK.shape[0])
+        state = HierarchicalState(outbound.send_token_U, outbound.token_bags, flight.relay_S, flight.relay_bags, row_M,
+                                  flight.w_RK.reshape(-1).index_select(0, copy_M), row_bags, outbound.stages.inter,
+                                  outbound.stages.intra)
+        return DispatchResult(
+            x_MD=gather_rows(flight.x_RD, row_M, row_bags), num_tokens_per_expert=route.num_recv_PL.sum(dim=0),
+            num_routed_per_expert=route.num_routed_E, num_dropped=route.num_dropped,
+            token_idx_M=torch.div(route.order_M, top_k, rounding_mode="floor"), state=state,
+            num_token_rank_sends=route.num_token_rank_sends)
 
-        return receive
+    # ----- steps 7-9: the way home ---------------------------------------------------------------
 
-    def combine(self, y_MD: torch.Tensor, state: _HierarchicalState) -> torch.Tensor:
-        # 7. Each received row: the weighted sum of its experts' outputs on this rank.
-        y_RD = weighted_scatter(y_MD, state.weights_M, state.row_M, state.row_bags.num_bags, state.row_bags)
-        # 8. Back to the relay, which sums its node's partial outputs: one row per token and node.
+    def combine_preprocess(self, y_MD: torch.Tensor, state: HierarchicalState) -> torch.Tensor:
+        """7. Each received row: the weighted sum of its experts' outputs on this rank. No
+        communication here."""
+        return weighted_scatter(y_MD, state.weights_M, state.row_M, state.row_bags.num_bags, state.row_bags)
+
+    def token_combine(self, y_RD: torch.Tensor, state: HierarchicalState) -> torch.Tensor:
+        """8. Back to the relay, which sums its node's partial outputs: one row per token and node;
+        9. back across."""
         y_SD = self._stage_rows(y_RD, state.intra, reverse=True, payload="combine")
         y_VD = sum_rows(y_SD, state.relay_S, state.relay_bags)
-        # 9. Back across, and the home rank sums its token's nodes.
-        y_UD = self._stage_rows(y_VD, state.inter, reverse=True, payload="combine")
+        return self._stage_rows(y_VD, state.inter, reverse=True, payload="combine")
+
+    def combine_postprocess(self, y_UD: torch.Tensor, state: HierarchicalState) -> torch.Tensor:
+        """The home rank sums its token's nodes. No communication here."""
         return sum_rows(y_UD, state.send_token_U, state.token_bags)
 
     # ----- steps 3 and 5: splits and the relay's forwarding --------------------------------------
 
-    def _stages(self, node_present_QT: torch.Tensor, present_QGT: torch.Tensor, recv_rows: list[int], *,
-                bound: int) -> tuple[_Stage, _Stage]:
-        """Splits of both stages. Each rank tells its rail peer on node q how many rows it sends
-        there and how many of them go to each rank of q; the relay's forward counts are the sums of
-        those. A rank receives, from the relay of local index h, the rows that the ranks of local
-        index h send it once per rank (the routing step's ``recv_rows``)."""
-        Q, G = self.num_nodes, self.node_size
+    def plan_stages(self, route: Route) -> _Stages:
+        """3. The splits of both stages; communicates (one host sync). Each rank tells its rail peer
+        on node q how many rows it sends there and how many of them go to each rank of q; the
+        relay's forward counts are the sums of those. A rank receives, from the relay of local
+        index h, the rows that the ranks of local index h send it once per rank (the routing step's
+        ``recv_rows``)."""
+        assert route.unique is not None, "the hierarchical route is once per rank"
+        Q, G, recv_rows = self.num_nodes, self.node_size, route.unique.recv_rows
+        present_QGT = route.unique.present_PT.view(Q, G, route.num_tokens)
+        node_present_QT = present_QGT.any(dim=1)
         counts_QX = torch.cat([node_present_QT.sum(dim=1, keepdim=True), present_QGT.sum(dim=2)], dim=1)
         ones = [1] * Q
         peer_counts_QX = self._stage_ints(counts_QX, _Stage(self.inter_group, self.node_index, self._inter_nodes,
-                                                               ones, ones), bound=bound)
-        send_inter, recv_inter, forward_G = to_host(counts_QX[:, 0], peer_counts_QX[:, 0],
-                                                    peer_counts_QX[:, 1:].sum(dim=0))
+                                                               ones, ones), bound=route.num_tokens)
+        host = to_host(send_inter=counts_QX[:, 0], recv_inter=peer_counts_QX[:, 0],
+                       forward_G=peer_counts_QX[:, 1:].sum(dim=0))
         recv_intra = [sum(recv_rows[q * G + h] for q in range(Q)) for h in range(G)]
-        return (_Stage(self.inter_group, self.node_index, self._inter_nodes, send_inter, recv_inter),
-                _Stage(self.intra_group, self.local_index, self._intra_nodes, forward_G, recv_intra))
+        return _Stages(_Stage(self.inter_group, self.node_index, self._inter_nodes, host["send_inter"],
+                              host["recv_inter"]),
+                       _Stage(self.intra_group, self.local_index, self._intra_nodes, host["forward_G"], recv_intra),
+                       node_present_QT)
 
-    def _forward_rows(self, slot_VK: torch.Tensor, w_VK: torch.Tensor, *, num_forward: int):
+    def _forward_rows(self, slot_VK: torch.Tensor, w_VK: torch.Tensor, *, num_forward: int) -> _Forwarded:
         """For the V relayed rows (node-local slots): the row each forwarded row copies, grouped by
-        destination local rank, and its slots and weights there (rank-local; 0 and 0 elsewhere)."""
+        destination local rank, and its slots and weights there (rank-local; 0 and 0 elsewhere).
+        No communication here."""
         V, L, G = slot_VK.shape[0], self.num_local_experts, self.node_size
         rank_VK = torch.where(slot_VK > 0, torch.div(slot_VK - 1, L, rounding_mode="floor"), G)
         hit_VG = torch.zeros(V, G + 1, dtype=torch.bool, device=slot_VK.device).scatter_(1, rank_VK, True)[:, :G]
@@ -240,7 +317,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         relay_S, dest_S = forward_GV % V, torch.div(forward_GV, V, rounding_mode="floor")
         local_SK = slot_VK.index_select(0, relay_S) - 1 - dest_S.unsqueeze(1) * L
         here_SK = (local_SK >= 0) & (local_SK < L)
-        return relay_S, torch.where(here_SK, local_SK + 1, 0), w_VK.index_select(0, relay_S) * here_SK
+        return _Forwarded(relay_S, torch.where(here_SK, local_SK + 1, 0), w_VK.index_select(0, relay_S) * here_SK)
 
     # ----- communication: counted here, inter-node bytes by the node of each peer ---------------------
 
@@ -250,7 +327,7 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         it got without decoding them."""
         wire_row = wire_row_bytes(x_UD.shape[1], self.dispatch_dtype)
         for stage in (inter, intra):
-            self._count(stage, rows=(stage.send, stage.recv), row_bytes=wire_row, dim=x_UD.shape[1])
+            self._count_stage(stage, send=stage.send, recv=stage.recv, row_bytes=wire_row, dim=x_UD.shape[1])
         return timed_exchange(lambda x: _RelayedRows.apply(x, self.dispatch_dtype, relay_S, inter, intra), x_UD,
                               self.timer, kind="dispatch")
 
@@ -261,8 +338,9 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         compressed = self.dispatch_dtype != "none"
         assert payload == "combine" or not compressed, payload  # compressed dispatch rows: _RelayedRows
         dim = x_MD.shape[1]
-        self._count(stage, rows=(send, recv), row_bytes=wire_row_bytes(dim, "bf16") if compressed else row_bytes(x_MD),
-                    dim=dim if payload == "dispatch" else None, combine=payload == "combine")
+        self._count_stage(stage, send=send, recv=recv,
+                          row_bytes=wire_row_bytes(dim, "bf16") if compressed else row_bytes(x_MD),
+                          dim=dim if payload == "dispatch" else None, combine=payload == "combine")
         if compressed:
             return timed_exchange(lambda x: exchange_rows(x, wire="bf16", output_splits=recv, input_splits=send,
                                                           group=stage.group), x_MD, self.timer, kind=payload)
@@ -271,7 +349,8 @@ class HierarchicalDispatcher(AllToAllDispatcher):
 
     def _stage_weights(self, w_MK: torch.Tensor, stage: _Stage) -> torch.Tensor:
         """Gate weights (fp32 both ways, like the router's scores; autograd) over one stage."""
-        self._count(stage, rows=(stage.send, stage.recv), row_bytes=row_bytes(w_MK))
+        self._count_stage(stage, send=stage.send, recv=stage.recv, row_bytes=row_bytes(w_MK))
+
         def exchange(w_MK: torch.Tensor) -> torch.Tensor:
             return all_to_all_single_autograd(w_MK.contiguous(), stage.recv, stage.send, stage.group)
 
@@ -281,16 +360,16 @@ class HierarchicalDispatcher(AllToAllDispatcher):
         """Integers in ``[0, bound]`` over one stage (no autograd): with a compressed
         dispatch_dtype in the smallest integer type holding them, as the flat exchange does."""
         wire_MX = ints_to_bytes(x_MX, bound) if self.compact_ints else x_MX.contiguous()
-        self._count(stage, rows=(stage.send, stage.recv), row_bytes=row_bytes(wire_MX))
+        self._count_stage(stage, send=stage.send, recv=stage.recv, row_bytes=row_bytes(wire_MX))
         out_RX = wire_MX.new_empty(sum(stage.recv), *wire_MX.shape[1:])
         with self.timer.span("routing"):
             dist.all_to_all_single(out_RX, wire_MX, output_split_sizes=stage.recv, input_split_sizes=stage.send,
                                    group=stage.group)
         return ints_from_bytes(out_RX, bound, x_MX.shape[1:]) if self.compact_ints else out_RX
 
-    def _count(self, stage: _Stage, *, rows: tuple[list[int], list[int]], row_bytes: int,
-               dim: int | None = None, combine: bool = False) -> None:
-        self.stats.count_exchange(input_splits=rows[0], output_splits=rows[1], own=stage.own, row_bytes=row_bytes,
+    def _count_stage(self, stage: _Stage, *, send: list[int], recv: list[int], row_bytes: int,
+                     dim: int | None = None, combine: bool = False) -> None:
+        self.stats.count_exchange(input_splits=send, output_splits=recv, own=stage.own, row_bytes=row_bytes,
                                   dispatch_row_elements=dim, peer_nodes=stage.nodes, combine=combine)
 
 
@@ -314,7 +393,7 @@ class _RelayedRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_UD, wire, relay_S, inter, intra):
         ctx.save_for_backward(relay_S)
-        ctx.stages, ctx.dtype, ctx.num_relayed = (inter, intra), x_UD.dtype, sum(inter.recv)
+        ctx.inter, ctx.intra, ctx.dtype, ctx.num_relayed = inter, intra, x_UD.dtype, sum(inter.recv)
         wire_UX = pack_e4m3(x_UD) if wire == "fp8_e4m3" else x_UD.to(torch.bfloat16).contiguous()
         wire_VX = _all_to_all(wire_UX, inter)
         wire_RX = _all_to_all(wire_VX.index_select(0, relay_S), intra)
@@ -323,7 +402,7 @@ class _RelayedRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_RD):
         (relay_S,) = ctx.saved_tensors
-        inter, intra = ctx.stages
+        inter, intra = ctx.inter, ctx.intra
         grad_SD = _all_to_all(grad_RD.to(torch.bfloat16), intra, reverse=True)
         grad_VD = grad_SD.new_zeros(ctx.num_relayed, grad_SD.shape[1], dtype=ctx.dtype)
         grad_VD.index_add_(0, relay_S, grad_SD.to(ctx.dtype))

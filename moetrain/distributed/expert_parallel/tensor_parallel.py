@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from fractions import Fraction
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
     """A ``Dispatcher`` whose experts hold 1/etp of the hidden dim: gathers the etp group's routed
     tokens around ``inner`` (the dispatcher of this etp index's ep group). See the module docstring."""
 
-    def __init__(self, inner: Dispatcher, *, num_experts: int, group: dist.ProcessGroup, size: int,
+    def __init__(self, inner: Dispatcher[Any], *, num_experts: int, group: dist.ProcessGroup, size: int,
                  equal_counts: bool = False) -> None:
         self.inner, self.num_experts, self.group, self.size = inner, num_experts, group, size
         self.equal_counts = equal_counts
@@ -82,10 +83,11 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
                               t.contiguous(), self.timer, kind="etp_gather")
 
     def _gather_routing(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor,
-                        capacity_factor: float | Fraction | None):
-        """The group's tokens, chosen experts and gate weights, rank by rank, and the ``_Rows`` that
-        take the combined output back. The ranks may hold different token counts (a classifier's
-        real tokens): each pads to the largest, and the padding rows are dropped after the gather."""
+                        capacity_factor: float | Fraction | None) -> _GatheredRouting:
+        """The group's tokens, chosen experts and gate weights, rank by rank, and the ``GatheredRows``
+        that take the combined output back. The ranks may hold different token counts (a
+        classifier's real tokens): each pads to the largest, and the padding rows are dropped after
+        the gather."""
         if capacity_factor is not None:
             raise ValueError(f"moe.capacity_factor ({capacity_factor}) must be null with parallel.etp ({self.size}) "
                              "> 1: expert tensor parallelism is dropless")
@@ -94,10 +96,10 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
             counts = [T] * self.size
         else:
             with self.timer.span("etp_gather"):
-                counts = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0,
-                                                  group=self.group)
-                counts = counts.tolist()  # host sync: the counts size the gathered rows
-        rows = _Rows(T, max(counts), None)
+                counts_G = funcol.all_gather_single(torch.tensor([T], device=x_TD.device), gather_dim=0,
+                                                    group=self.group)
+                counts = counts_G.tolist()  # host sync: the counts size the gathered rows
+        rows = GatheredRows(T, max(counts), None)
         chunk = rows.padded * (row_bytes(x_TD) + row_bytes(idx_TK) + row_bytes(weights_TK))
         counts_bytes = 0 if self.equal_counts else 8
         self.stats.count_group_collective(chunk_bytes=chunk + counts_bytes, group_size=self.size)
@@ -111,9 +113,9 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
             idx_GK = waited(funcol.all_gather_single(idx_TK.contiguous(), gather_dim=0, group=self.group))
         if rows.kept is not None:
             x_GD, idx_GK, weights_GK = (t.index_select(0, rows.kept) for t in (x_GD, idx_GK, weights_GK))
-        return (x_GD, idx_GK, weights_GK), rows
+        return _GatheredRouting(x_GD, idx_GK, weights_GK, rows)
 
-    def _scatter(self, out_GD: torch.Tensor, rows: _Rows) -> torch.Tensor:
+    def _scatter(self, out_GD: torch.Tensor, rows: GatheredRows) -> torch.Tensor:
         """The partial outputs summed over the group; this rank's own tokens."""
         if rows.kept is not None:
             out_GD = out_GD.new_zeros(self.size * rows.padded, out_GD.shape[1]).index_copy(0, rows.kept, out_GD)
@@ -127,29 +129,33 @@ class ExpertTensorParallelDispatcher(CountedExchanges):
         return count_per_expert(idx_TK.reshape(-1), self.num_experts)
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
+                 capacity_factor: float | Fraction | None = None,
+                 drop_policy: str = "position") -> DispatchResult[EtpState]:
         """The inner dispatch of the etp group's gathered tokens (``x_MD`` holds copies of all of them)."""
-        gathered, rows = self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor)
-        d = self.inner.dispatch(*gathered, drop_policy=drop_policy)
-        return dataclasses.replace(d, num_routed_per_expert=self._own_counts(idx_TK), state=(d.state, rows))
+        g = self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor)
+        d = self.inner.dispatch(g.x_GD, g.idx_GK, g.weights_GK, drop_policy=drop_policy)
+        return DispatchResult(x_MD=d.x_MD, num_tokens_per_expert=d.num_tokens_per_expert,
+                              num_routed_per_expert=self._own_counts(idx_TK), num_dropped=d.num_dropped,
+                              token_idx_M=d.token_idx_M, state=EtpState(d.state, g.rows),
+                              num_token_rank_sends=d.num_token_rank_sends)
 
-    def combine(self, y_MD: torch.Tensor, state: object) -> torch.Tensor:
+    def combine(self, y_MD: torch.Tensor, state: EtpState) -> torch.Tensor:
         """The inner combine, then the partial outputs summed over the group, this rank's tokens kept."""
-        inner_state, rows = state
-        return self._scatter(self.inner.combine(y_MD, inner_state), rows)
+        return self._scatter(self.inner.combine(y_MD, state.inner), state.rows)
 
     def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn, *,
                     capacity_factor: float | Fraction | None = None, drop_policy: str = "position",
                     in_flight: Callable[[], torch.Tensor] | None = None) -> RoutedOutput:
-        gathered, rows = self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor)
-        routed = self.inner.run_experts(*gathered, experts, drop_policy=drop_policy, in_flight=in_flight)
-        return dataclasses.replace(routed, out_TD=self._scatter(routed.out_TD, rows),
+        g = self._gather_routing(x_TD, idx_TK, weights_TK, capacity_factor)
+        routed = self.inner.run_experts(g.x_GD, g.idx_GK, g.weights_GK, experts, drop_policy=drop_policy,
+                                        in_flight=in_flight)
+        return dataclasses.replace(routed, out_TD=self._scatter(routed.out_TD, g.rows),
                                    num_routed_per_expert=self._own_counts(idx_TK),
                                    num_dropped=torch.zeros((), dtype=torch.int64, device=x_TD.device))
 
 
 @dataclasses.dataclass
-class _Rows:
+class GatheredRows:
     """Where this rank's tokens sit among the gathered rows."""
 
     num_local: int
@@ -157,6 +163,25 @@ class _Rows:
     """Rows each rank contributes to the gather (the group's largest token count)."""
     kept: torch.Tensor | None
     """With unequal counts, the gathered rows that are tokens (not padding); None when all are."""
+
+
+@dataclasses.dataclass
+class _GatheredRouting:
+    """The etp group's routed tokens, rank by rank (``G = etp * T`` rows)."""
+
+    x_GD: torch.Tensor
+    idx_GK: torch.Tensor
+    weights_GK: torch.Tensor
+    rows: GatheredRows
+
+
+@dataclasses.dataclass
+class EtpState:
+    """What ``ExpertTensorParallelDispatcher.combine`` needs."""
+
+    inner: object
+    """The inner dispatcher's state."""
+    rows: GatheredRows
 
 
 def shard_experts_2d(experts: GroupedExperts, dims: ParallelDims) -> None:

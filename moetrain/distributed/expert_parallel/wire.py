@@ -105,16 +105,16 @@ class _CompressedAllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x_MD, wire, output_splits, input_splits, group):
-        ctx.splits, ctx.group, ctx.dtype = (output_splits, input_splits), group, x_MD.dtype
+        ctx.output_splits, ctx.input_splits = output_splits, input_splits
+        ctx.group, ctx.dtype = group, x_MD.dtype
         # 1. Encode (cast, or quantise and pack the scales), 2. exchange, 3. decode.
         recv_RX = _all_to_all(_encode(x_MD, wire), output_splits, input_splits, group)
         return _decode(recv_RX, wire, x_MD.shape[1], x_MD.dtype)
 
     @staticmethod
     def backward(ctx, grad_RD):
-        output_splits, input_splits = ctx.splits
         # Straight-through: the gradient of the decoded rows goes back as that of the sent ones.
-        grad_MD = _all_to_all(grad_RD.to(torch.bfloat16), input_splits, output_splits, ctx.group)
+        grad_MD = _all_to_all(grad_RD.to(torch.bfloat16), ctx.input_splits, ctx.output_splits, ctx.group)
         return grad_MD.to(ctx.dtype), None, None, None, None
 
 

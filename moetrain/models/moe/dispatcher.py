@@ -2,8 +2,9 @@
 
 Every dispatcher has the same calls (the ``Dispatcher`` protocol), so the MoE layer never knows
 where its experts live: ``dispatch(x_TD, idx_TK, weights_TK, capacity_factor=...)`` returns the
-token copies grouped by local expert, and ``combine(y_MD, state)`` returns the weighted sum of
-each token's K expert outputs. ``run_experts`` does both around the layer's experts and takes an
+token copies grouped by local expert with the ``state`` their combine needs (a record of the
+dispatcher's own, the type parameter of ``Dispatcher``), and ``combine(y_MD, state)`` returns the
+weighted sum of each token's K expert outputs. ``run_experts`` does both around the layer's experts and takes an
 ``in_flight`` callable, work that does not need the routed rows (the shared experts): a
 dispatcher that communicates runs it while the rows travel, and may pipeline the experts against
 its exchanges; the local one simply calls it. Each dispatcher turns the capacity factor into a
@@ -21,7 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -66,8 +67,14 @@ def capacity_keep_mask(sorted_expert_N: torch.Tensor, num_routed_E: torch.Tensor
     return rank_in_expert_N < capacity
 
 
+StateT = TypeVar("StateT")
+"""The record a dispatcher's ``combine`` needs from its ``dispatch``."""
+
+
 @dataclass
-class DispatchResult:
+class DispatchResult(Generic[StateT]):
+    """What ``Dispatcher.dispatch`` returns."""
+
     x_MD: torch.Tensor
     """Token copies grouped by local expert (expert 0 first)."""
     num_tokens_per_expert: torch.Tensor
@@ -78,8 +85,8 @@ class DispatchResult:
     """Copies dropped by capacity (0-dim int64 tensor; no host sync)."""
     token_idx_M: torch.Tensor
     """Local token of each copy this process kept (and sent), in send order."""
-    state: object
-    """Opaque state that ``combine`` needs."""
+    state: StateT
+    """What ``combine`` needs (the dispatcher's own record)."""
     num_token_rank_sends: torch.Tensor | None = None
     """Under expert parallelism: (token, other ep rank) pairs among this rank's routed copies,
     before capacity drops (0-dim int64). A dispatcher that sent each token once per destination
@@ -108,17 +115,18 @@ class RoutedOutput:
     """As ``DispatchResult.num_token_rank_sends``."""
 
 
-class Dispatcher(Protocol):
+class Dispatcher(Protocol[StateT]):
     """What the MoE layer calls; ``LocalDispatcher`` and the expert-parallel ``AllToAllDispatcher``."""
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
+                 capacity_factor: float | Fraction | None = None,
+                 drop_policy: str = "position") -> DispatchResult[StateT]:
         """Group the routed copies by local expert. ``capacity_factor`` None is dropless; otherwise
         each expert keeps ``expert_capacity(batch, ...)`` copies of the batch the dispatcher
         decides drops for, chosen by ``drop_policy`` ("position" or "score")."""
         ...
 
-    def combine(self, y_MD: torch.Tensor, state: object) -> torch.Tensor:
+    def combine(self, y_MD: torch.Tensor, state: StateT) -> torch.Tensor:
         """``out[t]`` = the weighted sum of token t's kept expert outputs (zero if all dropped)."""
         ...
 
@@ -131,7 +139,9 @@ class Dispatcher(Protocol):
 
 
 @dataclass
-class _LocalState:
+class LocalState:
+    """What ``LocalDispatcher.combine`` needs: each kept copy's token and gate weight."""
+
     token_idx_M: torch.Tensor
     weights_M: torch.Tensor
     num_tokens: int
@@ -145,7 +155,8 @@ class LocalDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, *,
-                 capacity_factor: float | Fraction | None = None, drop_policy: str = "position") -> DispatchResult:
+                 capacity_factor: float | Fraction | None = None,
+                 drop_policy: str = "position") -> DispatchResult[LocalState]:
         """Capacity (with a factor): ``expert_capacity(T, ...)`` over this process's T tokens."""
         num_tokens, top_k = idx_TK.shape
         capacity = None if capacity_factor is None else expert_capacity(
@@ -170,9 +181,9 @@ class LocalDispatcher:
         return DispatchResult(x_MD=x_MD, num_tokens_per_expert=num_kept_E,
                               num_routed_per_expert=num_routed_E, num_dropped=num_dropped,
                               token_idx_M=token_idx_M,
-                              state=_LocalState(token_idx_M, weights_M, num_tokens, bags))
+                              state=LocalState(token_idx_M, weights_M, num_tokens, bags))
 
-    def combine(self, y_MD: torch.Tensor, state: _LocalState) -> torch.Tensor:
+    def combine(self, y_MD: torch.Tensor, state: LocalState) -> torch.Tensor:
         return weighted_scatter(y_MD, state.weights_M, state.token_idx_M, state.num_tokens, state.bags)
 
     def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn, *,
