@@ -1,11 +1,14 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 # Both bootstrap .venv: torch first (the pinned CPU wheel; a bare `torch` requirement
 # would pull a multi-GB CUDA build), then the package with its dev extra.
+#   make test-fast   unit tests only (tests/conftest.py marks tests/distributed and tests/integration slow)
+#   make test        lint, then the whole suite (CI); the cuda tests are deselected without a GPU
+#   make test-gpu    the cuda tests (tests/gpu) on a machine with CUDA; benchmarks/gpu.sh runs them first
 PY      := .venv/bin/python
 STAMP   := .venv/.moetrain-installed
 TORCH   ?= torch==2.13.0
 
-.PHONY: demo test venv bench clean
+.PHONY: demo test test-fast test-gpu lint venv bench clean
 
 venv: $(STAMP)
 
@@ -19,8 +22,18 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m moetrain.cli demo
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(PY) -m ruff check moetrain tests benchmarks
+	$(PY) -m mypy moetrain
+
+test: lint
 	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not cuda" tests
+
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q -m cuda tests/gpu
 
 bench: $(STAMP)
 	$(PY) benchmarks/moe_layer.py

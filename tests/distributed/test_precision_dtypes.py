@@ -16,14 +16,13 @@ And the byte counters: one MoE layer under bf16 moves half the token-row bytes o
 """
 
 import pytest
-import torch
 
+from tests.distributed.workers.dtype_probe import check_recorded_dtypes
 from tests.distributed.workers.zero_parity import Run
 from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-_COMPUTE = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 _SHARED = {"num_shared_experts": 1}
 
 
@@ -60,46 +59,12 @@ def recorded():
     return runs, run_ranks(_dtype_worker, 2, runs, timeout_s=200)
 
 
-def _leaks(seen, where: str, expected: torch.dtype) -> list:
-    return [s for s in seen if s.where == where and any(d.is_floating_point and d != expected for d in s.dtypes)]
-
-
-def _check_run(run: Run, res: dict, rank: int) -> None:
-    compute = _COMPUTE[run.dtype]
-    seen = res["seen"]
-    tag = f"[{run.name}] rank {rank}"
-    # Token rows: 2-D floating payloads. Gate weights (1-D, dedup only) keep the router's fp32.
-    rows = [s for s in seen if s.where == "payload" and len(s.shapes[0]) == 2 and s.dtypes[0].is_floating_point]
-    assert {s.backward for s in rows} == {False, True}, f"{tag}: token all-to-alls seen {rows}"
-    leaks = [s for s in rows if s.dtypes[0] != compute]
-    assert not leaks, f"{tag}: token rows sent in the wrong dtype: {leaks}"
-    gates = [s for s in seen if s.where == "payload" and len(s.shapes[0]) == 1 and s.dtypes[0].is_floating_point]
-    assert all(s.dtypes[0] == torch.float32 for s in gates), f"{tag}: gate weights not fp32: {gates}"
-    assert bool(gates) == run.moe.get("dispatch_dedup", False), f"{tag}: gate-weight exchanges {gates}"
-    for where, expected in (("gemm", compute), ("shared", compute), ("router", torch.float32),
-                            ("router_weight", torch.float32), ("router_logits", torch.float32)):
-        assert any(s.where == where for s in seen), f"{tag}: no {where} op recorded"
-        leaks = _leaks(seen, where, expected)
-        assert not leaks, f"{tag}: {where} not in {expected}: {leaks[:4]}"
-    grouped = run.moe.get("expert_impl", "grouped") == "grouped"
-    assert any(s.op == "_grouped_mm" for s in seen) == grouped, f"{tag}: grouped path used: {not grouped}"
-    # Backward GEMMs are recorded for the grouped path (its op is seen wherever it runs); the
-    # loop's backward matmuls have no module scope to tell them from the attention's.
-    gemm_phases = {s.backward for s in seen if s.where == "gemm"}
-    assert gemm_phases == ({False, True} if grouped else {False}), f"{tag}: expert GEMM phases {gemm_phases}"
-    for what in ("params", "grads"):
-        wrong = {n: d for n, d in res[what].items() if d != torch.float32}
-        assert not wrong, f"{tag}: {what} not fp32: {wrong}"
-    assert set(res["grads"]) == set(res["params"]), f"{tag}: parameters without a gradient"
-    assert res["optimizer_states"] == {torch.float32}, f"{tag}: optimizer states {res['optimizer_states']}"
-
-
 @pytest.mark.parametrize("name", [r.name for r in _runs()])
 def test_compute_dtype_reaches_experts_and_wire(recorded, name):
     runs, results = recorded
     run = next(r for r in runs if r.name == name)
     for rank, res in enumerate(results):
-        _check_run(run, res[name], rank)
+        check_recorded_dtypes(run, res[name], f"[{run.name}] rank {rank}")
 
 
 def test_bf16_halves_token_bytes():

@@ -105,11 +105,50 @@ class DtypeRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _leaks(seen: list[Seen], where: str, expected: torch.dtype) -> list[Seen]:
+    return [s for s in seen if s.where == where and any(d.is_floating_point and d != expected for d in s.dtypes)]
+
+
+def check_recorded_dtypes(run, res: dict, tag: str) -> None:
+    """The dtypes one training step of ``run`` (a ``zero_parity.Run`` with a shared expert) must
+    use, read from ``res`` (one run's entry of ``dtype_worker``'s result): the rules listed in
+    tests/distributed/test_precision_dtypes.py."""
+    compute = COMPUTE_DTYPES[run.dtype]
+    seen = res["seen"]
+    # Token rows: 2-D floating payloads. Gate weights (1-D, dedup only) keep the router's fp32.
+    rows = [s for s in seen if s.where == "payload" and len(s.shapes[0]) == 2 and s.dtypes[0].is_floating_point]
+    assert {s.backward for s in rows} == {False, True}, f"{tag}: token all-to-alls seen {rows}"
+    leaks = [s for s in rows if s.dtypes[0] != compute]
+    assert not leaks, f"{tag}: token rows sent in the wrong dtype: {leaks}"
+    gates = [s for s in seen if s.where == "payload" and len(s.shapes[0]) == 1 and s.dtypes[0].is_floating_point]
+    assert all(s.dtypes[0] == torch.float32 for s in gates), f"{tag}: gate weights not fp32: {gates}"
+    assert bool(gates) == run.moe.get("dispatch_dedup", False), f"{tag}: gate-weight exchanges {gates}"
+    for where, expected in (("gemm", compute), ("shared", compute), ("router", torch.float32),
+                            ("router_weight", torch.float32), ("router_logits", torch.float32)):
+        assert any(s.where == where for s in seen), f"{tag}: no {where} op recorded"
+        leaks = _leaks(seen, where, expected)
+        assert not leaks, f"{tag}: {where} not in {expected}: {leaks[:4]}"
+    grouped = run.moe.get("expert_impl", "grouped") == "grouped"
+    assert any(s.op == "_grouped_mm" for s in seen) == grouped, f"{tag}: grouped path used: {not grouped}"
+    # Backward GEMMs are recorded for the grouped path (its op is seen wherever it runs); the
+    # loop's backward matmuls have no module scope to tell them from the attention's.
+    gemm_phases = {s.backward for s in seen if s.where == "gemm"}
+    assert gemm_phases == ({False, True} if grouped else {False}), f"{tag}: expert GEMM phases {gemm_phases}"
+    for what in ("params", "grads"):
+        wrong = {n: d for n, d in res[what].items() if d != torch.float32}
+        assert not wrong, f"{tag}: {what} not fp32: {wrong}"
+    assert set(res["grads"]) == set(res["params"]), f"{tag}: parameters without a gradient"
+    assert res["optimizer_states"] == {torch.float32}, f"{tag}: optimizer states {res['optimizer_states']}"
+
+
 def moe_layers(model: torch.nn.Module) -> list[MoELayer]:
     return [m for m in model.modules() if isinstance(m, MoELayer)]
 
 
-def _state_dtypes(model, optimizer) -> dict:
+def state_dtypes(model, optimizer) -> dict:
     """Dtypes of the master weights, the gradients the optimizer reads and its states."""
     params = {n: p for n, p in model.named_parameters()}
     states = set()
@@ -142,9 +181,9 @@ def dtype_worker(rank: int, world_size: int, runs: list) -> dict:
             scaler.scale_loss(output.total_loss).backward()
         for h in handles:
             h.remove()
-        before = _state_dtypes(model, opt)
+        before = state_dtypes(model, opt)
         opt.step()
-        after = _state_dtypes(model, opt)
+        after = state_dtypes(model, opt)
         out[run.name] = {"seen": recorder.seen, "params": after["params"],
                          "grads": before["grads"], "optimizer_states": after["optimizer_states"]}
         del model, train_model, opt
