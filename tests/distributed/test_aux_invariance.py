@@ -23,6 +23,7 @@ own one-process reference at one micro-batch (pp = tp = 1, no accumulation).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -78,22 +79,35 @@ def _difference(on: dict, off: dict) -> dict:
     return {k: on[k] - off[k] for k in on}
 
 
+# The one-process references, each computed once for the tests below (several tests read the same one).
+@functools.cache
+def _reference_tp(term: str, micro_batches: int) -> dict:
+    on, off = _tp_runs(term, 2, micro_batches)
+    return _difference(tp_parity.run_reference(on)["grads"], tp_parity.run_reference(off)["grads"])
+
+
+@functools.cache
+def _reference_pp(term: str, micro_batches: int) -> dict:
+    on, off = _pp_cases(term, 2, micro_batches)
+    return _difference(pipeline_worker.run_reference(on, 1)["grads"][0],
+                       pipeline_worker.run_reference(off, 1)["grads"][0])
+
+
 def _aux_grads_tp(term: str, micro_batches: int, results: list[dict] | None) -> dict:
     """The aux-loss gradient of the first step: from rank 0's full gradients at tp = 2, or from
     the one-process reference (tp = 1) when ``results`` is None."""
-    on, off = _tp_runs(term, 2, micro_batches)
     if results is None:
-        return _difference(tp_parity.run_reference(on)["grads"], tp_parity.run_reference(off)["grads"])
+        return _reference_tp(term, micro_batches)
+    on, off = _tp_runs(term, 2, micro_batches)
     return _difference(results[0]["tp"][on.name]["grads"], results[0]["tp"][off.name]["grads"])
 
 
 def _aux_grads_pp(term: str, micro_batches: int, results: list[dict] | None) -> dict:
     """The same under the pipeline harness: the stages' gradients merged over the ranks at pp = 2,
     or the one-process reference (pp = 1) when ``results`` is None."""
-    on, off = _pp_cases(term, 2, micro_batches)
     if results is None:
-        return _difference(pipeline_worker.run_reference(on, 1)["grads"][0],
-                           pipeline_worker.run_reference(off, 1)["grads"][0])
+        return _reference_pp(term, micro_batches)
+    on, off = _pp_cases(term, 2, micro_batches)
     merged = [{k: v for r in results for k, v in r["pp"][case.name]["grads"][0].items()} for case in (on, off)]
     return _difference(*merged)
 

@@ -88,11 +88,27 @@ def _train(rank: int, world_size: int, args: list[str], stop_after: int | None =
     return {"params": params, "loader": loader, "resumed": trainer.resumed_from is not None} if rank == 0 else None
 
 
+def _start_cli(*args: str) -> subprocess.Popen:
+    """``moetrain ARGS`` in a fresh interpreter, started and not waited for."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "moetrain.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _finish(*started: subprocess.Popen) -> list[subprocess.CompletedProcess]:
+    """Wait for each; kill them all if one does not end in time (a no-op for those that ended)."""
+    try:
+        outputs = [proc.communicate(timeout=200) for proc in started]
+    finally:
+        for proc in started:
+            proc.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, *output)
+            for p, output in zip(started, outputs, strict=True)]
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     """``moetrain ARGS`` in a fresh interpreter."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "moetrain.cli", *args], capture_output=True, text=True, env=env,
-                          timeout=200, check=False)
+    return _finish(_start_cli(*args))[0]
 
 
 def _evaluate(rank: int, world_size: int, run_dir: Path) -> dict | None:
@@ -154,8 +170,9 @@ def test_a_run_with_dropout_repeats_exactly(runs):
     process's RNG at random while forked test ranks would inherit one state."""
     root, data = runs["root"], runs["data"]
     extra = ["--model.dropout=0.3", "--classify.token_dropout=0.2", "--train.eval_every=0", "--checkpoint.every=0"]
-    for name in ("dropout_a", "dropout_b"):
-        proc = _cli("train", *overrides(root / name, data, extra=extra))
+    # The two one-thread runs side by side: one core each.
+    started = [_start_cli("train", *overrides(root / name, data, extra=extra)) for name in ("dropout_a", "dropout_b")]
+    for proc in _finish(*started):
         assert proc.returncode == 0, proc.stderr
     losses = [r["loss"] for r in records(root / "dropout_a") if "loss" in r]
     assert len(losses) == 6 and losses == [r["loss"] for r in records(root / "dropout_b") if "loss" in r]
