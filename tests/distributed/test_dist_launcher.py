@@ -42,6 +42,6 @@ def test_failing_rank_reports_its_traceback():
 
 def test_hang_fails_after_timeout():
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 3"):
-        run_ranks(_rank1_skips_collective, 2, timeout_s=3)
+    with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 1"):
+        run_ranks(_rank1_skips_collective, 2, timeout_s=1)
     assert time.monotonic() - t0 < 15

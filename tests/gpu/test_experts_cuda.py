@@ -118,7 +118,7 @@ def test_bf16_autocast_over_fp32_master_weights(device):
     x, grad_out = (t.to(device) for t in inputs((TOKENS, DIM)))
     recorder = DtypeRecorder()
     handles = recorder.watch(grouped)
-    with recorder, torch.autocast("cuda", dtype=torch.bfloat16):
+    with recorder, torch.autocast(device.type, dtype=torch.bfloat16):
         out, aux = grouped(x.clone().requires_grad_())
         ((out.float() * grad_out).sum() + aux.loss).backward()
     for h in handles:

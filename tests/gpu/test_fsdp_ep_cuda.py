@@ -42,7 +42,7 @@ def _zero_with_all_to_all(run: Run, device: torch.device):
     """(model, optimizer): ``run`` at its ZeRO stage on a one-rank NCCL mesh, every MoE layer
     dispatching through the all-to-all dispatcher over the ep group."""
     dims = ParallelDims(world_size=1, num_experts=model_configs(run)[1].num_experts)
-    dims.build_mesh("cuda")
+    dims.build_mesh(device.type)
     model = build(run).to(device)
     parallelize(model, dims, zero_stage=run.zero_stage, mixed_precision=run.dtype)
     for layer in moe_layers(model):
