@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared GPU call, under 10 minutes on one H100/H200. From the repository root:
 #     MOETRAIN_CACHE=DIR bash benchmarks/gpu.sh     # writes ${OUT:-runs/gpu}/gpu.json
+# (the training run's own directory: ${TRAIN_RUN:-runs/gpu-train}; the interpreter: ${PYTHON:-python3})
 # 1. the CUDA tests (`make test-gpu`: pytest -m cuda tests/gpu), each test's outcome kept; a failing
 #    test does not stop the measurements;
 # 2. the MoE layer benchmark in bf16 at shapes A, B and M (Mixtral-like), each against dense GEMMs
