@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from moetrain.config.train import resolve_device
 from moetrain.utils.cpu_allocator import tune_cpu_allocator
+from moetrain.utils.devices import set_tf32
 
 if TYPE_CHECKING:
     from moetrain.distributed.parallel_dims import ParallelDims
@@ -54,12 +55,12 @@ class Runtime:
         return self.rank == 0
 
 
-def init_runtime(*, device: str, backend: str, deterministic: bool) -> Runtime:
+def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool = False) -> Runtime:
     """Pick the device, set process-wide switches and join the process group (unless one exists).
 
     ``device`` is ``train.device``, ``backend`` is ``parallel.backend`` ("auto": NCCL on CUDA,
-    gloo otherwise). The group keeps torch's default (long) timeout while rank 0 prepares the
-    data and the others wait for it; :func:`set_collective_timeout` shortens it afterwards.
+    gloo otherwise), ``tf32`` is ``train.tf32``. The group keeps torch's default (long) timeout
+    while rank 0 prepares the data and the others wait for it; :func:`set_collective_timeout` shortens it afterwards.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -70,6 +71,7 @@ def init_runtime(*, device: str, backend: str, deterministic: bool) -> Runtime:
         dev = torch.device("cuda", local_rank)
     else:
         tune_cpu_allocator()
+    set_tf32(tf32, device=dev)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
     if backend == "auto":

@@ -5,8 +5,10 @@ import logging
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from moetrain.config import TrainConfig, load_config
+from moetrain.distributed.runtime import init_runtime
 from moetrain.plan.step_time import H100_SXM, H200, DeviceProfile, Link, estimate_for_config
 from moetrain.train import flops
 from moetrain.train.metrics import MetricsWindow
@@ -128,6 +130,19 @@ def test_tf32_on_cpu_warns_and_changes_no_cpu_result(tf32_flags, caplog):
         set_tf32(True, device=torch.device("cpu"))
     assert "acts only on CUDA" in caplog.text
     assert torch.equal(a @ b, full)
+
+
+def test_runtime_start_applies_train_tf32(tf32_flags):
+    """``train.tf32`` acts where every job starts: the trainer and eval pass it to init_runtime."""
+    created = not dist.is_initialized()
+    try:
+        init_runtime(device="cpu", backend="gloo", deterministic=False, tf32=True)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+        init_runtime(device="cpu", backend="gloo", deterministic=False, tf32=False)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not tf32_enabled()
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_tf32_field_is_validated_and_loads():
