@@ -60,7 +60,8 @@ def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool =
 
     ``device`` is ``train.device``, ``backend`` is ``parallel.backend`` ("auto": NCCL on CUDA,
     gloo otherwise), ``tf32`` is ``train.tf32``. The group keeps torch's default (long) timeout
-    while rank 0 prepares the data and the others wait for it; :func:`set_collective_timeout` shortens it afterwards.
+    while rank 0 prepares the data and the others wait for it; :func:`set_collective_timeout`
+    shortens it afterwards.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
