@@ -103,7 +103,8 @@ def main() -> None:
                 extra = SETTINGS[name] + ([f"--dp.onebit_warmup_steps={warmup}"] if warmup is not None else [])
                 row = run(name, extra, a.steps, Path(tmp) / f"{name}{warmup or ''}")
                 if name == "onebit_grads":
-                    row["onebit_warmup_steps"] = warmup if warmup is not None else DataParallelConfig().onebit_warmup(a.steps)
+                    default = DataParallelConfig().onebit_warmup(a.steps)
+                    row["onebit_warmup_steps"] = warmup if warmup is not None else default
                 rows.append(row)
     base = next(r for r in rows if r["setting"] == BASELINE)
     for r in rows:

@@ -8,7 +8,8 @@
    --fused) runs in a fresh process; then ``moetrain convert --from-hf HF --to BACK`` (HF ->
    moetrain) in another. Each reports its peak RSS (``VmHWM``, reset after the imports through
    ``/proc/self/clear_refs``: Linux) and its RSS before converting (Python, torch and moetrain
-   imported: the floor), so the conversion's own peak is the difference. The round trip is checked (BACK's tensors equal the export's).
+   imported: the floor), so the conversion's own peak is the difference. The round trip is checked
+   (BACK's tensors equal the export's).
 
 Prints the model's bytes, each direction's peak RSS, the conversion's share of it, and the
 ratios to the model size. Bounded streaming shows as a conversion peak of a few tensors (one

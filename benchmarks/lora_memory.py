@@ -103,8 +103,8 @@ def main() -> None:
                  lora["peak"].activation_peak_bytes))
     if full["cuda_peak"] is not None:
         rows.append(("torch.cuda.max_memory_allocated (MiB)", full["cuda_peak"], lora["cuda_peak"]))
-    for label, f, l in rows:
-        print(f"| {label} | {mib(f)} | {mib(l)} | {l / f:.3f} |")
+    for label, full_bytes, lora_bytes in rows:
+        print(f"| {label} | {mib(full_bytes)} | {mib(lora_bytes)} | {lora_bytes / full_bytes:.3f} |")
     print(f"| step time, median of {args.steps} (s) | {full['step_s']:.3f} | {lora['step_s']:.3f} "
           f"| {lora['step_s'] / full['step_s']:.3f} |")
 

@@ -86,12 +86,12 @@ def bench_shape(name: str, *, device: torch.device, dtype: torch.dtype, runs: in
                 f()
         times = tuple([] for _ in fns)
         for _ in range(runs):
-            for f, t in zip(fns, times):
+            for f, t in zip(fns, times, strict=True):
                 t.append(_timed(f, device, grads_of))
         return times
 
     def ratio(ideal_ms, ms) -> float:
-        return statistics.median(i / t for i, t in zip(ideal_ms, ms))
+        return statistics.median(i / t for i, t in zip(ideal_ms, ms, strict=True))
 
     layer_ms, ideal_ms = alternate(run_layer(layer))
     loop_ms, loop_ideal_ms = alternate(run_layer(loop)) if with_loop else (None, None)

@@ -221,7 +221,8 @@ def summarise(res: dict) -> dict:
             "final_cv": statistics.mean(series[-1]["load_cv"]),
             "max_over_mean": mean_over("load_max_over_mean"), "dropped": mean_over("dropped_fraction"),
             "a2a_mb": res["a2a_bytes_per_step"] / 1e6,
-            "once_mb": None if res["once_per_rank_bytes_per_step"] is None else res["once_per_rank_bytes_per_step"] / 1e6,
+            "once_mb": (None if res["once_per_rank_bytes_per_step"] is None
+                        else res["once_per_rank_bytes_per_step"] / 1e6),
             "tokens_per_s": res["tokens_per_s"],
             "unused": max(max(s["num_unused_experts"]) for s in series),
             "alarms": sum(sum(s["routing_collapse_alarms"]) for s in series)}
@@ -347,7 +348,7 @@ def _catch_up_step(slow: dict | None, ref: dict | None) -> int | float:
     """First logged step from which ``slow``'s layer-mean CV stays at or below ``ref``'s."""
     if not slow or not ref:
         return math.nan
-    pairs = list(zip(slow["series"], ref["series"]))
+    pairs = list(zip(slow["series"], ref["series"], strict=False))
     for i, (a, _) in enumerate(pairs):
         if all(_mean_cv(x) <= _mean_cv(y) for x, y in pairs[i:]):
             return a["step"]

@@ -32,13 +32,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moetrain.config.loader import load_config
 from moetrain.plan.calibrate import measure as measure_machine
 from moetrain.plan.calibrate import profile_from_measurement
 from moetrain.plan.step_time import CalibratedProfiles, DeviceProfile, estimate_for_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

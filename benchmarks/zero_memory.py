@@ -16,12 +16,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "distributed"))
-from tests.helpers.dist_launcher import run_ranks
-
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests.helpers
 from moetrain.config.presets import get_preset
 from moetrain.plan.activations import estimate_activations
 from moetrain.plan.model_states import Layout, param_specs, rank_state_bytes, unsharded_param_peak_bytes
+from tests.helpers.dist_launcher import run_ranks
 
 WORLD, MICRO, SEQ = 2, 4, 256  # 4 sequences of 256 tokens per rank
 
@@ -82,7 +81,8 @@ def main() -> None:
         results = run_ranks(worker, WORLD, model_cfg, moe, layouts, timeout_s=1200)
         specs = param_specs(model_cfg, moe)
         n = sum(s.numel for s in specs)
-        print(f"\n### {name}: {n / 1e6:.1f}M parameters, {WORLD} ranks, {MICRO} x {SEQ} tokens per rank (MiB, rank 0)\n")
+        print(f"\n### {name}: {n / 1e6:.1f}M parameters, {WORLD} ranks, {MICRO} x {SEQ} tokens per rank "
+              "(MiB, rank 0)\n")
         print("| stage | ep | param | grad | optim | = planned | param peak (meas / plan) | grad peak | optim peak "
               "| activation peak (meas / plan) | total peak |")
         print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -120,7 +120,7 @@ def test_chunked_dispatch_equals_unchunked_and_the_single_process():
             _assert_matches_reference(ranks, reference(experts, tokens, moe), str(key))
         if chunks == 1:
             continue
-        for rank, (got, base) in enumerate(zip(ranks, (r[tuple(case) + (1,)] for r in results))):
+        for rank, (got, base) in enumerate(zip(ranks, (r[tuple(case) + (1,)] for r in results), strict=True)):
             what = f"{key} rank {rank} vs unchunked"
             if experts == "rowwise":
                 _assert_equal_runs(got, base, what)

@@ -65,7 +65,7 @@ def test_onebit_all_reduce_matches_hand_computed(world):
         for r, res in enumerate(ranks):
             got = res[step]
             # Every rank ends with the same bits.
-            for a, b in zip(got["result"], ranks[0][step]["result"]):
+            for a, b in zip(got["result"], ranks[0][step]["result"], strict=True):
                 assert torch.equal(a, b)
             # The exactly representable tensor matches exactly, residual included
             # (residual = g + previous residual - decompressed), after 2 steps too.

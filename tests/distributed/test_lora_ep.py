@@ -52,7 +52,7 @@ def test_lora_ep2_matches_single_process(tmp_path):
         checkpoint = str(tmp_path) if stage == 0 else None
         results = run_ranks(lora_worker, 2, 2, stage, checkpoint=checkpoint, timeout_s=150)
         # The routed experts' adapters really are sharded over ep, two experts per rank.
-        for r, expected in zip(results, (0, 2)):
+        for r, expected in zip(results, (0, 2), strict=True):
             offsets = {off for name, (off, _) in r["params"].items() if ".experts.lora_" in name}
             assert offsets == {expected}, offsets
         _check(results, ref, stage)

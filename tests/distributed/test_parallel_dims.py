@@ -20,7 +20,8 @@ EP4_W2 = "parallel.ep (4) must divide the world size (2)"
     ({"world_size": 6, "ep": 3, "num_experts": 8}, EP3_E8),
     ({"world_size": 2, "ep": 4, "num_experts": 8}, EP4_W2),
     ({"world_size": 2, "ep": 3, "num_experts": 8}, "parallel.ep (3) must divide the world size (2); " + EP3_E8),
-    ({"world_size": 4, "ep": 2, "dp": 3}, "parallel.dp (3) * parallel.tp (1) * parallel.pp (1) must equal the world size (4)"),
+    ({"world_size": 4, "ep": 2, "dp": 3},
+     "parallel.dp (3) * parallel.tp (1) * parallel.pp (1) must equal the world size (4)"),
     ({"world_size": 4, "ep": 0}, "parallel.ep (0) must be an integer >= 1"),
     ({"world_size": 8, "tp": 2, "pp": 2, "ep": 8, "num_experts": 8},
      ("parallel.ep (8) must divide parallel.dp * parallel.tp (4): expert parallelism folds over the ranks of one "

@@ -34,7 +34,8 @@ WORLD2 = [PPCase("gpipe", schedule="gpipe"), PPCase("1f1b", max_grad_norm=0.5),
 # ZeRO-1 (the optimizer slices each gradient as its parameter is split), ZeRO-2 (FSDP2 over the
 # stage's dp x tp ranks), and the experts' hidden dim split over the tp pair (etp = 2).
 PP_TP = [PPCase("pp2_tp2", tp=2, max_grad_norm=0.5),
-         PPCase("pp2_tp2_ep2_ac", tp=2, ep=2, activation_checkpointing="full"), PPCase("pp2_tp2_zero1", tp=2, zero_stage=1), PPCase("pp2_tp2_ep2_zero2", tp=2, ep=2, zero_stage=2),
+         PPCase("pp2_tp2_ep2_ac", tp=2, ep=2, activation_checkpointing="full"),
+         PPCase("pp2_tp2_zero1", tp=2, zero_stage=1), PPCase("pp2_tp2_ep2_zero2", tp=2, ep=2, zero_stage=2),
          PPCase("pp2_tp2_etp2", tp=2, etp=2)]
 WORLD4 = [PPCase("pp2_ep2", ep=2), PPCase("pp2_dp2", max_grad_norm=0.5),
           PPCase("pp2_ep2_zero2", ep=2, zero_stage=2, max_grad_norm=0.5),

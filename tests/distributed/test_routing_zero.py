@@ -84,7 +84,7 @@ def _check(runs, results):
         ref = reference(run)
         assert max(float(s.max()) for s in ref["scales"]) > 1.5, "the case must scale some expert's rate"
         for r, res in enumerate(results):
-            for s, (got, want) in enumerate(zip(res[run.name]["scales"], ref["scales"])):
+            for s, (got, want) in enumerate(zip(res[run.name]["scales"], ref["scales"], strict=True)):
                 assert torch.equal(got, want), f"[{run.name}] rank {r} step {s} learning-rate scales"
         assert_matches(run, results, ref, rtol=2e-5)
 

@@ -34,11 +34,11 @@ def _check(run: TpRun, results: list[dict], *, param_rtol: float = 1e-5) -> None
         torch.testing.assert_close(got["logits"], ref["logits"][lo:hi], rtol=RTOL, atol=1e-6,
                                    msg=lambda m, r=rank: f"[{run.name}] rank {r} logits: {m}")
         assert abs(got["aux"] - ref["aux"]) <= RTOL * abs(ref["aux"]), (run.name, rank, got["aux"], ref["aux"])
-        for s, (a, b) in enumerate(zip(got["loss"], ref["loss"])):
+        for s, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
             assert abs(a - b) <= RTOL * abs(b), f"[{run.name}] rank {rank} step {s} loss {a} != {b}"
-        for s, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"])):
+        for s, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"], strict=True)):
             assert abs(a - b) <= RTOL * abs(b), f"[{run.name}] rank {rank} step {s} grad norm {a} != {b}"
-        for s, (a, b) in enumerate(zip(got["expert_bias"], ref["expert_bias"])):
+        for s, (a, b) in enumerate(zip(got["expert_bias"], ref["expert_bias"], strict=True)):
             assert (a is None) == (b is None), run.name
             if b is not None:
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7,

@@ -30,7 +30,7 @@ def _check(runs, results, *, low_precision=()):
         ref = refs[key]
         if run.name in low_precision:
             for r, res in enumerate(results):
-                for s, (a, b) in enumerate(zip(res[run.name]["loss"], ref["loss"])):
+                for s, (a, b) in enumerate(zip(res[run.name]["loss"], ref["loss"], strict=True)):
                     assert abs(a - b) <= LOW_PRECISION_LOSS_RTOL * abs(b), \
                         f"[{run.name}] rank {r} step {s}: loss {a} vs fp32 {b}"
             continue

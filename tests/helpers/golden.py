@@ -78,7 +78,7 @@ def mismatch_report(golden: dict, got_hex: list[str]) -> str | None:
     if got_hex == want_hex:
         return None
     lines = [f"the golden loss curve changed ({len(want_hex)} golden steps, {len(got_hex)} run):"]
-    for step, (want, got) in enumerate(zip(want_hex, got_hex), start=1):
+    for step, (want, got) in enumerate(zip(want_hex, got_hex, strict=True), start=1):
         a, b = float.fromhex(want), float.fromhex(got)
         mark = "" if want == got else f"   <- differs by {b - a:+.3e} ({abs(b - a) / abs(a):.1e} relative)"
         lines.append(f"  step {step}: golden {a:.9f}  this run {b:.9f}{mark}")

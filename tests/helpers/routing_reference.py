@@ -51,7 +51,7 @@ def token_choice_routes(logits_TE: torch.Tensor, *, top_k: int, score_func: str 
         if renormalize and top_k > 1:
             total = sum(weights)
             weights = [w / total for w in weights]
-        routes.append(list(zip(chosen, weights)))
+        routes.append(list(zip(chosen, weights, strict=True)))
     return routes
 
 
@@ -92,9 +92,9 @@ def apply_routes(x_TD: torch.Tensor, routes, params: dict[str, torch.Tensor], ac
 def sequence_balance_loss(probs_BSE: list[list[list[float]]], idx_BSK: list[list[list[int]]]) -> float:
     """DeepSeek-V3's sequence-wise loss by loops: mean over sequences of E * sum_e f_e * P_e."""
     total = 0.0
-    for probs_SE, idx_SK in zip(probs_BSE, idx_BSK):
+    for probs_SE, idx_SK in zip(probs_BSE, idx_BSK, strict=True):
         S, E, K = len(probs_SE), len(probs_SE[0]), len(idx_SK[0])
         f = [sum(row.count(e) for row in idx_SK) / (S * K) for e in range(E)]
         P = [sum(row[e] for row in probs_SE) / S for e in range(E)]
-        total += E * sum(fe * pe for fe, pe in zip(f, P))
+        total += E * sum(fe * pe for fe, pe in zip(f, P, strict=True))
     return total / len(probs_BSE)

@@ -30,7 +30,7 @@ def _write_sources(root: Path) -> list[Path]:
 
 
 def _overrides(run_dir: Path, sources: list[Path], *, steps: int, extra: tuple[str, ...] = ()) -> list[str]:
-    listed = ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(sources, (3, 1)))
+    listed = ", ".join(f"{{path: {p}, weight: {w}}}" for p, w in zip(sources, (3, 1), strict=True))
     return [
         "--model.dim=32", "--model.num_layers=2", "--model.num_heads=2", "--model.max_seq_len=32",
         "--moe.num_experts=4", "--moe.top_k=1", "--moe.expert_hidden_dim=32",

@@ -1,10 +1,10 @@
-"""A pipeline-parallel run (pp=2 x dp=2, or pp=2 x tp=2 with the experts on the tp ranks; experts
-over ep=2 in each stage, the router bias moving) resumed from its checkpoint continues with exactly the losses of the uninterrupted run: each stage
-reads its own layers from the checkpoint, its optimizer keeps its own parameters, and the balancer
-counters of every stage come back to the stage that holds those layers. The pp=2 x tp=2 run keeps a
-weight average (optim.ema_decay), which its evaluations use: each stage saves and reloads its layers'
-tp-sharded averages. That run starts through ``moetrain train --nproc 4``; the others run the same
-trainer on forked ranks."""
+"""A pipeline-parallel run (pp=2 x dp=2, or pp=2 x tp=2 with the experts on the tp ranks; experts over
+ep=2 in each stage, the router bias moving) resumed from its checkpoint continues with exactly the
+losses of the uninterrupted run: each stage reads its own layers from the checkpoint, its optimizer
+keeps its own parameters, and the balancer counters of every stage come back to the stage that holds
+those layers. The pp=2 x tp=2 run keeps a weight average (optim.ema_decay), which its evaluations
+use: each stage saves and reloads its layers' tp-sharded averages. That run starts through
+``moetrain train --nproc 4``; the others run the same trainer on forked ranks."""
 
 from __future__ import annotations
 

@@ -9,15 +9,14 @@ transformers' rotary tables, in fp32."""
 
 import pytest
 import torch
-
-from moetrain.models.attention import Attention, apply_rope, rope_table
-from moetrain.models.mla import MultiHeadLatentAttention
-
-transformers = pytest.importorskip("transformers")
+import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_deepseek
 from transformers.models.olmoe import modeling_olmoe as hf_olmoe
 from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_qwen2
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_qwen3
+
+from moetrain.models.attention import Attention, apply_rope, rope_table
+from moetrain.models.mla import MultiHeadLatentAttention
 
 B, S, D = 2, 7, 32
 TOL = {"rtol": 1e-5, "atol": 1e-5}

@@ -32,7 +32,7 @@ def test_batch_shapes_dtypes_and_label_shift():
     assert torch.equal(labels[:, :-1], input_ids[:, 1:])
     assert torch.equal(labels[:, -1], input_ids[:, -1] + 1)
     assert torch.equal(input_ids, input_ids[:, :1] + torch.arange(S))
-    assert all(w * S == row[0] for w, row in zip(window_ids(input_ids), input_ids.tolist()))
+    assert all(w * S == row[0] for w, row in zip(window_ids(input_ids), input_ids.tolist(), strict=True))
 
 
 def test_same_seed_same_batches_other_seed_other_order():
@@ -40,8 +40,8 @@ def test_same_seed_same_batches_other_seed_other_order():
     batches_a = [a.next_batch()[0] for _ in range(5)]
     batches_b = [b.next_batch()[0] for _ in range(5)]
     batches_c = [c.next_batch()[0] for _ in range(5)]
-    assert all(torch.equal(x, y) for x, y in zip(batches_a, batches_b))
-    assert not all(torch.equal(x, y) for x, y in zip(batches_a, batches_c))
+    assert all(torch.equal(x, y) for x, y in zip(batches_a, batches_b, strict=True))
+    assert not all(torch.equal(x, y) for x, y in zip(batches_a, batches_c, strict=True))
 
 
 def test_epoch_visits_each_window_once_then_reshuffles():
@@ -79,7 +79,7 @@ def test_resume_gives_identical_next_batches_across_an_epoch_boundary():
     fresh = make_loader(seed=5, dp_rank=1, dp_size=2)
     fresh.load_state_dict(state)
     got = [fresh.next_batch() for _ in range(5)]
-    for (x0, y0), (x1, y1) in zip(expected, got):
+    for (x0, y0), (x1, y1) in zip(expected, got, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
 
 
@@ -109,7 +109,7 @@ def test_unshuffled_epoch_batches_repeat_and_leave_the_position_alone():
     val = make_loader(shuffle=False, global_batch_size=4, dp_rank=0, dp_size=2)
     first = [x for x, _ in val.epoch_batches(3)]
     second = [x for x, _ in val.epoch_batches(3)]
-    assert all(torch.equal(a, b) for a, b in zip(first, second)) and len(first) == 3
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True)) and len(first) == 3
     assert window_ids(first[0]) == [0, 1] and window_ids(first[1]) == [4, 5]  # stream order, rank 0 share
     assert val.epoch == 0 and val.step == 0
 

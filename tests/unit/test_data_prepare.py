@@ -28,7 +28,8 @@ def private_default_cache(tmp_path, monkeypatch):
 
 
 def sentence(rng):
-    words = ["thou", "art", "the", "king", "queen", "night", "love", "sword", "hence", "good", "lord", "fair", "sweet", "doth", "say"]
+    words = ["thou", "art", "the", "king", "queen", "night", "love", "sword", "hence", "good", "lord", "fair",
+             "sweet", "doth", "say"]
     return " ".join(rng.choice(words) for _ in range(rng.randint(3, 10)))
 
 

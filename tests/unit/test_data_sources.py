@@ -204,7 +204,7 @@ def test_text_sources_share_one_bpe_and_hold_out_the_tail_of_each_file(tmp_path)
     cfg = sources_cfg(tmp_path, [{"path": str(tmp_path / "a"), "weight": 2}, {"path": str(tmp_path / "b")}])
     data = prepare_data(cfg)
     assert isinstance(data, MixedData) and data.vocab_size == 300 and data.eos_id == 0
-    for source, docs in zip(data.sources, (docs_a, docs_b)):
+    for source, docs in zip(data.sources, (docs_a, docs_b), strict=True):
         tokens, meta = open_token_file(source.files[0])
         assert meta["tokenizer"] == data.tokenizer.key
         # Every document followed by eos, in path order.
@@ -263,7 +263,7 @@ def test_shard_sources_are_mapped_and_checked_against_the_text_tokenizer(tmp_pat
         data = prepare_data(sources_cfg(tmp_path, [{"path": str(tmp_path / "b")}]))
     assert data.vocab_size == 300 and data.eos_id == bpe.eos_id and data.tokenizer is None
     assert len(data.sources[0].train) == len(shards)
-    for stream, train, val in zip(streams_b, data.sources[0].train, data.sources[0].val):
+    for stream, train, val in zip(streams_b, data.sources[0].train, data.sources[0].val, strict=True):
         assert np.array_equal(np.concatenate([train, val]), stream) and len(val) == round(len(stream) * 0.1)
     # A data.path folder of several shards is one such source.
     with pytest.warns(UserWarning):
@@ -285,9 +285,9 @@ def test_text_and_shards_of_the_same_tokenizer_mix(tmp_path):
                                     tokenizer="bytes"))
     assert data.vocab_size == 256 and data.eos_id is None and data.tokenizer.key == "bytes"
     text = [bytes(np.concatenate([t, v]).astype(np.uint8)).decode() for t, v in zip(data.sources[0].train,
-                                                                                   data.sources[0].val)]
+                                                                                   data.sources[0].val, strict=True)]
     shards = [bytes(np.concatenate([t, v]).astype(np.uint8)).decode() for t, v in zip(data.sources[1].train,
-                                                                                     data.sources[1].val)]
+                                                                                     data.sources[1].val, strict=True)]
     assert text == ["".join(d + "\n" for d in docs_a)] and "".join(shards) == "".join(d + "\n" for d in docs_b)
     # Source a is lower case, source b upper case: both are drawn, about half and half.
     x, _ = data.train_loader(global_batch_size=8, seed=0).next_batch()

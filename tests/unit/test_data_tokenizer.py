@@ -8,7 +8,8 @@ from moetrain.data import tokenizer as tokenizer_module
 from moetrain.data.documents import Documents
 from moetrain.data.tokenizer import EOS_TOKEN, ByteTokenizer, build_tokenizer, train_bpe
 
-WORDS = ["thou", "art", "the", "king", "and", "queen", "of", "night", "love", "sword", "hence", "anon", "good", "my", "lord", "what", "say", "you", "wherefore", "doth", "fair", "sweet", "ö", "naïve", "戦", "—"]
+WORDS = ["thou", "art", "the", "king", "and", "queen", "of", "night", "love", "sword", "hence", "anon", "good",
+         "my", "lord", "what", "say", "you", "wherefore", "doth", "fair", "sweet", "ö", "naïve", "戦", "—"]
 
 
 @pytest.fixture(autouse=True)

@@ -168,7 +168,7 @@ def _proved(text: str, templates: list[Template], depth: int = 0) -> int | None:
     # Every way to regroup the "; "-separated pieces (a template may hold "; " itself).
     for cuts in itertools.product((False, True), repeat=len(pieces) - 1):
         groups, current = [], pieces[0]
-        for cut, piece in zip(cuts, pieces[1:]):
+        for cut, piece in zip(cuts, pieces[1:], strict=True):
             if cut:
                 groups.append(current)
                 current = piece

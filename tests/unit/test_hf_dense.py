@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from moetrain.cli import main as cli_main
 from moetrain.config.model import ModelConfig
@@ -19,8 +20,6 @@ from moetrain.interop.export import build_model, read_export, write_export
 from moetrain.interop.hf.registry import FAMILIES, choose_family
 from moetrain.models.transformer import Transformer
 from tests.helpers.hf_tiny_dense import DENSE_FAMILIES, VOCAB, dense_config, input_ids, tiny_dense
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 

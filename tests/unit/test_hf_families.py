@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from moetrain.cli import main as cli_main
 from moetrain.interop.export import build_model, read_export, write_export
@@ -18,8 +19,6 @@ from moetrain.interop.hf.registry import FAMILIES
 from moetrain.models.transformer import Transformer
 from moetrain.utils.safetensors_io import SafetensorsFolder
 from tests.helpers.hf_tiny_models import VOCAB, hf_config, input_ids, tiny_model
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 FAMILY_CASES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "deepseek_v2_lite"]
@@ -75,7 +74,8 @@ def test_to_hf_loads_in_transformers_with_moetrain_logits(tmp_path, case, layout
     config = {"model": json.loads(json.dumps(ours.config.__dict__, default=list)),
               "moe": dict(ours.moe_config.__dict__)}
     write_export(tmp_path / "mt", config=config, state_dict=ours.state_dict())
-    args = ["convert", str(tmp_path / "mt"), "--to-hf", str(tmp_path / "hf")] + (["--fused"] if layout == "fused" else [])
+    fused = ["--fused"] if layout == "fused" else []
+    args = ["convert", str(tmp_path / "mt"), "--to-hf", str(tmp_path / "hf"), *fused]
     assert cli_main(args) == 0
 
     hf_cfg = json.loads((tmp_path / "hf" / "config.json").read_text())

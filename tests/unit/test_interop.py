@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from moetrain.cli import main as cli_main
 from moetrain.config.model import ModelConfig
@@ -18,7 +19,6 @@ from moetrain.interop.hf.registry import FAMILIES, choose_family
 from moetrain.utils.safetensors_io import SafetensorsFolder, ShardedWriter, TensorSpec, parse_size
 from tests.helpers.hf_tiny_models import input_ids, tiny_model
 
-transformers = pytest.importorskip("transformers")
 MIXTRAL = FAMILIES["mixtral"]
 
 
@@ -44,7 +44,8 @@ def test_mixtral_config_round_trip_and_refusals():
 
 
 @pytest.mark.parametrize("family, hf_overrides, field", [
-    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope_parameters.rope_type"),
+    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+     "rope_parameters.rope_type"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),
     ("qwen3_moe", {"attention_bias": True}, "attention_bias"),

@@ -155,7 +155,7 @@ def test_generation_stops_at_the_stop_id_per_row():
         assert firsts[0] is not None or firsts[1] is not None
         expected_len = 12 if None in firsts else max(firsts) + 1
         assert out.num_new == expected_len
-        for row, first, got in zip(free, firsts, out.new_ids_BN.tolist()):
+        for row, first, got in zip(free, firsts, out.new_ids_BN.tolist(), strict=True):
             end = expected_len if first is None else first + 1
             assert got[:end] == row[:end] and set(got[end:]) <= {stop}
 

@@ -87,7 +87,7 @@ def test_single_file_split_and_padding(tmp_path):
     assert prepared.classes == ["x", "y"]
     train = prepared.splits["train"]
     # Every example ends in the end token, then pads; a long one keeps its first S - 1 tokens.
-    for ids, n in zip(train.ids_NS, train.lengths_N):
+    for ids, n in zip(train.ids_NS, train.lengths_N, strict=True):
         assert ids[n - 1] == END_ID and (ids[n:] == PAD_ID).all() and 2 <= n <= 8
     assert prepared.length_stats["truncated_fraction"] > 0
     again = prepare_labelled(data, cfg)  # from the cache: the same arrays
@@ -135,7 +135,8 @@ def test_loader_resume_is_exact_and_checks_the_data():
         got = [b.next_batch() for _ in range(2)]
         assert torch.equal(expected[1], torch.cat([g[1] for g in got]))
     with pytest.raises(ValueError, match="saved num_examples"):
-        ClassificationLoader(_split(49), global_batch_size=8, seed=1, balanced=True, num_classes=3).load_state_dict(state)
+        loader = ClassificationLoader(_split(49), global_batch_size=8, seed=1, balanced=True, num_classes=3)
+        loader.load_state_dict(state)
 
 
 def test_balanced_sampling_evens_out_the_classes():
@@ -157,7 +158,7 @@ def test_eval_batches_cover_every_example_once_at_any_world_size():
         for rank in range(dp_size):
             batches = list(eval_batches(split, batch_size=4, dp_rank=rank, dp_size=dp_size))
             counts.add(len(batches))
-            for ids, labels, mask, valid in batches:
+            for ids, _labels, mask, valid in batches:
                 assert mask.all()
                 seen += ids[valid, 0].tolist()
         assert len(counts) == 1  # every rank runs as many forwards (the all-to-all needs all of them)
@@ -189,7 +190,7 @@ def test_token_dropout_is_layout_independent_and_keeps_the_end_token():
         # micro-batch j of the 2 ranks = rows [4j, 4j + 4) of the one-process batch
         both = torch.cat([torch.cat([parts[0][j][0], parts[1][j][0]]) for j in range(2)])
         assert torch.equal(both, ids_BS)
-        for row, mask in zip(ids_BS, mask_BS):
+        for row, mask in zip(ids_BS, mask_BS, strict=True):
             n = int(mask.sum())
             assert row[n - 1] == END_ID and (row[n:] == PAD_ID).all() and n >= 2
             real = row[:n - 1].tolist()

@@ -67,7 +67,8 @@ def test_fresh_adapters_change_nothing_and_only_they_train():
     experts = model.layers[1].feed_forward.experts
     assert tuple(experts.lora_a_w1.shape) == (4, 32, 4) and tuple(experts.lora_b_w1.shape) == (4, 4, 16)
     assert tuple(experts.lora_a_w2.shape) == (4, 16, 4) and tuple(experts.lora_b_w2.shape) == (4, 4, 32)
-    assert torch.count_nonzero(experts.lora_b_w1) == 0 and torch.count_nonzero(experts.lora_a_w1) == experts.lora_a_w1.numel()
+    assert torch.count_nonzero(experts.lora_b_w1) == 0
+    assert torch.count_nonzero(experts.lora_a_w1) == experts.lora_a_w1.numel()
     # 4 attention projections x 2 blocks, 3 dense-FFN, 3 shared-expert projections: r * (in + out)
     # each; 3 expert projections: E * r * (in + out).
     r = 4

@@ -20,7 +20,8 @@ from moetrain.models.moe.token_bags import (
 
 
 def _ref_weighted(y_MD, w_M, index_M, num_bags):
-    return torch.zeros(num_bags, y_MD.shape[1], dtype=y_MD.dtype).index_add(0, index_M, y_MD * w_M[:, None].to(y_MD.dtype))
+    out_ND = torch.zeros(num_bags, y_MD.shape[1], dtype=y_MD.dtype)
+    return out_ND.index_add(0, index_M, y_MD * w_M[:, None].to(y_MD.dtype))
 
 
 def _grads(fn, *inputs, grad_out):

@@ -112,7 +112,8 @@ def test_config_rules():
     ParallelConfig(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_split="flops")
     with pytest.raises(ValueError, match=r"parallel.pp_virtual_stages \(1\) must be >= 2"):
         ParallelConfig(pp=2, pp_schedule="interleaved_1f1b")
-    with pytest.raises(ValueError, match=r"parallel.pp_virtual_stages \(2\) must be 1 with parallel.pp_schedule 'gpipe'"):
+    with pytest.raises(ValueError,
+                       match=r"parallel.pp_virtual_stages \(2\) must be 1 with parallel.pp_schedule 'gpipe'"):
         ParallelConfig(pp=2, pp_schedule="gpipe", pp_virtual_stages=2)
     with pytest.raises(ValueError, match=r"parallel.pp_split \('x'\)"):
         ParallelConfig(pp_split="x")

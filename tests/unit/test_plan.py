@@ -48,8 +48,8 @@ def test_param_specs_of_large_presets_match_the_analytic_count(preset):
 
 
 def test_sixteen_bytes_per_parameter_replicated():
-    # fp32 param + fp32 grad + AdamW m and v: 4 + 4 + 8 = 16 bytes (the ZeRO paper's 2 + 2 + 12 in mixed precision), plus a
-    # 4-byte step counter per tensor.
+    # fp32 param + fp32 grad + AdamW m and v: 4 + 4 + 8 = 16 bytes (the ZeRO paper's 2 + 2 + 12 in
+    # mixed precision), plus a 4-byte step counter per tensor.
     specs = param_specs(*_tiny())
     n, tensors = sum(s.numel for s in specs), len(specs)
     b = rank_state_bytes(specs, Layout(world=1, ep=1, zero_stage=0), 0)
@@ -85,7 +85,8 @@ def test_empty_and_padded_shards_by_hand():
     assert [b.param for b in per_rank] == [2 * 8 * 4] * 4
     assert [b.optim for b in per_rank] == [2 * 8 * 8 + 4] * 3 + [4]
     # Stage 1 slices the flattened 48 elements: 12 each.
-    assert [rank_state_bytes(router, Layout(world=4, ep=1, zero_stage=1), r).optim for r in range(4)] == [12 * 8 + 4] * 4
+    stage1 = Layout(world=4, ep=1, zero_stage=1)
+    assert [rank_state_bytes(router, stage1, r).optim for r in range(4)] == [12 * 8 + 4] * 4
 
 
 def test_comm_formulas_by_hand():
@@ -281,7 +282,7 @@ def test_default_config_plans_on_eight_ranks_with_the_micro_batch_it_assumed(cap
 
     small = make_plan(JobConfig(train=TrainConfig(global_batch_size=16, micro_batch_size=2)), nproc=8)
     assert small.batch_note is None
-    for a, b in zip(plan.rows, small.rows):
+    for a, b in zip(plan.rows, small.rows, strict=True):
         assert (a.choice, a.activation_bytes, a.comm) == (b.choice, b.activation_bytes, b.comm)
 
 

@@ -111,8 +111,8 @@ def test_a_layouts_communication_at_etp():
     specs = param_specs(model, moe)
 
     def comm(ep, etp):
-        return comm_per_step(specs, Layout(world=8, ep=ep, zero_stage=1, etp=etp), model, moe, tokens_per_micro_batch=16,
-                             grad_accum=3, compute_bytes=4)
+        return comm_per_step(specs, Layout(world=8, ep=ep, zero_stage=1, etp=etp), model, moe,
+                             tokens_per_micro_batch=16, grad_accum=3, compute_bytes=4)
 
     dense_ar, dense_ag = 2 * OTHER_NUMEL * 4 * 7 // 8, OTHER_NUMEL * 4 * 7 // 8  # over all 8 ranks
     base, split = comm(2, 1), comm(2, 2)

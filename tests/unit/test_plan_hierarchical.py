@@ -38,7 +38,8 @@ def test_inter_node_all_to_all_flat_vs_hierarchical_by_hand():
     assert flat.all_to_all_inter_node_flat == hier.all_to_all_inter_node_flat == int(T * 1.0 * per_row * accum)
     assert flat.all_to_all_inter_node_hierarchical == int(T * 11 / 14 * per_row * accum)
     # Only the chosen exchange counts in inter_node; the gradient all-reduce spans nodes in both.
-    assert flat.inter_node - hier.inter_node == flat.all_to_all_inter_node_flat - flat.all_to_all_inter_node_hierarchical
+    chosen = flat.all_to_all_inter_node_flat - flat.all_to_all_inter_node_hierarchical
+    assert flat.inter_node - hier.inter_node == chosen
     # The hierarchical volume: 11/14 rows across, then each of the 2 ranks other than the relays
     # (one per node) gets the row when it holds an expert: 2 * (1 - C(6,2)/C(8,2)) = 13/28 each.
     assert flat.all_to_all == int(2 * T * 2 * D * 4 * (3 / 4) * 2 * num_moe * accum)  # the textbook per-copy volume
@@ -48,4 +49,5 @@ def test_inter_node_all_to_all_flat_vs_hierarchical_by_hand():
     assert inside.all_to_all_inter_node_flat == inside.all_to_all_inter_node_hierarchical == 0
     assert inside.all_to_all == flat.all_to_all
     assert set(inside.as_dict()) >= {"all_to_all_inter_node_flat", "all_to_all_inter_node_hierarchical"}
-    assert math.isclose(hier.all_to_all_inter_node_hierarchical / hier.all_to_all_inter_node_flat, 11 / 14, rel_tol=1e-6)
+    ratio = hier.all_to_all_inter_node_hierarchical / hier.all_to_all_inter_node_flat
+    assert math.isclose(ratio, 11 / 14, rel_tol=1e-6)

@@ -63,7 +63,7 @@ def train(model, cfg_steps: int, *, micro_batches: int = 1, lr: float = 1e-2, to
     for step in range(cfg_steps):
         x, target = batch(step, tokens)
         routed = [torch.zeros(4, dtype=torch.int64) for _ in model.layers]
-        for xm, tm in zip(x.chunk(micro_batches), target.chunk(micro_batches)):
+        for xm, tm in zip(x.chunk(micro_batches), target.chunk(micro_batches), strict=True):
             out, auxes = model(xm)
             loss = (out - tm).square().mean() + sum(a.loss for a in auxes)
             (loss / micro_batches).backward()
@@ -137,7 +137,7 @@ def test_bias_update_is_the_same_with_and_without_gradient_accumulation():
     for step in range(3):
         for i in range(2):
             assert counts_whole[step][i].tolist() == counts_acc[step][i].tolist()
-    for a, b in zip(whole.layers, accumulated.layers):
+    for a, b in zip(whole.layers, accumulated.layers, strict=True):
         torch.testing.assert_close(a.router.expert_bias, b.router.expert_bias, rtol=0, atol=0)
 
 
@@ -181,7 +181,7 @@ def test_dynamic_capacity_updates_at_the_interval_from_the_interval_load():
     for step in range(4):
         x, target = batch(step)
         out, auxes = model(x)
-        for layer, a in zip(model.layers, auxes):
+        for layer, a in zip(model.layers, auxes, strict=True):
             # The layer's capacity and drops follow its current factor.
             cap = expert_capacity(32, num_experts=4, top_k=2, capacity_factor=layer.capacity_factor)
             assert int(a.num_dropped) == int((a.num_routed_per_expert - cap).clamp(min=0).sum())
@@ -207,7 +207,7 @@ def test_capacity_fn_replaces_the_formula():
     out, auxes = model(batch(0)[0])
     out.sum().backward()
     opt.step()
-    for layer, a in zip(model.layers, auxes):
+    for layer, a in zip(model.layers, auxes, strict=True):
         load = a.num_routed_per_expert.double()
         assert layer.capacity_factor == pytest.approx(1.0 + float(load.max() / load.mean()))
 
@@ -500,12 +500,12 @@ def test_a_discarded_step_leaves_no_counts_behind():
     out, _ = skipped(x[:16])  # the skipped step's forward/backward
     out.sum().backward()
     opts[0][1].discard_step()
-    for model, (opt, _) in zip((skipped, clean), opts):
+    for model, (opt, _) in zip((skipped, clean), opts, strict=True):
         opt.zero_grad()
         out, _ = model(x[16:])
         out.sum().backward()
         opt.step()
-    for a, b in zip(skipped.layers, clean.layers):
+    for a, b in zip(skipped.layers, clean.layers, strict=True):
         torch.testing.assert_close(a.router.expert_bias, b.router.expert_bias, rtol=0, atol=0)
         assert a.router.expert_bias.abs().sum() > 0
 

@@ -4,7 +4,6 @@ marks and the health panels."""
 
 import json
 
-import pytest
 import torch
 
 from moetrain.config.model import ModelConfig
@@ -17,7 +16,6 @@ from moetrain.train.report import write_report
 
 
 def test_health_metrics_reach_jsonl_tensorboard_and_the_report(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     # Two MoE blocks; a collapse alarm at every interval (threshold just above balance, no warm-up,

@@ -66,7 +66,7 @@ def test_draws_follow_the_filtered_distribution():
     draws = sample_next(log(probs).expand(n, -1), top_p=0.75, generator=gen)
     counts = torch.bincount(draws, minlength=5).tolist()
     assert counts[0] == counts[2] == 0  # never a token outside the nucleus
-    for count, p in zip(counts, expected):
+    for count, p in zip(counts, expected, strict=True):
         assert abs(count / n - p) < 0.01  # 4 standard errors at n = 40,000
 
 

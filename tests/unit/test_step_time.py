@@ -2,6 +2,7 @@
 hand-counted model, profiles and their sources, calibration files."""
 
 import ast
+import itertools
 import json
 import math
 from dataclasses import asdict, replace
@@ -155,7 +156,7 @@ def test_recompute_adds_the_checkpointed_forward():
 def test_gpu_defaults_name_their_sources():
     tree = ast.parse(SOURCE.read_text())
     docs = {}
-    for a, b in zip(tree.body, tree.body[1:]):
+    for a, b in itertools.pairwise(tree.body):
         if isinstance(a, ast.Assign) and isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
             docs[a.targets[0].id] = b.value.value
     for word in ("datasheet", "989", "3.35 TB/s", "NVLink 4", "450 GB/s", "400 Gb/s", "InfiniBand NDR", "Assumed"):

@@ -127,7 +127,7 @@ def test_init_on_meta_then_init_weights_gives_the_same_weights():
     m = m.to_empty(device="cpu")
     m.init_weights(seed=0)
     ref = build(seed=0)
-    for (name, p), (_, q) in zip(m.state_dict().items(), ref.state_dict().items()):
+    for (name, p), (_, q) in zip(m.state_dict().items(), ref.state_dict().items(), strict=True):
         assert torch.equal(p, q), name
     torch.testing.assert_close(m.rope_cos_SA, ref.rope_cos_SA)
     x = tokens()
@@ -262,7 +262,7 @@ def test_attention_variants_train_and_init_from_meta(variant):
         meta = Transformer(model, moe=moe)
     meta = meta.to_empty(device="cpu")
     meta.init_weights(seed=0)
-    assert all(torch.equal(p, q) for p, q in zip(meta.state_dict().values(), m.state_dict().values()))
+    assert all(torch.equal(p, q) for p, q in zip(meta.state_dict().values(), m.state_dict().values(), strict=True))
     assert torch.equal(meta.rope_cos_SA, m.rope_cos_SA) and m.rope_cos_SA.shape == (16, model.rope_dim)
     x, y = tokens(), tokens()
     y[:, 8:] = (y[:, 8:] + 1) % V

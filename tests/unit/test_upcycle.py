@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from moetrain.cli import main as cli_main
 from moetrain.interop.export import build_model, read_export
 from moetrain.interop.upcycle import upcycle_hf
 from moetrain.utils.safetensors_io import SafetensorsFolder
 from tests.helpers.hf_tiny_dense import DENSE_FAMILIES, input_ids, tiny_dense
-
-transformers = pytest.importorskip("transformers")
 
 TOL = 1e-4
 F = 48  # the tiny models' intermediate_size
@@ -162,7 +161,7 @@ def test_options_that_break_a_rule_are_refused(tmp_path, dense, args, message):
 
 def _kwargs(args: list[str]) -> dict:
     out = {}
-    for flag, value in zip(args[::2], args[1::2]):
+    for flag, value in zip(args[::2], args[1::2], strict=True):
         key = flag.lstrip("-").replace("-", "_")
         out[key] = float(value) if key == "noise" else int(value)
     return out

@@ -266,12 +266,15 @@ def assert_parity(case: Case, ranks: list[dict], ref: dict, *, ep: int) -> None:
         for m in range(n):
             assert_rel_close(torch.cat([st["out"][m] for st in steps]), ref_step["out"][m], f"{at} output (micro {m})")
             dropped = [sum(st["dropped"][m][i] for st in steps) for i in range(len(ref_step["dropped"][m]))]
-            assert dropped == ref_step["dropped"][m], f"{at} dropped copies per layer {dropped} != {ref_step['dropped'][m]}"
+            assert dropped == ref_step["dropped"][m], \
+                f"{at} dropped copies per layer {dropped} != {ref_step['dropped'][m]}"
         # The single-process loss of the global batch is the mean of the per-rank losses.
-        assert_rel_close(torch.tensor(sum(st["loss"] for st in steps) / W), torch.tensor(ref_step["loss"]), f"{at} loss")
-        assert_rel_close(torch.tensor(sum(st["aux"] for st in steps) / W), torch.tensor(ref_step["aux"]), f"{at} aux loss")
+        for key, what in (("loss", "loss"), ("aux", "aux loss")):
+            mean = sum(st[key] for st in steps) / W
+            assert_rel_close(torch.tensor(mean), torch.tensor(ref_step[key]), f"{at} {what}")
         for r, st in enumerate(steps):
-            assert_rel_close(torch.tensor(st["grad_norm"]), torch.tensor(ref_step["grad_norm"]), f"{at} grad norm rank {r}")
+            assert_rel_close(torch.tensor(st["grad_norm"]), torch.tensor(ref_step["grad_norm"]),
+                             f"{at} grad norm rank {r}")
         _compare_tensors([st["grads"] for st in steps], ref_step["grads"], ep, f"{at} grad")
     _compare_tensors([r["params"] for r in ranks], ref["params"], ep, f"[{case.name}, ep={ep}] params after "
                      f"{case.steps} steps")

@@ -148,7 +148,7 @@ def assert_layer_parity(results: list[dict], name: str, setting: dict) -> None:
         flat, hier = res[name]["flat"], res[name]["hierarchical"]
         assert hier["hierarchical"] and not flat["hierarchical"]
         assert [len(r) for r in hier["inputs"]] == [len(r) for r in flat["inputs"]], (name, rank)
-        for e, (a, b) in enumerate(zip(hier["inputs"], flat["inputs"])):
+        for e, (a, b) in enumerate(zip(hier["inputs"], flat["inputs"], strict=True)):
             assert _rows(a) == _rows(b), (name, rank, e)
         assert hier["dropped"] == flat["dropped"]
         assert_rel_close(hier["out"], flat["out"], f"{name} output rank {rank}", rtol=tol)

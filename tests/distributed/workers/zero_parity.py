@@ -204,9 +204,9 @@ def assert_matches(run: Run, ranks: list[dict], ref: dict, *, rtol: float, param
     param_rtol = rtol if param_rtol is None else param_rtol
     for r, res in enumerate(ranks):
         got = res[run.name]
-        for s, (a, b) in enumerate(zip(got["loss"], ref["loss"])):
+        for s, (a, b) in enumerate(zip(got["loss"], ref["loss"], strict=True)):
             assert abs(a - b) <= rtol * abs(b), f"[{run.name}] rank {r} step {s} loss {a!r} != {b!r}"
-        for s, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"])):
+        for s, (a, b) in enumerate(zip(got["grad_norm"], ref["grad_norm"], strict=True)):
             assert abs(a - b) <= rtol * abs(b) + 1e-12, f"[{run.name}] rank {r} step {s} grad norm {a!r} != {b!r}"
     params = ranks[0][run.name]["params"]
     assert set(params) == set(ref["params"]), f"[{run.name}] parameter names differ"
