@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -81,21 +81,21 @@ class Resumed:
     saved_world_size: int | None
 
 
+@dataclass(eq=False)
 class Checkpointer:
     """Checkpoints of the run into ``folder``; the job's ``checkpoint.*`` settings say when to
     resume and how many to keep. ``vocab_size``: the resolved one, saved with the config so that
     a checkpoint alone can be exported."""
 
-    def __init__(self, cfg: JobConfig, *, folder: Path, objects: TrainingObjects, dims: ParallelDims,
-                 phase: Phase, vocab_size: int | None, is_main: bool) -> None:
-        self.cfg = cfg
-        self.folder = folder
-        self.objects = objects
-        self.dims = dims
-        self.phase = phase
-        self.vocab_size = vocab_size
-        self.is_main = is_main
-        self.last_saved_step: int | None = None
+    cfg: JobConfig
+    _: KW_ONLY
+    folder: Path
+    objects: TrainingObjects
+    dims: ParallelDims
+    phase: Phase
+    vocab_size: int | None
+    is_main: bool
+    last_saved_step: int | None = field(default=None, init=False)
 
     def step_path(self, step: int) -> Path:
         return self.folder / step_dir_name(step)
