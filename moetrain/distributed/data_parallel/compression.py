@@ -74,7 +74,7 @@ def _bit_weights(device: torch.device) -> torch.Tensor:
     return torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=device)
 
 
-def _real_mask(numel: int, world: int, device: torch.device) -> torch.Tensor:
+def _real_mask(numel: int, world: int, device: torch.device | str) -> torch.Tensor:
     """bool ``[W, L]``: which positions of the padded chunks hold elements of the tensor."""
     length = chunk_len(numel, world)
     return (torch.arange(world * length, device=device) < numel).view(world, length)

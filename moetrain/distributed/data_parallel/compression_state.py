@@ -11,7 +11,10 @@ import logging
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from moetrain.distributed.comm.timer import CommTimer
+from moetrain.distributed.data_parallel.compression import OneBitReducer
 from moetrain.distributed.expert_parallel.apply import is_expert_shard
 
 log = logging.getLogger("moetrain")
@@ -19,6 +22,24 @@ log = logging.getLogger("moetrain")
 
 class CompressionStateMixin:
     """Methods of ``MoEDataParallel`` about compressed reductions and their state."""
+
+    # Set by ``DistributedDataParallel.__init__`` (process_group) and ``MoEDataParallel``.
+    process_group: dist.ProcessGroup
+    timer: CommTimer
+    grad_compression: str
+    _edp_group: dist.ProcessGroup | None
+    _layout: torch.Tensor
+    _expert_names: list[str]
+    _expert_params: list[nn.Parameter]
+    _dense_params: list[tuple[str, nn.Parameter]]  # only under "onebit"
+    _dense_reducer: OneBitReducer | None  # None unless "onebit"
+    _expert_reducer: OneBitReducer | None  # None unless "onebit" with edp > 1
+    _fp32_bytes_per_step: int
+    _bytes_sent: int
+    _bytes_fp32: int
+    _num_synced: int
+    _onebit_bytes: int
+    _num_onebit: int
 
     def has_replicas(self, p: torch.Tensor) -> bool:
         """Whether parameter ``p`` has copies on other ranks to average with: every replicated
@@ -37,6 +58,7 @@ class CompressionStateMixin:
         # 1. Replicated parameters over dp.
         dense = [(n, by_id[id(p)]) for n, p in self._dense_params if id(p) in by_id]
         if dense:
+            assert self._dense_reducer is not None, "onebit_average_ outside grad_compression onebit"
             with self.timer.span("grad_reduce"):
                 moved += self._dense_reducer.all_reduce_sum([t for _, t in dense], [n for n, _ in dense])
             for _, t in dense:
@@ -105,9 +127,10 @@ class CompressionStateMixin:
             for r in reducers:
                 r.reset()
             return
-        for prefix, r in (("", self._dense_reducer), ("expert.", self._expert_reducer)):
-            if r is None:
+        assert state is not None  # no problem found means residuals were saved
+        for prefix, reducer in (("", self._dense_reducer), ("expert.", self._expert_reducer)):
+            if reducer is None:
                 continue
-            for k in r.worker:
-                r.worker[k].copy_(state[f"{prefix}worker.{k}"])
-                r.server[k].copy_(state[f"{prefix}server.{k}"])
+            for k in reducer.worker:
+                reducer.worker[k].copy_(state[f"{prefix}worker.{k}"])
+                reducer.server[k].copy_(state[f"{prefix}server.{k}"])

@@ -49,11 +49,13 @@ import contextlib
 import inspect
 import logging
 import weakref
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd import Variable
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from moetrain.config.dp import check_grad_compression
@@ -66,10 +68,18 @@ from moetrain.distributed.data_parallel.compression_state import CompressionStat
 from moetrain.distributed.data_parallel.finalize import grad_reduction
 from moetrain.distributed.expert_parallel.apply import is_expert_shard
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.utils.tensors import local_tensor
 
 log = logging.getLogger("moetrain")
 
 _DDP_HAS_FORWARD_SYNC_BUFFERS = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+
+
+class _BufferSync(TypedDict, total=False):
+    """DDP's switch for the buffer broadcast before every forward, under either of its names."""
+
+    forward_sync_buffers: bool
+    broadcast_buffers: bool
 
 
 class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
@@ -89,8 +99,8 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         # No buffer broadcast before every forward: the model's buffers are deterministic or
         # per-rank statistics (tokens_per_expert), so it would only cost time. (The flag was
         # renamed in torch 2.13; older releases only know broadcast_buffers.)
-        no_buffer_sync = ({"forward_sync_buffers": False} if _DDP_HAS_FORWARD_SYNC_BUFFERS
-                          else {"broadcast_buffers": False})
+        no_buffer_sync: _BufferSync = ({"forward_sync_buffers": False} if _DDP_HAS_FORWARD_SYNC_BUFFERS
+                                       else {"broadcast_buffers": False})
         # The replicated parameters' rule is DDP's own mean over its group: at tp = 1 their copies
         # are the dp ranks. gradient_as_bucket_view: the gradients are views into DDP's flat
         # buckets instead of a second full-size copy next to them, so they cost 1x, not 2x, memory.
@@ -136,7 +146,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         self._expert_names = expert_names
         expert_set = set(expert_names)
         dense = {n: p.numel() for n, p in module.named_parameters() if n not in expert_set and p.requires_grad}
-        experts = {n: p.to_local().numel() for n, p in zip(expert_names, self._expert_params, strict=True)}
+        experts = {n: local_tensor(p).numel() for n, p in zip(expert_names, self._expert_params, strict=True)}
         # Bytes per synced step, counted as ring all-reduces (2 x payload) for fp32 and bf16.
         self._fp32_bytes_per_step = sum(map(fp32_bytes, dense.values()))
         if self._edp_group is not None:
@@ -158,7 +168,9 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         this = weakref.ref(self)
 
         def hook(_state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-            return this()._reduce_bucket(bucket)
+            wrapper = this()
+            assert wrapper is not None, "DDP ran a comm hook of a collected wrapper"
+            return wrapper._reduce_bucket(bucket)
 
         # DDP checks the annotations as objects; this module's are strings (postponed evaluation).
         hook.__annotations__ = {"bucket": dist.GradBucket, "return": torch.futures.Future[torch.Tensor]}
@@ -178,15 +190,15 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         when timed; in 1-bit Adam's local-gradient mode, no reduction."""
         buffer = bucket.buffer()
         if self._local_gradients:
-            fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            fut.set_result(buffer)
-            return fut
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
         buffer.div_(self._dense_divisor)  # as DDP without a hook: divide, then sum
         with self.timer.span("grad_reduce"):
             if self.grad_compression == "bf16":
                 reduction = Bf16AllReduce([buffer], self.process_group)
                 self._bytes_sent += reduction.num_bytes
-                fut = reduction.future()
+                fut: torch.futures.Future[list[torch.Tensor]] = reduction.future()
             else:
                 fut = dist.all_reduce(buffer, group=self.process_group, async_op=True).get_future()
             if self.timer.enabled:
@@ -223,6 +235,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
             Variable._execution_engine.queue_callback(self._finish_expert_sync)
             self._callback_queued = True
         with torch.no_grad():
+            assert isinstance(p.grad, DTensor), "an expert shard's gradient is a DTensor"
             grad = p.grad.to_local()  # under no_grad, the DTensor's own local storage
             if self._local_gradients:
                 grad.mul_(self._expert_local_scale)  # this rank's estimate; nothing to reduce

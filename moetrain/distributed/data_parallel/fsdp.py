@@ -31,6 +31,7 @@ The expert units keep sharding over the whole ``edp`` axis.
 from __future__ import annotations
 
 import contextlib
+from typing import TypeGuard
 
 import torch
 from torch import nn
@@ -94,8 +95,8 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
     if zero_stage not in (2, 3):
         raise ValueError(f"parallel.zero_stage ({zero_stage!r}) must be 2 or 3 for FSDP")
     reshard = zero_stage == 3
-    common = {"mp_policy": mixed_precision_policy(mixed_precision),
-              "offload_policy": offload_policy(offload_params or offload_optimizer, pin_memory=pin_memory)}
+    mp_policy = mixed_precision_policy(mixed_precision)
+    offload = offload_policy(offload_params or offload_optimizer, pin_memory=pin_memory)
     dense_mesh = dense_fsdp_mesh(dims, hsdp_replicate=hsdp_replicate)
 
     # 1. Experts, over their copies (edp), divided by dp (see the module docstring). At ep = 1
@@ -105,53 +106,60 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
         experts = grad_reduction(dims, "edp")
         for module in model.modules():
             if isinstance(module, GroupedExperts):
-                fully_shard(module, mesh=dims.edp_mesh, reshard_after_forward=reshard,
-                            shard_placement_fn=lambda p: expert_shard_placement(p.shape, dims.ep, dims.edp),
-                            **common)
-                module.set_gradient_divide_factor(float(experts.divisor))
+                unit = fully_shard(
+                    module, mesh=dims.edp_mesh, reshard_after_forward=reshard,
+                    shard_placement_fn=lambda p: expert_shard_placement(p.shape, dims.ep, dims.edp),
+                    mp_policy=mp_policy, offload_policy=offload)
+                unit.set_gradient_divide_factor(float(experts.divisor))
                 if experts.size > 1:
-                    module.set_force_sum_reduction_for_comms(True)
+                    unit.set_force_sum_reduction_for_comms(True)
     # 2. Routers under bf16/fp16: their own units with fp32 parameters. The router computes in
     #    fp32, and in the block's unit it would get FSDP's bf16-rounded gate weight, unlike at
     #    stages 0/1 where it reads the fp32 master: the same tokens would route differently by
     #    ZeRO stage. The gate is E x D, so the extra gather is small.
     if mixed_precision != "fp32":
-        router_common = {**common, "mp_policy": mixed_precision_policy("fp32")}
+        router_mp_policy = mixed_precision_policy("fp32")
         for module in model.modules():
             if isinstance(module, TopKRouter):
-                _shard_unit(module, dims, dense_mesh, reshard=reshard, **router_common)
+                _shard_unit(module, dims, dense_mesh, reshard=reshard, mp_policy=router_mp_policy,
+                            offload=offload)
     # 3. With tensor parallelism: the modules whose plain parameters see only this tp rank's
     #    tokens or heads (MoE layers, per-head q/k norms), over dp x tp (tp_data_parallel's table).
     if dims.tp > 1:
         for module in tp_partial_modules(model):
-            _shard_unit(module, dims, dense_mesh, reshard=reshard, **common)
+            _shard_unit(module, dims, dense_mesh, reshard=reshard, mp_policy=mp_policy, offload=offload)
     # 4. Transformer blocks.
     for block in blocks:
-        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, **common)
+        fully_shard(block, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                    offload_policy=offload)
     # 5. Root: embedding, final norm, head (and a tied head). FSDP keeps the root gathered after
     #    forward at any stage, since backward needs it at once.
-    fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard, **common)
+    fully_shard(model, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                offload_policy=offload)
     return model
 
 
-def _shard_unit(module: nn.Module, dims: ParallelDims, dense_mesh: DeviceMesh, *, reshard: bool, **common) -> None:
+def _shard_unit(module: nn.Module, dims: ParallelDims, dense_mesh: DeviceMesh, *, reshard: bool,
+                mp_policy: MixedPrecisionPolicy, offload: OffloadPolicy) -> None:
     """A unit over the dense mesh, or at tp > 1 over its copies, the stage's dp x tp ranks, divided
     by dp: its tp ranks hold partial gradients (different tokens or heads) to be summed. Plain
     sums on the wire (gloo has no PREMUL_SUM for a factor other than the mesh size)."""
     if dims.tp == 1:
-        fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard, **common)
+        fully_shard(module, mesh=dense_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                    offload_policy=offload)
         return
     copies = grad_reduction(dims, "dp_tp")
-    fully_shard(module, mesh=dims.dp_tp_mesh, reshard_after_forward=reshard, **common)
-    module.set_gradient_divide_factor(float(copies.divisor))
-    module.set_force_sum_reduction_for_comms(True)
+    unit = fully_shard(module, mesh=dims.dp_tp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+                       offload_policy=offload)
+    unit.set_gradient_divide_factor(float(copies.divisor))
+    unit.set_force_sum_reduction_for_comms(True)
 
 
 def tp_partial_modules(model: nn.Module) -> list[nn.Module]:
     """Under tensor parallelism, the modules whose plain parameters get a partial gradient on each
     tp rank: every MoE layer (router, shared experts, experts at ep = 1; experts at ep > 1 are
     units of their own already) and the per-head q/k norms of attention."""
-    out = []
+    out: list[nn.Module] = []
     for module in model.modules():
         if isinstance(module, MoELayer):
             out.append(module)
@@ -179,7 +187,7 @@ def expert_shard_placement(shape, ep: int, edp: int) -> Shard | None:
     return Shard(dim) if dim else None
 
 
-def is_fsdp(model: nn.Module) -> bool:
+def is_fsdp(model: nn.Module) -> TypeGuard[FSDPModule]:
     return isinstance(model, FSDPModule)
 
 

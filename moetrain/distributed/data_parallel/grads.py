@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from moetrain.distributed.data_parallel.ddp import unwrap
 from moetrain.utils.tensors import local_tensor
 
 
-def _sharded_axes(g: torch.Tensor) -> tuple[int, ...]:
+def _sharded_axes(g: DTensor) -> tuple[int, ...]:
     """Mesh axes over which a DTensor gradient's squared norm must be summed: every axis whose
     placement is not Replicate. Not ``placement.is_shard()``: FSDP2 sharding an ep-sharded
     expert weight over edp uses ``_StridedShard``, whose ``is_shard()`` is False, and that sum
@@ -46,10 +47,10 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
         if g is None:
             continue
         sq = local_tensor(g).float().pow(2).sum()
-        mesh = getattr(g, "device_mesh", None)
-        if mesh is None:
+        if not isinstance(g, DTensor):
             replicated_sq = replicated_sq.to(sq.device) + sq
             continue
+        mesh = g.device_mesh
         shard_axes = _sharded_axes(g)
         key = (id(mesh), shard_axes)
         if key not in sharded_sq:
@@ -88,6 +89,7 @@ def clip_to_norm_(params: list[torch.Tensor], norm: torch.Tensor, max_norm: floa
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for p in params:
+            assert p.grad is not None, "clip_to_norm_ takes parameters with gradients"
             grad = local_tensor(p.grad)
             grad.mul_(scale.to(grad.device))
 

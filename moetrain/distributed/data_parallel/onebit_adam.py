@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import overload
 
 import torch
 
@@ -73,7 +74,7 @@ class OneBitAdam(torch.optim.AdamW):
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
         self.data_parallel = data_parallel
         self.warmup_steps = warmup_steps
-        self.register_load_state_dict_post_hook(OneBitAdam._follow_stage)
+        self.register_load_state_dict_post_hook(_follow_stage_after_load)
         self._follow_stage()
 
     def num_steps(self) -> int:
@@ -107,8 +108,14 @@ class OneBitAdam(torch.optim.AdamW):
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -154,3 +161,9 @@ class OneBitAdam(torch.optim.AdamW):
         step_size = lr / (1 - beta1 ** t)
         denom = (v.sqrt() / (1 - beta2 ** t_v) ** 0.5).add_(eps)
         p.addcdiv_(m, denom, value=-step_size)
+
+
+def _follow_stage_after_load(optimizer: torch.optim.Optimizer) -> None:
+    """``load_state_dict`` post-hook: the loaded step count decides the stage of the next backward."""
+    assert isinstance(optimizer, OneBitAdam)
+    optimizer._follow_stage()
