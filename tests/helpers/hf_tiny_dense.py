@@ -12,6 +12,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local: never reach for the Hub
 import transformers
 
+from tests.helpers.hf_tiny_models import eager_model
+
 VOCAB = 96
 DENSE_FAMILIES = ["llama", "qwen3"]
 
@@ -37,11 +39,7 @@ def dense_config(family: str, **overrides):
 
 @torch.no_grad()
 def tiny_dense(family: str, *, seed: int = 0, **overrides):
-    cfg = dense_config(family, **overrides)
-    cfg._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    model, g = eager_model(dense_config(family, **overrides), seed=seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(torch.rand(p.shape, generator=g) + 0.5)

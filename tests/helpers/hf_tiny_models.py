@@ -51,13 +51,17 @@ def hf_config(family: str, **overrides):
     return cls(**kw)
 
 
-@torch.no_grad()
-def tiny_model(family: str, *, seed: int = 0, **overrides):
-    cfg = hf_config(family, **overrides)
+def eager_model(cfg, *, seed: int):
+    """transformers' model of ``cfg`` (eager attention, its own init under ``seed``) and the
+    generator that perturbs its weights next."""
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    g = torch.Generator().manual_seed(seed + 1)
+    return transformers.AutoModelForCausalLM.from_config(cfg).eval(), torch.Generator().manual_seed(seed + 1)
+
+
+@torch.no_grad()
+def tiny_model(family: str, *, seed: int = 0, **overrides):
+    model, g = eager_model(hf_config(family, **overrides), seed=seed)
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.copy_(torch.rand(p.shape, generator=g) + 0.5)

@@ -99,22 +99,28 @@ def _step(train_model, optimizer, params, rows_per_micro: list[torch.Tensor], ru
     return loss_sum, norm.item()
 
 
-def run_reference(run: Run) -> dict:
-    """One plain process on the global batch."""
-    model = build(run)
-    opt = _optimizer(model)
+def _train(run: Run, model, train_model, opt, rows, mean_loss=float) -> tuple[list[float], list[float]]:
+    """``run.steps`` steps of ``train_model``: step s trains on micro-batch m of ``rows(batch s)``,
+    ``[m::micro_batches]``; returns the losses (through ``mean_loss``) and grad norms per step."""
     params = [p for p in model.parameters()]
     scaler = DynamicLossScaler(enabled=run.dtype == "fp16")
     batches = make_batches(run, run.steps)
     n = run.micro_batches
     losses, norms = [], []
     for s in range(run.steps):
-        # Micro-batch m of the global batch = every rank's m-th micro-batch, in rank order; the
-        # reference only needs the same set of sequences per micro-batch (the loss is a mean).
-        micro = [batches[s][m::n] for m in range(n)]
-        loss, norm = _step(model, opt, params, micro, run, scaler)
-        losses.append(loss)
+        mine = rows(batches[s])
+        loss, norm = _step(train_model, opt, params, [mine[m::n] for m in range(n)], run, scaler)
+        losses.append(mean_loss(loss))
         norms.append(norm)
+    return losses, norms
+
+
+def run_reference(run: Run) -> dict:
+    """One plain process on the global batch."""
+    model = build(run)
+    # Micro-batch m of the global batch = every rank's m-th micro-batch, in rank order; the
+    # reference only needs the same set of sequences per micro-batch (the loss is a mean).
+    losses, norms = _train(run, model, model, _optimizer(model), rows=lambda batch: batch)
     return {"loss": losses, "grad_norm": norms, "params": {k: v.detach().clone() for k, v in model.named_parameters()}}
 
 
@@ -162,6 +168,12 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
+def _mean_over_ranks(loss: float, world_size: int) -> float:
+    t = torch.tensor([loss])
+    dist.all_reduce(t)
+    return t.item() / world_size
+
+
 def zero_worker(rank: int, world_size: int, runs: list[Run], probe=None) -> dict:
     """Runs on every rank: train each run, return losses and norms (every rank) and the full
     parameters (rank 0). ``probe(run, model, optimizer, dims)``, if given, runs after the last
@@ -170,18 +182,8 @@ def zero_worker(rank: int, world_size: int, runs: list[Run], probe=None) -> dict
     B = GLOBAL_BATCH // world_size
     for run in runs:
         dims, model, train_model, opt = setup_run(run, world_size)
-        params = [p for p in model.parameters()]
-        scaler = DynamicLossScaler(enabled=run.dtype == "fp16")
-        batches = make_batches(run, run.steps)
-        n = run.micro_batches
-        losses, norms = [], []
-        for s in range(run.steps):
-            mine = batches[s][rank * B:(rank + 1) * B]
-            loss, norm = _step(train_model, opt, params, [mine[m::n] for m in range(n)], run, scaler)
-            t = torch.tensor([loss])
-            dist.all_reduce(t)
-            losses.append(t.item() / world_size)
-            norms.append(norm)
+        losses, norms = _train(run, model, train_model, opt, rows=lambda batch: batch[rank * B:(rank + 1) * B],
+                               mean_loss=lambda loss: _mean_over_ranks(loss, world_size))
         full = {k: _full(v).detach().clone() for k, v in model.named_parameters()}
         res = {"loss": losses, "grad_norm": norms, "params": full if rank == 0 else None}
         if probe is not None:
