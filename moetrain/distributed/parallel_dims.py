@@ -210,7 +210,8 @@ class ParallelDims:
 
     def dp_group_ranks(self) -> list[list[int]]:
         """Ranks of each data-parallel group of the dense part: stride ``tp`` inside a stage."""
-        return [[self.rank_of(pp=p, dp=d, tp=t) for d in range(self.dp)] for p in range(self.pp) for t in range(self.tp)]
+        return [[self.rank_of(pp=p, dp=d, tp=t) for d in range(self.dp)]
+                for p in range(self.pp) for t in range(self.tp)]
 
     def dp_tp_group_ranks(self) -> list[list[int]]:
         """Ranks of each stage: the dp x tp ranks with different tokens at the MoE layers."""
@@ -235,17 +236,22 @@ class ParallelDims:
     # ----- nodes (pure arithmetic) ----------------------------------------------------------------
 
     @property
+    def node_size(self) -> int:
+        assert self.ranks_per_node is not None, "ranks_per_node (processes per node) is resolved by __post_init__"
+        return self.ranks_per_node
+
+    @property
     def num_nodes(self) -> int:
-        return self.world_size // self.ranks_per_node
+        return self.world_size // self.node_size
 
     def node_of(self, rank: int) -> int:
         """Node of a global rank: launchers number the processes of a node consecutively."""
-        return rank // self.ranks_per_node
+        return rank // self.node_size
 
     @property
     def ep_spans_nodes(self) -> bool:
         """Whether some ep group has ranks on more than one node (its all-to-alls cross nodes)."""
-        return self.ranks_per_node % (self.ep * self.etp) != 0
+        return self.node_size % (self.ep * self.etp) != 0
 
     @property
     def hierarchical_ep(self) -> bool:
@@ -300,13 +306,13 @@ class ParallelDims:
             # A separate root mesh, like HSDP's: the expert DTensors live on the main one's ep axis.
             # Row-major (edp, nodes of the group, ranks per node) is the rank order above (pp = 1:
             # the hierarchical exchange is for one stage of whole nodes).
-            shape = (self.edp, self.ep // self.ranks_per_node, self.ranks_per_node)
+            shape = (self.edp, self.ep // self.node_size, self.node_size)
             self._ep_node_mesh = init_device_mesh(device_type, shape, mesh_dim_names=("edp", "ep_inter", "ep_intra"))
         self.mesh = mesh
         return mesh
 
-    def _sub_mesh(self, axis: str, *, moe: bool = False) -> DeviceMesh:
-        if self.mesh is None:
+    def _sub_mesh(self, axis: str | tuple[str, ...], *, moe: bool = False) -> DeviceMesh:
+        if self.mesh is None or self.moe_mesh is None:  # build_mesh sets both
             raise RuntimeError("call ParallelDims.build_mesh() first")
         return (self.moe_mesh if moe else self.mesh)[axis]
 
@@ -325,8 +331,7 @@ class ParallelDims:
     @property
     def expert_mesh(self) -> DeviceMesh:
         """What the expert weights are sharded over: the ep axis, and with etp > 1 (ep, etp)."""
-        ep = self._sub_mesh("ep", moe=True)  # checks that the mesh exists
-        return ep if self.etp == 1 else self.moe_mesh[("ep", "etp")]
+        return self._sub_mesh("ep" if self.etp == 1 else ("ep", "etp"), moe=True)
 
     @property
     def dp_mesh(self) -> DeviceMesh:
@@ -345,7 +350,7 @@ class ParallelDims:
     def dp_tp_mesh(self) -> DeviceMesh:
         """The ranks of this rank's stage (dp x tp flattened; the dp axis when tp = 1): each holds
         different tokens at the MoE layers, so routing counts and capacity drops are global over it."""
-        if self.mesh is None:
+        if self._dp_tp_mesh is None:  # set by build_mesh, with the mesh
             raise RuntimeError("call ParallelDims.build_mesh() first")
         return self._dp_tp_mesh
 

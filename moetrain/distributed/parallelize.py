@@ -77,8 +77,8 @@ def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
         block.forward = forward
 
 
-def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointing: bool | str = False, compile: bool = False,
-                blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks,
+def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointing: bool | str = False,
+                compile: bool = False, blocks: Callable[[nn.Module], list[nn.Module]] = default_blocks,
                 bucket_cap_mb: float = 25.0, activation_checkpointing_every: int = 2, zero_stage: int = 0,
                 mixed_precision: str = "fp32", offload_params: bool = False, offload_optimizer: bool = False,
                 pin_memory: bool = True, hsdp_replicate: int = 1, grad_compression: str = "none") -> nn.Module:

@@ -146,7 +146,7 @@ def check_launcher_nodes(world_size: int, device_type: str) -> None:
 def report_ep_nodes(dims: ParallelDims) -> None:
     """Warn when tensor-parallel or flat expert-parallel collectives cross nodes; note when
     parallel.ep_hierarchical has nothing to do."""
-    if dims.tp > 1 and dims.ranks_per_node % dims.tp != 0:
+    if dims.tp > 1 and dims.node_size % dims.tp != 0:
         warnings.warn(f"parallel.tp ({dims.tp}) does not divide the processes per node "
                       f"(LOCAL_WORLD_SIZE={dims.ranks_per_node}): tensor-parallel collectives cross nodes",
                       stacklevel=3)
@@ -175,8 +175,8 @@ def set_collective_timeout(timeout_s: float, dims: ParallelDims) -> None:
               dims.pp_group, dims.dp_tp_group]
     if dims.hierarchical_ep:
         groups += [dims.ep_inter_group, dims.ep_intra_group]
-    groups = {id(g): g for g in groups}
-    for group in groups.values():
+    unique = {id(g): g for g in groups}
+    for group in unique.values():
         set_timeout(timeout, group)
 
 

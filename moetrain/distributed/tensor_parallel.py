@@ -49,6 +49,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -59,6 +60,7 @@ from moetrain.models.attention import Attention
 from moetrain.models.feedforward import FeedForward
 from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.layer import MoELayer
+from moetrain.models.transformer import TransformerBlock
 
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
@@ -160,13 +162,16 @@ def _as_sequence_shard(x: torch.Tensor, mesh) -> DTensor:
     return x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
 
 
-def _block_plan(block: nn.Module) -> dict:
-    plan = {"attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
-    if not isinstance(block.feed_forward, MoELayer):
+def _block_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
+    plan: dict[str, ParallelStyle] = {
+        "attention_norm": SequenceParallel(), "ffn_norm": SequenceParallel(),
+        "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1))}
+    ffn = block.feed_forward
+    if not isinstance(ffn, MoELayer):
+        assert isinstance(ffn, FeedForward), type(ffn)
         plan.update({"feed_forward.w1": ColwiseParallel(), "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))})
-        if block.feed_forward.w3 is not None:
+        if ffn.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
     return plan
 
@@ -186,7 +191,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     tied = embedding is not None and output is not None and output.weight is embedding.weight
     mesh = dims.tp_mesh
-    plan = {}
+    plan: dict[str, ParallelStyle] = {}
     if embedding is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
     if output is not None:
@@ -198,26 +203,39 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         parallelize_module(model, mesh, plan)
     if tied:
         # Both are Shard(0) over tp (vocabulary rows): one parameter again, as before the split.
-        model.output.weight = model.tok_embeddings.weight
+        assert embedding is not None and output is not None
+        output.weight = embedding.weight
     if embedding is not None:
         embedding.weight.register_hook(_vocab_rows_of_grad)
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for block in layers:
+    for block in _blocks(model):
         parallelize_module(block, mesh, _block_plan(block))
+        attention, ffn = block.attention, block.feed_forward
+        assert isinstance(attention, Attention), type(attention)  # check_tensor_parallel rejects MLA
         # Attention and the dense FFN read the whole sequence (all-gathered); the MoE layer its shard.
-        block.attention.register_forward_pre_hook(_gather_sequence(mesh))
-        moe = isinstance(block.feed_forward, MoELayer)
-        block.feed_forward.register_forward_pre_hook(_local_sequence(mesh) if moe else _gather_sequence(mesh))
+        attention.register_forward_pre_hook(_gather_sequence(mesh))
+        ffn.register_forward_pre_hook(_local_sequence(mesh) if isinstance(ffn, MoELayer) else _gather_sequence(mesh))
         # The attention forward views its projections with these counts: this rank's heads.
-        block.attention.num_heads //= tp
-        block.attention.num_kv_heads //= tp
-        if moe:
-            block.feed_forward.register_forward_hook(_mean_aux_over_tp(dims))
+        attention.num_heads //= tp
+        attention.num_kv_heads //= tp
+        if isinstance(ffn, MoELayer):
+            ffn.register_forward_hook(_mean_aux_over_tp(dims))
             # Each sequence's positions are spread over the tp ranks: the sequence-wise balance
             # loss sums its per-sequence counts and scores over them.
-            block.feed_forward.sequence_group = dims.tp_group
+            ffn.sequence_group = dims.tp_group
     model.register_forward_pre_hook(_check_sequence_length(tp))
     return model
+
+
+def _blocks(model: nn.Module) -> list[TransformerBlock]:
+    """The blocks of a ``Transformer`` (a ModuleList) or of a ``PipelineModel`` (a ModuleDict of
+    the blocks this rank holds), in order."""
+    layers = model.get_submodule("layers")
+    assert isinstance(layers, (nn.ModuleList, nn.ModuleDict)), type(layers)
+    blocks: list[TransformerBlock] = []
+    for block in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
+        assert isinstance(block, TransformerBlock), type(block)
+        blocks.append(block)
+    return blocks
 
 
 def _vocab_rows_of_grad(grad: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,8 @@ class CommStats:
             self.combine_bytes += (rows_sent + rows_received) * row_bytes
         if peer_nodes is not None:
             assert len(peer_nodes) == len(input_splits), (peer_nodes, input_splits)
-            far = sum(i + o for i, o, node in zip(input_splits, output_splits, peer_nodes) if node != peer_nodes[own])
+            far = sum(i + o for i, o, node in zip(input_splits, output_splits, peer_nodes, strict=True)
+                      if node != peer_nodes[own])
             self.inter_node_bytes += far * row_bytes
             if dispatch_row_elements is not None:
                 self.inter_node_dispatch_bytes += far * row_bytes

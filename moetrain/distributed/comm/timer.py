@@ -30,8 +30,8 @@ class CommTimer:
         self._cuda = device is not None and device.type == "cuda"
         self._seconds: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
-        self._events: list[tuple[str, object, object]] = []
-        self._open: dict[str, list] = defaultdict(list)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._open: dict[str, list[torch.cuda.Event | float]] = defaultdict(list)
 
     def start(self, kind: str) -> None:
         if not self.enabled:
@@ -44,10 +44,13 @@ class CommTimer:
             return
         begin, end = self._open[kind].pop(), self._mark()
         self._counts[kind] += 1
-        if self._cuda:
-            self._events.append((kind, begin, end))
-        else:
+        # Both marks are of the one kind _mark makes for this timer's device.
+        if isinstance(begin, float):
+            assert isinstance(end, float)
             self._seconds[kind] += end - begin
+        else:
+            assert isinstance(end, torch.cuda.Event)
+            self._events.append((kind, begin, end))
 
     @contextlib.contextmanager
     def span(self, kind: str):
@@ -72,7 +75,7 @@ class CommTimer:
             self._counts.clear()
         return out
 
-    def _mark(self):
+    def _mark(self) -> torch.cuda.Event | float:
         if self._cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()

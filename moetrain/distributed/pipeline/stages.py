@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,9 @@ from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.attention import attention_mask
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 PP_SPLITS = ("layers", "params", "flops")
 
@@ -89,7 +93,8 @@ def layer_costs(model: Transformer, split: str, *, seq_len: int) -> tuple[list[f
         if split == "params":
             costs.append(float(total))
             continue
-        expert = sum(p.numel() for p in layer.feed_forward.experts.parameters()) if layer.is_moe else 0
+        ffn = layer.feed_forward
+        expert = sum(p.numel() for p in ffn.experts.parameters()) if isinstance(ffn, MoELayer) else 0
         active = total - expert + expert * moe.top_k // moe.num_experts
         head_dim = cfg.resolved_head_dim
         v_dim = cfg.v_head_dim if cfg.attention == "mla" else head_dim
@@ -152,6 +157,9 @@ class PipelineChunk(nn.Module):
     hidden state, or on the last stage the logits ``[B, S, V]``. ``tokens_BS`` (the token ids, on
     every stage) is needed only when ``model.document_separator`` masks attention by document."""
 
+    rope_cos_SA: torch.Tensor
+    rope_sin_SA: torch.Tensor
+
     def __init__(self, model: Transformer, layer_ids: range, *, stage_id: int, num_stages: int) -> None:
         super().__init__()
         self.config, self.stage_id = model.config, stage_id
@@ -189,14 +197,17 @@ class PipelineChunk(nn.Module):
             yield
         finally:
             self.recording, self.timer.enabled = True, timed
-            for m, on in zip(layers, tracked):
+            for m, on in zip(layers, tracked, strict=True):
                 m.track_routing_stats = on
 
     def forward(self, x: torch.Tensor, tokens_BS: torch.Tensor | None = None) -> torch.Tensor:
         if self.config.document_separator is not None and tokens_BS is None:
             raise ValueError("model.document_separator masks attention by document: every pipeline stage "
                              "needs the token ids (tokens_BS)")
-        h_BSD = self.embedding_dropout(self.tok_embeddings(x)) if self.is_first else x
+        h_BSD = x
+        if self.is_first:
+            assert self.tok_embeddings is not None and self.embedding_dropout is not None
+            h_BSD = self.embedding_dropout(self.tok_embeddings(x))
         # Past the first stage the stream is this rank's sequence shard under tensor parallelism.
         S = x.shape[1] if self.is_first else x.shape[1] * self.sequence_shards
         # Without a document separator (or padding, which the lm head does not mask) the mask
@@ -223,6 +234,7 @@ class PipelineChunk(nn.Module):
             if aux.requires_grad and torch.is_grad_enabled():
                 h_BSD = AuxLossScaler.apply(h_BSD, aux, self.aux_grad_scale)
         if self.is_last:
+            assert self.output is not None and self.norm is not None
             return self.output(self.norm(h_BSD))
         # p2p sends need contiguous tensors.
         return h_BSD.contiguous()
@@ -264,8 +276,8 @@ def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_s
     model's)."""
     cfg = model.config
     check_pipeline_model(cfg, pp=pp, virtual_stages=virtual_stages)
-    costs, first, last = layer_costs(model, split, seq_len=seq_len or cfg.max_seq_len)
-    stage_layers = split_stages(costs, pp * virtual_stages, first_extra=first, last_extra=last)
+    costs, first_extra, last_extra = layer_costs(model, split, seq_len=seq_len or cfg.max_seq_len)
+    stage_layers = split_stages(costs, pp * virtual_stages, first_extra=first_extra, last_extra=last_extra)
     pm = PipelineModel(model, stage_layers, rank_stage_ids(pp_rank, pp, virtual_stages))
     if model.tok_embeddings.weight.is_meta:
         if device is None:
@@ -278,7 +290,7 @@ def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_s
         # the rotary tables: PipelineModel has them all, so the kept names get the same draws.
         first = pm.chunks[0]
         pm.rope_cos_SA, pm.rope_sin_SA = first.rope_cos_SA, first.rope_sin_SA
-        Transformer.init_weights(pm, seed)
+        Transformer.init_weights(pm, seed)  # type: ignore[arg-type]  # duck-typed, as said above
         del pm.rope_cos_SA, pm.rope_sin_SA
         with torch.no_grad():
             for chunk in pm.chunks[1:]:
@@ -313,7 +325,8 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     for chunk in pm.chunks:
         chunk.sequence_shards = dims.tp
     apply_expert_parallel(pm, dims)
-    apply_activation_checkpointing(checkpoint_blocks(pm, activation_checkpointing, every=activation_checkpointing_every))
+    apply_activation_checkpointing(checkpoint_blocks(pm, activation_checkpointing,
+                                                     every=activation_checkpointing_every))
     if compile:
         for block in pm.layers.values():
             block.compile()
@@ -359,8 +372,9 @@ def build_schedule(pm: PipelineModel, *, schedule: str, num_microbatches: int, p
     pp = dist.get_world_size(pp_group)
     check_microbatches(schedule, num_microbatches=num_microbatches, pp=pp)
     modules = stage_modules if stage_modules is not None else pm.chunks
-    stages = [MutedInferenceStage(m, c, s, pm.num_stages, device, group=pp_group)
-              for m, c, s in zip(modules, pm.chunks, pm.stage_ids)]
+    # Annotated with the base class: the schedules take an (invariant) list of it.
+    stages: list[_PipelineStageBase] = [MutedInferenceStage(m, c, s, pm.num_stages, device, group=pp_group)
+                                        for m, c, s in zip(modules, pm.chunks, pm.stage_ids, strict=True)]
     if schedule == "interleaved_1f1b":
         return ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
     if len(stages) != 1:
@@ -376,7 +390,7 @@ def forward_only(pm: PipelineModel, input_ids_BS: torch.Tensor, pp_group: dist.P
     backward). Returns the logits on the rank holding the last stage, None elsewhere. Every rank
     of ``pp_group`` calls it with a batch of the same shape."""
     pp = dist.get_world_size(pp_group)
-    held = dict(zip(pm.stage_ids, pm.chunks))
+    held = dict(zip(pm.stage_ids, pm.chunks, strict=True))
     out = None
     for s in range(pm.num_stages):
         if s not in held:

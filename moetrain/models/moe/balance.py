@@ -12,7 +12,7 @@ import torch.distributed.nn.functional as dist_nn
 
 
 def load_balancing_loss(probs_TE: torch.Tensor, num_tokens_per_expert_E: torch.Tensor, *,
-                        top_k: int, num_tokens: int | None = None) -> torch.Tensor:
+                        top_k: int, num_tokens: int | torch.Tensor | None = None) -> torch.Tensor:
     """Switch/GShard loss ``E * sum_e f_e * P_e``.
 
     ``f_e`` is the fraction of the T*K routed token copies that chose expert e (before any

@@ -112,10 +112,10 @@ class MoELayer(nn.Module):
         # Process group over which routing counts are summed before the load-balancing loss
         # (set by the data/expert-parallel wrappers). With it, the mean of the per-rank losses
         # equals the loss of one process holding the whole global batch.
-        self.balance_group = None
+        self.balance_group: dist.ProcessGroup | None = None
         # Process group over which each sequence's positions are spread (tensor parallelism's
         # sequence shards), for the sequence-wise balance loss; None: whole sequences here.
-        self.sequence_group = None
+        self.sequence_group: dist.ProcessGroup | None = None
         # Routed copies per expert in the last forward; read by metrics, never synced here.
         # int64 so a cast of the module to bf16 cannot round the counts.
         self.register_buffer("tokens_per_expert", torch.zeros(c.num_experts, dtype=torch.int64),
@@ -249,11 +249,12 @@ class MoELayer(nn.Module):
     def _token_choice_aux(self, x, routing, d, z, num_tokens: int, sequence_ids: torch.Tensor | None = None,
                           num_sequences: int | None = None) -> MoEAux:
         c = self.config
-        num_routed_E, num_balance_tokens = d.num_routed_per_expert, num_tokens
+        num_routed_E = d.num_routed_per_expert
+        num_balance_tokens: int | torch.Tensor = num_tokens
         # Masked (real tokens only), the ranks hold different token counts: the global count is
         # the routed copies over K, and each rank's token means are taken over the mean count per
         # rank, so that the mean over ranks of their losses is still the global batch's loss.
-        token_share = 1.0
+        token_share: float | torch.Tensor = 1.0
         if self.balance_group is not None:
             num_routed_E = all_reduce_counts(num_routed_E, self.balance_group)
             world = dist.get_world_size(self.balance_group)
