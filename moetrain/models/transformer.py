@@ -293,46 +293,9 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:
-        """Draw every parameter from ``seed``, independent of the global RNG, the device and the
-        parallel layout.
-
-        Each parameter gets its own CPU generator seeded from ``(seed, parameter name)`` and is
-        drawn whole, then copied (or, for a DTensor, sharded) into place. Stacked expert weights
-        ``[E, ...]`` are drawn in global expert order, so expert e is the same whatever expert-
-        parallel layout later holds it. Weights are normal(init_std), the residual output
-        projections (attention out, FFN/expert down) normal(init_std / sqrt(2 * num_layers)) as
-        GPT-2/Megatron, routers normal(moe.router_init_std), norm scales (q/k and latent norms too)
-        1, q/k/v biases and the attention-pooling query 0.
-        """
-        cfg = self.config
-        std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
-        std_of: dict[int, float | str] = {}  # id(param) -> std, or "ones" / "zeros"
-        for module in self.modules():
-            if isinstance(module, RMSNorm):
-                std_of[id(module.weight)] = "ones"
-            elif isinstance(module, TopKRouter):
-                std_of[id(module.gate.weight)] = module.init_std
-            elif isinstance(module, Attention):
-                std_of[id(module.wo.weight)] = out_std
-                for bias in (module.wq.bias, module.wk.bias, module.wv.bias):
-                    if bias is not None:
-                        std_of[id(bias)] = "zeros"
-            elif isinstance(module, MultiHeadLatentAttention):
-                std_of[id(module.wo.weight)] = out_std
-            elif isinstance(module, FeedForward):
-                std_of[id(module.w2.weight)] = out_std
-            elif isinstance(module, GroupedExperts):
-                std_of[id(module.w2)] = out_std
-        if hasattr(self, "pool_query"):
-            std_of[id(self.pool_query)] = "zeros"  # uniform weights: training starts from mean pooling
-        for name, param in self.named_parameters():
-            p_std = std_of.get(id(param), std)
-            if isinstance(p_std, str):
-                full = torch.ones(param.shape) if p_std == "ones" else torch.zeros(param.shape)
-            else:
-                full = torch.empty(param.shape).normal_(0.0, p_std, generator=_generator(seed, name))
-            _copy_full(param, full)
-        cos_SP, sin_SP = rope_table(cfg.rope_dim, cfg.max_seq_len, theta=cfg.rope_theta)
+        """Draw every parameter from ``seed`` (:func:`init_parameters`) and fill the rotary tables."""
+        init_parameters(self, self.config, seed)
+        cos_SP, sin_SP = rope_table(self.config.rope_dim, self.config.max_seq_len, theta=self.config.rope_theta)
         self.rope_cos_SA.copy_(cos_SP)
         self.rope_sin_SA.copy_(sin_SP)
 
@@ -437,3 +400,47 @@ def _copy_full(param: torch.Tensor, full: torch.Tensor) -> None:
         full = distribute_tensor(full.to(param.dtype), param.device_mesh, param.placements,
                                  src_data_rank=None)
     param.copy_(full)
+
+
+@torch.no_grad()
+def init_parameters(root: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Draw every parameter of ``root`` (a Transformer, or the stages a pipeline rank keeps of
+    one) from ``seed``, independent of the global RNG, the device and the parallel layout.
+
+    Each parameter gets its own CPU generator seeded from ``(seed, parameter name)`` and is
+    drawn whole, then copied (or, for a DTensor, sharded) into place: a module that keeps the
+    whole model's parameter names gets the whole model's draws. Stacked expert weights
+    ``[E, ...]`` are drawn in global expert order, so expert e is the same whatever expert-
+    parallel layout later holds it. Weights are normal(init_std), the residual output
+    projections (attention out, FFN/expert down) normal(init_std / sqrt(2 * num_layers)) as
+    GPT-2/Megatron, routers normal(moe.router_init_std), norm scales (q/k and latent norms too)
+    1, q/k/v biases and the attention-pooling query 0.
+    """
+    std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    std_of: dict[int, float | str] = {}  # id(param) -> std, or "ones" / "zeros"
+    for module in root.modules():
+        if isinstance(module, RMSNorm):
+            std_of[id(module.weight)] = "ones"
+        elif isinstance(module, TopKRouter):
+            std_of[id(module.gate.weight)] = module.init_std
+        elif isinstance(module, Attention):
+            std_of[id(module.wo.weight)] = out_std
+            for bias in (module.wq.bias, module.wk.bias, module.wv.bias):
+                if bias is not None:
+                    std_of[id(bias)] = "zeros"
+        elif isinstance(module, MultiHeadLatentAttention):
+            std_of[id(module.wo.weight)] = out_std
+        elif isinstance(module, FeedForward):
+            std_of[id(module.w2.weight)] = out_std
+        elif isinstance(module, GroupedExperts):
+            std_of[id(module.w2)] = out_std
+    pool_query = getattr(root, "pool_query", None)
+    if pool_query is not None:
+        std_of[id(pool_query)] = "zeros"  # uniform weights: training starts from mean pooling
+    for name, param in root.named_parameters():
+        p_std = std_of.get(id(param), std)
+        if isinstance(p_std, str):
+            full = torch.ones(param.shape) if p_std == "ones" else torch.zeros(param.shape)
+        else:
+            full = torch.empty(param.shape).normal_(0.0, p_std, generator=_generator(seed, name))
+        _copy_full(param, full)

@@ -47,9 +47,9 @@ from moetrain.config.pipeline import check_microbatches, check_pipeline_model, c
 from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
-from moetrain.models.attention import attention_mask
+from moetrain.models.attention import attention_mask, rope_table
 from moetrain.models.moe.layer import MoELayer
-from moetrain.models.transformer import Transformer
+from moetrain.models.transformer import Transformer, init_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase
@@ -286,16 +286,13 @@ def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_s
             chunk.to_empty(device=device)
             chunk.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
             chunk.timer = CommTimer(enabled=True, device=torch.device(device))
-        # Transformer.init_weights reads only the config, the modules, the parameter names and
-        # the rotary tables: PipelineModel has them all, so the kept names get the same draws.
-        first = pm.chunks[0]
-        pm.rope_cos_SA, pm.rope_sin_SA = first.rope_cos_SA, first.rope_sin_SA
-        Transformer.init_weights(pm, seed)  # type: ignore[arg-type]  # duck-typed, as said above
-        del pm.rope_cos_SA, pm.rope_sin_SA
+        # The chunks keep the whole model's parameter names, so they get the whole model's draws.
+        init_parameters(pm, cfg, seed)
+        cos_SP, sin_SP = rope_table(cfg.rope_dim, cfg.max_seq_len, theta=cfg.rope_theta)
         with torch.no_grad():
-            for chunk in pm.chunks[1:]:
-                chunk.rope_cos_SA.copy_(first.rope_cos_SA)
-                chunk.rope_sin_SA.copy_(first.rope_sin_SA)
+            for chunk in pm.chunks:
+                chunk.rope_cos_SA.copy_(cos_SP)
+                chunk.rope_sin_SA.copy_(sin_SP)
     return pm
 
 
