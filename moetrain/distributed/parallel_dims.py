@@ -311,48 +311,46 @@ class ParallelDims:
         self.mesh = mesh
         return mesh
 
-    def _sub_mesh(self, axis: str | tuple[str, ...], *, moe: bool = False) -> DeviceMesh:
-        if self.mesh is None or self.moe_mesh is None:  # build_mesh sets both
+    def axis_mesh(self, axis: str) -> DeviceMesh:
+        """The 1-D mesh of a named axis: "pp", "dp" (the dense parameters' data-parallel axis; all
+        ranks at tp = pp = 1), "tp", "dp_tp" (the ranks of this rank's stage, dp x tp flattened, the
+        dp axis at tp = 1: each holds different tokens at the MoE layers, so routing counts and
+        capacity drops are global over it), "edp", "ep", "etp"; with the hierarchical exchange also
+        "ep_inter" (the same local index on the other nodes of this rank's ep group) and "ep_intra"
+        (the ranks of its ep group on its node)."""
+        if self.mesh is None or self.moe_mesh is None or self._dp_tp_mesh is None:  # build_mesh sets all
             raise RuntimeError("call ParallelDims.build_mesh() first")
-        return (self.moe_mesh if moe else self.mesh)[axis]
+        if axis in ("pp", "dp", "tp"):
+            return self.mesh[axis]
+        if axis in ("edp", "ep", "etp"):
+            return self.moe_mesh[axis]
+        if axis == "dp_tp":
+            return self._dp_tp_mesh
+        if axis in ("ep_inter", "ep_intra"):
+            if self._ep_node_mesh is None:
+                raise RuntimeError("the ep node groups exist once build_mesh() ran with an ep group spanning "
+                                   "nodes and ep_hierarchical")
+            return self._ep_node_mesh[axis]
+        raise ValueError(f"no mesh axis named {axis!r}: one of pp, dp, tp, dp_tp, edp, ep, etp, ep_inter, ep_intra")
 
-    @property
-    def ep_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("ep", moe=True)
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """The process group of a named axis (:meth:`axis_mesh`)."""
+        return self.axis_mesh(axis).get_group()
 
-    @property
-    def edp_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("edp", moe=True)
-
-    @property
-    def etp_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("etp", moe=True)
+    def degree(self, axis: str) -> int:
+        """The number of ranks on a named axis of the dense or expert mesh."""
+        degrees = {"pp": self.pp, "dp": self.dp, "tp": self.tp, "dp_tp": self.dp_tp, "edp": self.edp,
+                   "ep": self.ep, "etp": self.etp}
+        if axis not in degrees:
+            raise ValueError(f"no parallel degree named {axis!r}: one of {', '.join(degrees)}")
+        return degrees[axis]
 
     @property
     def expert_mesh(self) -> DeviceMesh:
         """What the expert weights are sharded over: the ep axis, and with etp > 1 (ep, etp)."""
-        return self._sub_mesh("ep" if self.etp == 1 else ("ep", "etp"), moe=True)
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The data-parallel axis of the dense parameters (all ranks when tp = pp = 1)."""
-        return self._sub_mesh("dp")
-
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("tp")
-
-    @property
-    def pp_mesh(self) -> DeviceMesh:
-        return self._sub_mesh("pp")
-
-    @property
-    def dp_tp_mesh(self) -> DeviceMesh:
-        """The ranks of this rank's stage (dp x tp flattened; the dp axis when tp = 1): each holds
-        different tokens at the MoE layers, so routing counts and capacity drops are global over it."""
-        if self._dp_tp_mesh is None:  # set by build_mesh, with the mesh
-            raise RuntimeError("call ParallelDims.build_mesh() first")
-        return self._dp_tp_mesh
+        ep = self.axis_mesh("ep")  # checks that the meshes exist
+        assert self.moe_mesh is not None
+        return ep if self.etp == 1 else self.moe_mesh[("ep", "etp")]
 
     def hsdp_mesh(self, replicate: int) -> DeviceMesh:
         """The (dp_replicate, dp_shard) mesh of HSDP with ``replicate`` replicas: shard groups of
@@ -376,75 +374,31 @@ class ParallelDims:
         return self._hsdp_mesh
 
     @property
-    def ep_group(self) -> dist.ProcessGroup:
-        return self.ep_mesh.get_group()
-
-    def _ep_node_axis(self, axis: str) -> dist.ProcessGroup:
-        if self._ep_node_mesh is None:
-            raise RuntimeError("the ep node groups exist once build_mesh() ran with an ep group spanning nodes "
-                               "and ep_hierarchical")
-        return self._ep_node_mesh[axis].get_group()
-
-    @property
-    def ep_inter_group(self) -> dist.ProcessGroup:
-        """This rank's peers with the same local index on the other nodes of its ep group."""
-        return self._ep_node_axis("ep_inter")
-
-    @property
-    def ep_intra_group(self) -> dist.ProcessGroup:
-        """The ranks of this rank's ep group on its node."""
-        return self._ep_node_axis("ep_intra")
-
-    @property
-    def edp_group(self) -> dist.ProcessGroup:
-        return self.edp_mesh.get_group()
-
-    @property
-    def etp_group(self) -> dist.ProcessGroup:
-        return self.etp_mesh.get_group()
-
-    @property
-    def dp_group(self) -> dist.ProcessGroup:
-        return self.dp_mesh.get_group()
-
-    @property
-    def tp_group(self) -> dist.ProcessGroup:
-        return self.tp_mesh.get_group()
-
-    @property
-    def pp_group(self) -> dist.ProcessGroup:
-        return self.pp_mesh.get_group()
-
-    @property
-    def dp_tp_group(self) -> dist.ProcessGroup:
-        return self.dp_tp_mesh.get_group()
-
-    @property
     def ep_rank(self) -> int:
-        return self.ep_mesh.get_local_rank()
+        return self.axis_mesh("ep").get_local_rank()
 
     @property
     def edp_rank(self) -> int:
-        return self.edp_mesh.get_local_rank()
+        return self.axis_mesh("edp").get_local_rank()
 
     @property
     def etp_rank(self) -> int:
-        return self.etp_mesh.get_local_rank()
+        return self.axis_mesh("etp").get_local_rank()
 
     @property
     def dp_rank(self) -> int:
         """This rank's data-parallel index: the tp ranks of one dp index read the same batch."""
-        return self.dp_mesh.get_local_rank()
+        return self.axis_mesh("dp").get_local_rank()
 
     @property
     def tp_rank(self) -> int:
-        return self.tp_mesh.get_local_rank()
+        return self.axis_mesh("tp").get_local_rank()
 
     @property
     def pp_rank(self) -> int:
-        return self.pp_mesh.get_local_rank()
+        return self.axis_mesh("pp").get_local_rank()
 
     @property
     def dp_tp_rank(self) -> int:
         """This rank's index among the ranks of its stage (dp_index * tp + tp_index)."""
-        return self.dp_tp_mesh.get_local_rank()
+        return self.axis_mesh("dp_tp").get_local_rank()

@@ -171,10 +171,8 @@ def set_collective_timeout(timeout_s: float, dims: ParallelDims) -> None:
                     "is ignored")
         return
     timeout = timedelta(seconds=timeout_s)
-    groups = [dist.group.WORLD, dims.ep_group, dims.edp_group, dims.etp_group, dims.dp_group, dims.tp_group,
-              dims.pp_group, dims.dp_tp_group]
-    if dims.hierarchical_ep:
-        groups += [dims.ep_inter_group, dims.ep_intra_group]
+    axes = ["ep", "edp", "etp", "dp", "tp", "pp", "dp_tp"] + (["ep_inter", "ep_intra"] if dims.hierarchical_ep else [])
+    groups = [dist.group.WORLD] + [dims.group(axis) for axis in axes]
     unique = {id(g): g for g in groups}
     for group in unique.values():
         set_timeout(timeout, group)

@@ -22,7 +22,7 @@ the experts need no tensor-parallel collective, and ``ep`` can borrow the tp ran
 folding). What it asks for:
 
 * routing counts (load-balancing statistics, capacity drops) are summed over the stage's dp x tp
-  ranks (``ParallelDims.dp_tp_group``), so ``f_e`` is the global one;
+  ranks (``ParallelDims.group("dp_tp")``), so ``f_e`` is the global one;
 * each tp rank's aux loss covers its S/tp positions: the layer's aux terms are averaged over tp in
   the forward (every tp rank then holds the value of its dp index's batch, as for the LM loss) and
   each rank's gradient is scaled by 1/tp (``_MeanOverTp``), which makes the summed router
@@ -122,7 +122,7 @@ class _MeanOverTp(torch.autograd.Function):
 
 
 def _mean_aux_over_tp(dims: ParallelDims):
-    group, size = dims.tp_group, dims.tp
+    group, size = dims.group("tp"), dims.tp
 
     def hook(_module: nn.Module, _args, output):
         out, aux = output
@@ -178,7 +178,7 @@ def _block_plan(block: TransformerBlock) -> dict[str, ParallelStyle]:
 
 def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     """Split ``model`` (a ``Transformer`` built full-size with the same seed on every rank, or a
-    rank's ``PipelineModel``, whose absent embedding or head is None) over ``dims.tp_mesh`` as the
+    rank's ``PipelineModel``, whose absent embedding or head is None) over ``dims.axis_mesh("tp")`` as the
     module docstring lays out. In place; returns ``model``. A no-op at tp = 1.
 
     Each rank keeps its slice of every split weight (no communication: every rank holds the same
@@ -190,7 +190,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     check_tensor_parallel(model, tp)
     embedding, output = getattr(model, "tok_embeddings", None), getattr(model, "output", None)
     tied = embedding is not None and output is not None and output.weight is embedding.weight
-    mesh = dims.tp_mesh
+    mesh = dims.axis_mesh("tp")
     plan: dict[str, ParallelStyle] = {}
     if embedding is not None:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -221,7 +221,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
             ffn.register_forward_hook(_mean_aux_over_tp(dims))
             # Each sequence's positions are spread over the tp ranks: the sequence-wise balance
             # loss sums its per-sequence counts and scores over them.
-            ffn.sequence_group = dims.tp_group
+            ffn.sequence_group = dims.group("tp")
     model.register_forward_pre_hook(_check_sequence_length(tp))
     return model
 

@@ -81,7 +81,7 @@ class Balancer:
         self.named_layers = [(name, m) for name, m in unwrap(model).named_modules() if isinstance(m, MoELayer)]
         self.layers = [m for _, m in self.named_layers]
         # The tp ranks of a dp index see different tokens at the MoE layers (sequence slices).
-        self.dp_group = dims.dp_tp_group if dims is not None and dims.dp_tp > 1 else None
+        self.dp_group = dims.group("dp_tp") if dims is not None and dims.dp_tp > 1 else None
         self.capacity_fn = capacity_fn
         num_layers = len(self.layers)
         num_experts = self.layers[0].config.num_experts if self.layers else 0

@@ -77,7 +77,7 @@ def evaluate_classifier(model: nn.Module, data: PreparedLabelled, split: str, *,
         confusion_CC += confusion_matrix(logits_BC.argmax(dim=-1), labels_B, num_classes=num_classes, valid_B=valid_B)
     sums = torch.cat([confusion_CC.flatten().double(), loss_sum[None]])
     if dims.dp > 1:
-        dist.all_reduce(sums, group=dims.dp_group)
+        dist.all_reduce(sums, group=dims.group("dp"))
     confusion_CC = sums[:-1].round().long().reshape(num_classes, num_classes).cpu()
     metrics = metrics_from_confusion(confusion_CC, prefix=split)
     metrics[f"{split}_loss"] = float(sums[-1]) / max(metrics[f"{split}_examples"], 1)

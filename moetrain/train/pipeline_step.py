@@ -43,14 +43,14 @@ from moetrain.train.precision import autocast_context
 class PipelineStep:
     """The schedule of one rank's stages and the per-step bookkeeping around it.
 
-    ``pp_group`` defaults to ``dims.pp_group``. After the schedule ``finalize_grads`` reduces the
+    ``pp_group`` defaults to ``dims.group("pp")``. After the schedule ``finalize_grads`` reduces the
     stage gradients over dp (at ZeRO 2/3 the FSDP2 units did it inside)."""
 
     def __init__(self, pm: PipelineModel, dims: ParallelDims, *, schedule: str, num_microbatches: int,
                  device: torch.device, dtype: str = "fp32", pp_group: dist.ProcessGroup | None = None) -> None:
         self.pm, self.dims, self.device, self.dtype = pm, dims, device, dtype
         self.num_microbatches = num_microbatches
-        self.pp_group = pp_group if pp_group is not None else dims.pp_group
+        self.pp_group = pp_group if pp_group is not None else dims.group("pp")
         self.holds_first = 0 in pm.stage_ids
         self.holds_last = pm.num_stages - 1 in pm.stage_ids
         self._loss_weight = 1.0 / num_microbatches

@@ -99,6 +99,9 @@ def test_config_accepts_tp_pp_and_etp():
         ParallelConfig(tp=1.5)
 
 
+AXES = ("pp", "dp", "tp", "dp_tp", "edp", "ep", "etp")
+
+
 def _mesh_worker(rank, world_size, kwargs):
     dims = ParallelDims(world_size=world_size, **kwargs)
     dims.build_mesh("cpu")
@@ -107,11 +110,15 @@ def _mesh_worker(rank, world_size, kwargs):
     def ranks(group):
         return dist.get_process_group_ranks(group)
 
-    return {"tp": ranks(dims.tp_group), "dp": ranks(dims.dp_group), "pp": ranks(dims.pp_group),
-            "ep": ranks(dims.ep_group), "edp": ranks(dims.edp_group), "dp_tp": ranks(dims.dp_tp_group),
-            "etp": ranks(dims.etp_group),
-            "coords": (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.edp_rank, dims.ep_rank, dims.etp_rank),
-            "same_root": dims.tp_mesh._get_root_mesh() is dims.expert_mesh._get_root_mesh()}
+    out: dict = {axis: ranks(dims.group(axis)) for axis in AXES}
+    out["degrees"] = [dims.degree(axis) for axis in AXES]
+    try:
+        dims.group("expert")
+    except ValueError as e:
+        out["unknown"] = str(e)
+    out["coords"] = (dims.pp_rank, dims.dp_rank, dims.tp_rank, dims.edp_rank, dims.ep_rank, dims.etp_rank)
+    out["same_root"] = dims.axis_mesh("tp")._get_root_mesh() is dims.expert_mesh._get_root_mesh()
+    return out
 
 
 @pytest.mark.slow
@@ -128,6 +135,8 @@ def test_meshes_give_the_groups_of_the_rank_arithmetic(kwargs):
         assert got["pp"] == mine(dims.pp_group_ranks()) and got["dp_tp"] == mine(dims.dp_tp_group_ranks())
         assert got["ep"] == mine(dims.ep_group_ranks()) and got["edp"] == mine(dims.edp_group_ranks())
         assert got["etp"] == mine(dims.etp_group_ranks())
+        assert got["degrees"] == [len(got[axis]) for axis in AXES]
+        assert got["unknown"].startswith("no mesh axis named 'expert': one of pp, dp, tp, dp_tp")
         if dims.etp == 1:
             pp, rest = divmod(rank, 4)
             assert got["coords"] == (pp, rest // 2, rest % 2, rest // 2, rest % 2, 0)

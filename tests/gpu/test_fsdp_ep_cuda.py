@@ -47,7 +47,7 @@ def _zero_with_all_to_all(run: Run, device: torch.device):
     parallelize(model, dims, zero_stage=run.zero_stage, mixed_precision=run.dtype)
     for layer in moe_layers(model):
         c = layer.config
-        layer.dispatcher = AllToAllDispatcher(c.num_experts, ep_group=dims.ep_group, dedup=c.dispatch_dedup,
+        layer.dispatcher = AllToAllDispatcher(c.num_experts, ep_group=dims.group("ep"), dedup=c.dispatch_dedup,
                                               dispatch_dtype=c.dispatch_dtype)
     return model, _optimizer(model)
 

@@ -50,7 +50,7 @@ def pipelined_tp(rank: int, world: int, folder: str) -> dict:
     parallelize_pipeline(pm, dims, zero_stage=CASE.zero_stage)
     step = PipelineStep(pm, dims, schedule="1f1b", num_microbatches=CASE.micro_batches, device=torch.device("cpu"))
     opt = wrap_optimizer(torch.optim.AdamW(pm.parameters(), lr=1e-2, weight_decay=0.1), dims, zero_stage=1)
-    loaded = load_checkpoint(f"{folder}/step_{SAVED_AT:09d}", model=pm, optimizer=opt, pipeline_group=dims.pp_group)
+    loaded = load_checkpoint(f"{folder}/step_{SAVED_AT:09d}", model=pm, optimizer=opt, pipeline_group=dims.group("pp"))
     ids_DXS, labels_DXS = make_batches(CASE, 1)[SAVED_AT]
     loss, aux = step.forward_backward(ids_DXS[0], labels_DXS[0])
     opt.step()

@@ -47,7 +47,7 @@ def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: b
             optimizer.zero_grad(set_to_none=True)
             loss = out.total_loss.detach().clone()
             if dims.dp > 1:
-                dist.all_reduce(loss, group=dims.dp_group)
+                dist.all_reduce(loss, group=dims.group("dp"))
             losses.append(loss.item() / dims.dp)
         return losses
 

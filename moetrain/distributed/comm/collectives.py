@@ -17,7 +17,7 @@ def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     batches, the single-process value of the global batch."""
     out = value.detach().clone().to(_comm_device(dims))
     if dims.dp > 1:
-        dist.all_reduce(out, group=dims.dp_group)
+        dist.all_reduce(out, group=dims.group("dp"))
         out /= dims.dp
     return out
 

@@ -107,7 +107,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         dense = grad_reduction(dims, "dp_tp")
         assert dims.tp == 1 and dense.size == dense.divisor, "MoEDataParallel reduces over dp only"
         self._dense_divisor = dense.divisor
-        super().__init__(module, process_group=dims.dp_group, bucket_cap_mb=bucket_cap_mb,
+        super().__init__(module, process_group=dims.group("dp"), bucket_cap_mb=bucket_cap_mb,
                          gradient_as_bucket_view=True, **no_buffer_sync)
         params = dict(module.named_parameters())
         expert_names = [n for n in expert_names if params[n].requires_grad]  # frozen shards (LoRA) get no gradient
@@ -159,7 +159,7 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         if mode == "onebit":
             device = next(module.parameters()).device
             self._dense_params = [(n, p) for n, p in module.named_parameters() if n in dense]
-            self._dense_reducer = OneBitReducer(dims.dp_group, dense, device=device)
+            self._dense_reducer = OneBitReducer(dims.group("dp"), dense, device=device)
             if self._edp_group is not None:
                 self._expert_reducer = OneBitReducer(self._edp_group, experts, device=device)
         self._register_reduce_hook()

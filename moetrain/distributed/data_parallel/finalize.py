@@ -80,9 +80,8 @@ def grad_reduction(dims: ParallelDims, axis: str) -> GradReduction:
     ``copies_axis``): scale by 1/dp, sum over the copies. Every reduction applies this."""
     if axis not in COPIES_AXES:
         raise ValueError(f"copies axis {axis!r} must be one of {', '.join(map(repr, COPIES_AXES))}")
-    size = getattr(dims, axis)
-    return GradReduction(axis=axis, divisor=dims.dp, size=size,
-                         group=getattr(dims, f"{axis}_group") if size > 1 else None)
+    size = dims.degree(axis)
+    return GradReduction(axis=axis, divisor=dims.dp, size=size, group=dims.group(axis) if size > 1 else None)
 
 
 def is_partial_grad(p: torch.Tensor) -> bool:

@@ -78,7 +78,7 @@ def offload_policy(offload: bool, *, pin_memory: bool = True) -> OffloadPolicy:
 def dense_fsdp_mesh(dims: ParallelDims, *, hsdp_replicate: int = 1) -> DeviceMesh:
     """The mesh the dense units shard over: ``dp`` (1-D), or (replicate, shard) for HSDP."""
     if hsdp_replicate == 1:
-        return dims.dp_mesh
+        return dims.axis_mesh("dp")
     return dims.hsdp_mesh(hsdp_replicate)
 
 
@@ -107,7 +107,7 @@ def apply_fsdp(model: nn.Module, dims: ParallelDims, *, zero_stage: int, blocks:
         for module in model.modules():
             if isinstance(module, GroupedExperts):
                 unit = fully_shard(
-                    module, mesh=dims.edp_mesh, reshard_after_forward=reshard,
+                    module, mesh=dims.axis_mesh("edp"), reshard_after_forward=reshard,
                     shard_placement_fn=lambda p: expert_shard_placement(p.shape, dims.ep, dims.edp),
                     mp_policy=mp_policy, offload_policy=offload)
                 unit.set_gradient_divide_factor(float(experts.divisor))
@@ -149,7 +149,7 @@ def _shard_unit(module: nn.Module, dims: ParallelDims, dense_mesh: DeviceMesh, *
                     offload_policy=offload)
         return
     copies = grad_reduction(dims, "dp_tp")
-    unit = fully_shard(module, mesh=dims.dp_tp_mesh, reshard_after_forward=reshard, mp_policy=mp_policy,
+    unit = fully_shard(module, mesh=dims.axis_mesh("dp_tp"), reshard_after_forward=reshard, mp_policy=mp_policy,
                        offload_policy=offload)
     unit.set_gradient_divide_factor(float(copies.divisor))
     unit.set_force_sum_reduction_for_comms(True)

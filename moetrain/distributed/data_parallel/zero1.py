@@ -93,8 +93,8 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
                  pin_memory: bool = True, bucket_numel: int = 500_000_000) -> None:
         # Each parameter's slices go over the ranks holding a copy of it (``copies_axis``): plain
         # and tp-replicated over dp x tp (dp at tp = 1), tp-split over dp, experts over edp.
-        self._groups = {axis: (getattr(dims, f"{axis}_group") if getattr(dims, axis) > 1 else None,
-                               getattr(dims, axis), getattr(dims, f"{axis}_rank")) for axis in COPIES_AXES}
+        self._groups = {axis: (dims.group(axis) if dims.degree(axis) > 1 else None,
+                               dims.degree(axis), dims.axis_mesh(axis).get_local_rank()) for axis in COPIES_AXES}
         self.offload = offload
         self.pin_memory = offload and use_pinned_memory(pin_memory)
         """Whether the host copies are page-locked."""

@@ -46,8 +46,8 @@ def build_dispatcher(dims: ParallelDims, moe: MoEConfig) -> Dispatcher:
     # Drops are decided over every rank of the stage holding other tokens: dp x tp (parallel
     # folding: the MoE layer takes each tp rank's sequence shard).
     if dims.ep > 1 or (dims.dp_tp > 1 and moe.capacity_factor is not None):
-        return AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group if dims.ep > 1 else None,
-                                  dp_group=dims.dp_tp_group if dims.dp_tp > 1 else None, dedup=moe.dispatch_dedup,
+        return AllToAllDispatcher(moe.num_experts, ep_group=dims.group("ep") if dims.ep > 1 else None,
+                                  dp_group=dims.group("dp_tp") if dims.dp_tp > 1 else None, dedup=moe.dispatch_dedup,
                                   dispatch_dtype=moe.dispatch_dtype, num_chunks=moe.dispatch_chunks,
                                   ep_nodes=dims.ep_rank_nodes() if dims.ep > 1 else None,
                                   dp_nodes=dims.dp_rank_nodes() if dims.dp_tp > 1 else None)
@@ -71,7 +71,7 @@ def shard_experts(experts: GroupedExperts, dims: ParallelDims) -> None:
         num_local = w.shape[0] // dims.ep
         lo = dims.ep_rank * num_local
         local = w.detach()[lo:lo + num_local].clone()
-        shard = DTensor.from_local(local, dims.ep_mesh, [Shard(0)], run_check=False,
+        shard = DTensor.from_local(local, dims.axis_mesh("ep"), [Shard(0)], run_check=False,
                                    shape=w.shape, stride=w.stride())
         setattr(experts, name, nn.Parameter(shard, requires_grad=w.requires_grad))
 
@@ -96,13 +96,13 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         layer.dispatcher = build_dispatcher(dims, layer.config)
         if dims.etp > 1:
             layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, num_experts=layer.config.num_experts,
-                                                              group=dims.etp_group, size=dims.etp,
+                                                              group=dims.group("etp"), size=dims.etp,
                                                               equal_counts=equal_counts)
             shard_experts_2d(layer.experts, dims)
         elif dims.ep > 1:
             shard_experts(layer.experts, dims)
         if dims.dp_tp > 1:
-            layer.balance_group = dims.dp_tp_group
+            layer.balance_group = dims.group("dp_tp")
     return model
 
 

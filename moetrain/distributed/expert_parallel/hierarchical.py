@@ -151,8 +151,8 @@ class HierarchicalDispatcher(AllToAllRouting):
     ``plan_stages``, ``token_dispatch`` and ``token_combine`` communicate.
 
     ``inter_group``: this rank's peers with the same local index on the ep group's other nodes
-    (``ParallelDims.ep_inter_group``); ``intra_group``: its ep group's ranks on its node
-    (``ParallelDims.ep_intra_group``); ``ep_nodes``/``dp_nodes``: the node of each ep / dp rank,
+    (``ParallelDims.group("ep_inter")``); ``intra_group``: its ep group's ranks on its node
+    (``ParallelDims.group("ep_intra")``); ``ep_nodes``/``dp_nodes``: the node of each ep / dp rank,
     which sorts the byte counters into inter- and intra-node. Drops, capacity and ``dp_group`` as
     ``AllToAllDispatcher``.
     """
@@ -414,6 +414,7 @@ def hierarchical_dispatcher(dims: ParallelDims, moe: MoEConfig) -> HierarchicalD
     """The dispatcher of a layout with ``dims.hierarchical_ep`` (after ``build_mesh``)."""
     assert dims.hierarchical_ep, "the caller checks ParallelDims.hierarchical_ep"
     return HierarchicalDispatcher(
-        moe.num_experts, ep_group=dims.ep_group, inter_group=dims.ep_inter_group, intra_group=dims.ep_intra_group,
-        ep_nodes=dims.ep_rank_nodes(), dp_group=dims.dp_group if dims.dp > 1 else None,
+        moe.num_experts, ep_group=dims.group("ep"), inter_group=dims.group("ep_inter"),
+        intra_group=dims.group("ep_intra"),
+        ep_nodes=dims.ep_rank_nodes(), dp_group=dims.group("dp") if dims.dp > 1 else None,
         dp_nodes=dims.dp_rank_nodes() if dims.dp > 1 else None, dispatch_dtype=moe.dispatch_dtype)

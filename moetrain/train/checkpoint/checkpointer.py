@@ -136,7 +136,7 @@ class Checkpointer:
         o = self.objects
         with self.phase(f"loading checkpoint {path}"):
             loaded = load_checkpoint(path, model=o.model, optimizer=o.optimizer,
-                                     pipeline_group=self.dims.pp_group if self.dims.pp > 1 else None,
+                                     pipeline_group=self.dims.group("pp") if self.dims.pp > 1 else None,
                                      ema_like=o.ema.state_dict() if o.ema is not None else None)
         load_grad_compression_state(o.parallel_model, loaded.grad_compression_state)
         state = loaded.trainer_state
@@ -206,7 +206,7 @@ class Checkpointer:
             return state
         per_stage: list = [None] * self.dims.pp
         names = [name for name, _ in balancer.named_layers]
-        dist.all_gather_object(per_stage, (names, state), group=self.dims.pp_group)
+        dist.all_gather_object(per_stage, (names, state), group=self.dims.group("pp"))
         return {"per_stage": per_stage}
 
     def _load_balancer_state(self, balancer: Balancer, saved: dict) -> None:

@@ -205,9 +205,9 @@ def parity_worker(rank: int, world_size: int, layouts: list[tuple[int, list[Case
         dims = ParallelDims(world_size=world_size, ep=ep, num_experts=8)
         dims.build_mesh()
         results[f"ep{ep}/groups"] = {
-            "ep": dist.get_process_group_ranks(dims.ep_group),
-            "edp": dist.get_process_group_ranks(dims.edp_group),
-            "dp": dist.get_process_group_ranks(dims.dp_group),
+            "ep": dist.get_process_group_ranks(dims.group("ep")),
+            "edp": dist.get_process_group_ranks(dims.group("edp")),
+            "dp": dist.get_process_group_ranks(dims.group("dp")),
             "node": int(os.environ.get("GROUP_RANK", "0")),
         }
         for case in cases:

@@ -85,7 +85,7 @@ def _record(rank: int, world_size: int, stage: int, mode: str, steps: int) -> di
         h_BSD.register_hook(lambda _grad: events.append({"op": EMBEDDING_GRAD}))
 
     model.tok_embeddings.register_forward_hook(mark_embedding_grad)
-    groups = {dims.dp_group.group_name: "dp", dims.edp_group.group_name: "edp"}
+    groups = {dims.group("dp").group_name: "dp", dims.group("edp").group_name: "edp"}
     B = GLOBAL_BATCH // world_size
     batches = make_batches(run, steps)
     for s in range(steps):
@@ -123,7 +123,7 @@ def bf16_expert_worker(rank: int, world_size: int) -> dict:
     B = GLOBAL_BATCH // world_size
     tokens = make_batches(run, 1)[0][rank * B:(rank + 1) * B]
     experts = {n: p for n, p in model.named_parameters() if ".experts." in n}
-    out = {"edp_ranks": dist.get_process_group_ranks(dims.edp_group)}
+    out = {"edp_ranks": dist.get_process_group_ranks(dims.group("edp"))}
     for key, ctx in (("local", no_sync(train_model)), ("reduced", contextlib.nullcontext())):
         with ctx:
             train_model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()

@@ -47,8 +47,8 @@ def node_dims(world_size: int, *, ranks_per_node: int | None) -> ParallelDims:
 def flat_dispatcher(dims: ParallelDims, moe: MoEConfig) -> AllToAllDispatcher:
     """The flat exchange of this layout (what build_dispatcher builds without ep_hierarchical),
     told the node of each peer."""
-    flat = AllToAllDispatcher(moe.num_experts, ep_group=dims.ep_group, dp_group=dims.dp_group, dedup=moe.dispatch_dedup,
-                              dispatch_dtype=moe.dispatch_dtype)
+    flat = AllToAllDispatcher(moe.num_experts, ep_group=dims.group("ep"), dp_group=dims.group("dp"),
+                              dedup=moe.dispatch_dedup, dispatch_dtype=moe.dispatch_dtype)
     flat.ep_nodes, flat.dp_nodes = dims.ep_rank_nodes(), dims.dp_rank_nodes()
     return flat
 
@@ -80,8 +80,8 @@ def layer_worker(rank: int, world_size: int, settings: dict[str, dict], *, dim: 
     of one layer on this rank's fixed input, and the layout seen."""
     dims = node_dims(world_size, ranks_per_node=ranks_per_node)
     out = {"layout": {"nodes": dims.num_nodes, "node": dims.node_of(rank), "ep_rank_nodes": dims.ep_rank_nodes(),
-                      "inter": dist.get_process_group_ranks(dims.ep_inter_group),
-                      "intra": dist.get_process_group_ranks(dims.ep_intra_group),
+                      "inter": dist.get_process_group_ranks(dims.group("ep_inter")),
+                      "intra": dist.get_process_group_ranks(dims.group("ep_intra")),
                       "group_rank": os.environ.get("GROUP_RANK")}}
     g = torch.Generator().manual_seed(100 + rank)
     x_TD, grad_TD = torch.randn(tokens, dim, generator=g), torch.randn(tokens, dim, generator=g)

@@ -186,12 +186,12 @@ def tp_worker(rank: int, world_size: int, runs: list[TpRun]) -> dict:
         res["etp_bytes"] = collect_comm_stats(model).etp_bytes
         if run.etp > 1:  # every all-gather and reduce-scatter over the etp group of a forward and backward
             tokens = make_batches(run)[0][rows]
-            with GroupCollectiveBytes(dims.etp_group) as counted, no_sync(train_model):
+            with GroupCollectiveBytes(dims.group("etp")) as counted, no_sync(train_model):
                 train_model(tokens[:, :-1], tokens[:, 1:]).total_loss.backward()
             res["etp_group_sent"] = counted.sent
         # The loss and aux loss of the global batch: the means over dp of the dp indices' values.
         losses = torch.tensor(res["loss"] + [res["aux"]])
-        dist.all_reduce(losses, group=dims.dp_group)
+        dist.all_reduce(losses, group=dims.group("dp"))
         *res["loss"], res["aux"] = (losses / dims.dp).tolist()
         res["rows"] = (dims.dp_rank * B, (dims.dp_rank + 1) * B)
         if rank != 0:
