@@ -43,6 +43,10 @@ def _rank_main(fn, rank: int, world_size: int, init_file: str, results, args, kw
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=collective_timeout_s))
         out = fn(rank, world_size, *args, **kwargs)
+        if dist.is_initialized():
+            # A rank done early must not tear its groups down while a slower peer is still
+            # connecting to one of them (gloo: "Connection closed by peer" on that peer).
+            dist.barrier()
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, True, buf.getvalue()))
