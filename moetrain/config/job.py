@@ -90,12 +90,10 @@ class JobConfig:
         if par.dp != -1:
             self.train.grad_accum_steps(par.dp)
         check_offload(par.zero_stage, offload_optimizer=self.zero.offload_optimizer == "cpu",
-                      offload_param=self.zero.offload_param == "cpu")
+                      offload_param=self.zero.offload_param == "cpu", pp=par.pp)
         check_grad_compression(self.dp.grad_compression, zero_stage=par.zero_stage, tp=par.tp)
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
-        check_pipeline_reduction(pp=par.pp, zero_stage=par.zero_stage, grad_compression=self.dp.grad_compression,
-                                 offload_optimizer=self.zero.offload_optimizer == "cpu",
-                                 offload_param=self.zero.offload_param == "cpu")
+        check_pipeline_reduction(pp=par.pp, grad_compression=self.dp.grad_compression)
         if m.head == "classifier":
             require(self.data.sources is None, "data.sources", "(set)",
                     'needs model.head = "lm": a classifier reads one labelled corpus (data.corpus)')

@@ -32,19 +32,15 @@ def check_pipeline_model(model: ModelConfig, *, pp: int, virtual_stages: int = 1
             f"must be <= model.num_layers ({model.num_layers}): every stage holds at least one block")
 
 
-def check_pipeline_reduction(*, pp: int, zero_stage: int, grad_compression: str, offload_optimizer: bool,
-                             offload_param: bool) -> None:
+def check_pipeline_reduction(*, pp: int, grad_compression: str) -> None:
     """Under pp the stage gradients are reduced once, after the schedule's last backward (ZeRO
-    stages 0/1), or by FSDP2 per stage (2/3): nothing compresses them, and only FSDP2 offloads."""
+    stages 0/1), or by FSDP2 per stage (2/3): nothing compresses them. (What pipeline stages can
+    offload is ``config.zero.check_offload``'s rule.)"""
     if pp == 1:
         return
     require(grad_compression == "none", "dp.grad_compression", grad_compression,
             f"must be 'none' with parallel.pp ({pp}) > 1: the stage gradients are reduced once, after the "
             "schedule's last backward")
-    for field, offload in (("zero.offload_optimizer", offload_optimizer), ("zero.offload_param", offload_param)):
-        require(not offload or zero_stage >= 2, field, "cpu",
-                f"needs parallel.zero_stage >= 2 with parallel.pp ({pp}) > 1 (is {zero_stage}): pipeline stages "
-                "offload through FSDP2")
 
 
 def check_microbatches(schedule: str, *, num_microbatches: int, pp: int) -> None:

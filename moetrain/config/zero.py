@@ -14,14 +14,19 @@ from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice
 
 
-def check_offload(zero_stage: int, *, offload_optimizer: bool, offload_param: bool) -> None:
+def check_offload(zero_stage: int, *, offload_optimizer: bool, offload_param: bool, pp: int = 1) -> None:
     """Offload moves this rank's shard of what it names to the host, so it needs that sharded:
-    the parameters at stage 3 only, the optimizer states from stage 1. ``ValueError`` naming
-    the field otherwise."""
+    the parameters at stage 3 only, the optimizer states from stage 1; pipeline stages (``pp`` >
+    1) offload only through FSDP2 (stages 2/3). ``ValueError`` naming the field otherwise."""
     require(not offload_param or zero_stage == 3, "zero.offload_param", "cpu",
             f"needs parallel.zero_stage = 3 (is {zero_stage})")
     require(not offload_optimizer or zero_stage >= 1, "zero.offload_optimizer", "cpu",
             f"needs parallel.zero_stage >= 1 (is {zero_stage})")
+    if pp > 1:
+        for field, offload in (("zero.offload_optimizer", offload_optimizer), ("zero.offload_param", offload_param)):
+            require(not offload or zero_stage >= 2, field, "cpu",
+                    f"needs parallel.zero_stage >= 2 with parallel.pp ({pp}) > 1 (is {zero_stage}): pipeline "
+                    "stages offload through FSDP2")
 
 
 @dataclass

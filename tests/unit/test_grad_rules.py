@@ -58,6 +58,25 @@ def test_offload_refusal_is_the_configs_everywhere(stage, optimizer, param, mess
     check_offload(1, offload_optimizer=True, offload_param=False)
 
 
+def test_pipeline_offload_refusal_is_the_same_rule_everywhere():
+    """Pipeline stages offload only through FSDP2: ZeRO-1's host slices are not built under pp."""
+    message = ("zero.offload_optimizer ('cpu') needs parallel.zero_stage >= 2 with parallel.pp (2) > 1 (is 1): "
+               "pipeline stages offload through FSDP2")
+    with pytest.raises(ValueError) as rule:
+        check_offload(1, offload_optimizer=True, offload_param=False, pp=2)
+    untied = ModelConfig(vocab_size=512, dim=64, num_layers=2, num_heads=2, max_seq_len=64, tie_embeddings=False)
+    with pytest.raises(ValueError) as config:
+        JobConfig(model=untied, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=64),
+                  train=TrainConfig(global_batch_size=16, micro_batch_size=2),
+                  data=DataConfig(seq_len=64, vocab_size=512), zero=ZeroConfig(offload_optimizer="cpu"),
+                  parallel=ParallelConfig(pp=2, zero_stage=1))
+    with pytest.raises(ValueError) as wrapper:
+        apply_data_parallel(None, ParallelDims(world_size=2, pp=2), zero_stage=1, offload_optimizer=True)
+    assert str(rule.value) == str(config.value) == str(wrapper.value) == message
+    check_offload(2, offload_optimizer=True, offload_param=False, pp=2)
+    check_offload(1, offload_optimizer=True, offload_param=False, pp=1)
+
+
 @pytest.mark.parametrize("mode, stage, tp, rule", [
     ("bf16", 2, 1, r"needs parallel\.zero_stage <= 1 \(is 2\): at stages 2/3 FSDP2 reduce-scatters"),
     ("onebit", 1, 1, r"needs parallel\.zero_stage = 0 \(is 1\): 1-bit Adam keeps the whole momentum"),

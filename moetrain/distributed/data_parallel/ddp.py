@@ -115,7 +115,9 @@ class MoEDataParallel(CompressionStateMixin, DistributedDataParallel):
         experts = grad_reduction(dims, "edp")
         self._edp_group = experts.group
         self._expert_grad_scale = experts.scale
-        self._expert_local_scale = dims.edp / dims.dp  # local-gradient mode (module docstring)
+        # Local-gradient mode (module docstring): this rank's gradient stands for the sum over its
+        # edp copies of the rule's 1/dp-scaled gradients.
+        self._expert_local_scale = experts.size / experts.divisor
         self._local_gradients = self._sync_experts = self._callback_queued = False
         # Each expert shard's place in the launch order of the reductions, the same on every rank:
         # reverse parameter order, the order in which the backward reaches them.
@@ -290,7 +292,7 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
     """
     # The config's rules, for callers that pass the settings directly.
     ParallelConfig(zero_stage=zero_stage, hsdp_replicate=hsdp_replicate)
-    check_offload(zero_stage, offload_optimizer=offload_optimizer, offload_param=offload_params)
+    check_offload(zero_stage, offload_optimizer=offload_optimizer, offload_param=offload_params, pp=dims.pp)
     check_grad_compression(grad_compression, zero_stage=zero_stage, tp=dims.tp)
     if zero_stage >= 2:
         from moetrain.distributed.data_parallel.fsdp import apply_fsdp

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
+from moetrain.config.zero import check_offload
 from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
@@ -316,8 +317,8 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
 
     del bucket_cap_mb
-    check_pipeline_reduction(pp=dims.pp, zero_stage=zero_stage, grad_compression=grad_compression,
-                             offload_optimizer=offload_optimizer, offload_param=offload_params)
+    check_pipeline_reduction(pp=dims.pp, grad_compression=grad_compression)
+    check_offload(zero_stage, offload_optimizer=offload_optimizer, offload_param=offload_params, pp=dims.pp)
     apply_tensor_parallel(pm, dims)
     for chunk in pm.chunks:
         chunk.sequence_shards = dims.tp
