@@ -12,7 +12,7 @@ from moetrain.config.data import DataConfig
 from moetrain.config.dp import DataParallelConfig, check_grad_compression
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.log import LogConfig
-from moetrain.config.model import ModelConfig
+from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.config.moe import MoEConfig
 from moetrain.config.optim import OptimConfig
 from moetrain.config.parallel import ParallelConfig
@@ -20,6 +20,12 @@ from moetrain.config.pipeline import check_microbatches, check_pipeline_model, c
 from moetrain.config.train import TrainConfig
 from moetrain.config.zero import ZeroConfig, check_offload
 
+
+def check_sequence_split(seq_len: int, *, tp: int) -> None:
+    """Sequence parallelism splits every sequence evenly over the tp ranks."""
+    require(seq_len % tp == 0, "data.seq_len", seq_len,
+            f"must be a multiple of parallel.tp ({tp}): sequence parallelism splits every sequence evenly "
+            "over the tp ranks")
 
 @dataclass
 class JobConfig:
@@ -84,9 +90,9 @@ class JobConfig:
                 tok_vocab, source = self.data.vocab_size, "data.vocab_size"
             require(m.vocab_size >= tok_vocab, "model.vocab_size", m.vocab_size,
                     f"must be >= the tokenizer vocabulary ({tok_vocab}, from {source})")
-        require(self.data.seq_len % par.tp == 0, "data.seq_len", self.data.seq_len,
-                f"must be a multiple of parallel.tp ({par.tp}): sequence parallelism splits every sequence evenly "
-                "over the tp ranks")
+        check_sequence_split(self.data.seq_len, tp=par.tp)
+        if tp_errors := tensor_parallel_errors(m, par.tp):
+            raise ValueError("; ".join(tp_errors))
         if par.dp != -1:
             self.train.grad_accum_steps(par.dp)
         check_offload(par.zero_stage, offload_optimizer=self.zero.offload_optimizer == "cpu",

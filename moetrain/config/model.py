@@ -300,6 +300,34 @@ class ModelConfig:
 
 
 
+def tensor_parallel_errors(model: ModelConfig, tp: int) -> list[str]:
+    """What tensor parallelism over ``tp`` ranks cannot split in ``model``, one message each (none
+    at tp = 1): the classifier head pools along the sharded sequence, latent attention's
+    projections read the whole input outside the column-wise layers, heads and key/value heads
+    split evenly, a norm across all heads cannot see them, the dense blocks' FFNs split their
+    hidden dim (the shared experts stay whole)."""
+    if tp == 1:
+        return []
+    errors = []
+    if model.head != "lm":
+        errors.append(f"model.head ({model.head!r}) must be 'lm' with parallel.tp > 1: the classifier pools "
+                      "along the sequence, which tensor parallelism shards")
+    if model.attention == "mla":
+        errors.append("model.attention ('mla') is not split by parallel.tp: its latent projections read the whole "
+                      "input outside the column-wise layers")
+    else:
+        if model.num_heads % tp or model.resolved_num_kv_heads % tp:
+            errors.append(f"parallel.tp ({tp}) must divide model.num_heads ({model.num_heads}) and the key/value "
+                          f"heads ({model.resolved_num_kv_heads})")
+        if model.qk_norm == "full":
+            errors.append("model.qk_norm ('full') normalises across all heads, which parallel.tp splits: use 'head' "
+                          "or 'none'")
+    hidden = model.resolved_dense_hidden_dim
+    if len(model.moe_layer_ids) < model.num_layers and hidden % tp:
+        errors.append(f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({hidden}, model.dense_hidden_dim)")
+    return errors
+
+
 _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
 _MHA_FIELDS = ("head_dim", "num_kv_heads", "qkv_bias", "qk_norm", "clip_qkv")
 """Fields of multi-head attention that latent attention has no use for."""

@@ -55,53 +55,26 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.attention import Attention
 from moetrain.models.feedforward import FeedForward
-from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import TransformerBlock
 
 
 def check_tensor_parallel(model: nn.Module, tp: int) -> None:
-    """Raise one ValueError listing every part of ``model`` that cannot split over ``tp`` ranks."""
-    errors = []
+    """Raise one ValueError listing every part of ``model`` (a Transformer or its pipeline stages)
+    that cannot split over ``tp`` ranks: its config's shapes (``tensor_parallel_errors``) and
+    LoRA adapters, which only the built model shows."""
     config = getattr(model, "config", None)
-    if config is not None and getattr(config, "head", "lm") != "lm":
-        errors.append(f"model.head ({config.head!r}) must be 'lm' with parallel.tp > 1: the classifier pools "
-                      "along the sequence, which tensor parallelism shards")
-    seen: set[str] = set()
-
-    def once(message: str) -> None:
-        if message not in seen:
-            seen.add(message)
-            errors.append(message)
-
-    for name, module in model.named_modules():
-        if isinstance(module, MultiHeadLatentAttention):
-            once("model.attention ('mla') is not split by parallel.tp: its latent projections read the whole "
-                 "input outside the column-wise layers")
-        elif isinstance(module, Attention):
-            if module.num_heads % tp or module.num_kv_heads % tp:
-                once(f"parallel.tp ({tp}) must divide model.num_heads ({module.num_heads}) and the key/value "
-                     f"heads ({module.num_kv_heads})")
-            if module.qk_norm == "full":
-                once("model.qk_norm ('full') normalises across all heads, which parallel.tp splits: use 'head' "
-                     "or 'none'")
-        elif isinstance(module, FeedForward) and not _inside_moe(model, name):
-            hidden = module.w1.weight.shape[0]
-            if hidden % tp:
-                once(f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({hidden}, model.dense_hidden_dim)")
-        if "lora_" in name.rsplit(".", 1)[-1]:
-            once("LoRA adapters (finetune.lora_rank > 0) are not split by parallel.tp")
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"tensor parallelism splits a Transformer or its pipeline stages, not {type(model).__name__}")
+    errors = tensor_parallel_errors(config, tp)
+    if tp > 1 and any("lora_" in name.rsplit(".", 1)[-1] for name, _ in model.named_modules()):
+        errors.append("LoRA adapters (finetune.lora_rank > 0) are not split by parallel.tp")
     if errors:
         raise ValueError("; ".join(errors))
-
-
-def _inside_moe(model: nn.Module, name: str) -> bool:
-    """Whether the module called ``name`` lives inside an MoELayer (a shared expert)."""
-    parts = name.split(".")
-    return any(isinstance(model.get_submodule(".".join(parts[:i])), MoELayer) for i in range(1, len(parts)))
 
 
 class _MeanOverTp(torch.autograd.Function):

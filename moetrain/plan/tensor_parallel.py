@@ -26,7 +26,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moetrain.config.model import ModelConfig
+from moetrain.config.job import check_sequence_split
+from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.plan.model_states import ParamSpec
 
 STATE_BYTES_PER_ELEMENT = 16
@@ -66,19 +67,16 @@ class TpChoice:
 
 
 def tp_invalid(model: ModelConfig, tp: int, *, per_node: int, seq_len: int) -> str | None:
-    """Why ``tp`` cannot split ``model`` (the rules ``check_tensor_parallel`` enforces), or None."""
+    """Why ``tp`` cannot split ``model`` (the job's and the model's rules, and the planner's own:
+    tp within a node), or None."""
     if per_node % tp:
         return f"parallel.tp ({tp}) must divide the processes per node ({per_node}): tp collectives stay in a node"
-    if model.attention == "mla":
-        return "model.attention ('mla') is not split by parallel.tp"
-    if model.num_heads % tp or model.resolved_num_kv_heads % tp:
-        return (f"parallel.tp ({tp}) must divide model.num_heads ({model.num_heads}) and the key/value heads "
-                f"({model.resolved_num_kv_heads})")
-    if model.resolved_dense_hidden_dim % tp:
-        return f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({model.resolved_dense_hidden_dim})"
-    if seq_len % tp:
-        return f"parallel.tp ({tp}) must divide data.seq_len ({seq_len}) (sequence parallelism)"
-    return None
+    errors = tensor_parallel_errors(model, tp)
+    try:
+        check_sequence_split(seq_len, tp=tp)
+    except ValueError as e:
+        errors.append(str(e))
+    return "; ".join(errors) or None
 
 
 def tp_bytes_per_micro_batch(model: ModelConfig, *, tp: int, micro_batch_size: int, seq_len: int,
