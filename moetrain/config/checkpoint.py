@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require
+
+
+def checkpoint_folder(run_dir: str | Path, checkpoint_dir: str | None) -> Path:
+    """Where a run's step checkpoints live: ``checkpoint.dir``, else ``<run_dir>/checkpoints``."""
+    return Path(checkpoint_dir) if checkpoint_dir else Path(run_dir) / "checkpoints"
 
 
 @dataclass

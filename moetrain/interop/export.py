@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import yaml
 
+from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.convert import build_section
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.model import ModelConfig
@@ -49,8 +50,7 @@ def _checkpoint_of(path: Path) -> Path:
     if config.is_file():
         # A run folder: its checkpoints live in checkpoint.dir, or <run_dir>/checkpoints.
         raw = yaml.safe_load(config.read_text()) or {}
-        folder = (raw.get("checkpoint") or {}).get("dir")
-        folder = Path(folder) if folder else path / "checkpoints"
+        folder = checkpoint_folder(path, (raw.get("checkpoint") or {}).get("dir"))
         if not folder.exists():
             raise CheckpointError(f"run folder {str(path)!r} has no checkpoints ({str(folder)!r} does not "
                                   "exist): train with checkpoint.every > 0 or checkpoint.save_final = true")

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moetrain.config import JobConfig
+from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.loader import load_config
 from moetrain.data.classify_data import PreparedLabelled
 from moetrain.distributed import runtime
@@ -118,7 +119,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
     if split not in allowed:
         raise ValueError(f"--split ({split!r}) must be one of {', '.join(map(repr, allowed))} for this "
                          f"{'classifier' if is_classifier(cfg) else 'language model'}")
-    ckpt_dir = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir is not None else run_dir / "checkpoints"
+    ckpt_dir = checkpoint_folder(run_dir, cfg.checkpoint.dir)
     path = resolve_checkpoint(checkpoint) if checkpoint is not None else latest_checkpoint(ckpt_dir)
     if path is None:
         raise ValueError(f"run {str(run_dir)!r} has no complete checkpoint in {ckpt_dir}; pass --checkpoint PATH")

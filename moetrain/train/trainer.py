@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moetrain.config import JobConfig
+from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.loader import save_config
 from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
@@ -169,7 +170,7 @@ class Trainer:
         objects = TrainingObjects(model=self.model, optimizer=self.optimizer, parallel_model=self.parallel_model,
                                   scheduler=self.scheduler, scaler=self.scaler, train_loader=self.train_loader,
                                   balancer=self.balancer, ema=self.ema)
-        folder = Path(c.dir) if c.dir is not None else self.run_dir / "checkpoints"
+        folder = checkpoint_folder(self.run_dir, c.dir)
         self.checkpointer = Checkpointer(self.cfg, folder=folder, objects=objects, dims=self.dims, phase=self.phase,
                                          vocab_size=self.model_config.vocab_size, is_main=self.is_main)
         self.step = 0
