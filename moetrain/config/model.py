@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 
 from moetrain.config._checks import is_int, require_bool, require_int
 from moetrain.config.base import require, require_choice, require_positive
+from moetrain.config.rope import RopeScaling, rope_scaling_from
 
 
 @dataclass
@@ -54,6 +56,12 @@ class ModelConfig:
 
     rope_theta: float = 10000.0
     """Base of the rotary position frequencies."""
+
+    rope_scaling: RopeScaling | None = None
+    """How the rotary frequencies are stretched for a context longer than pretraining's
+    (``moetrain.config.rope.RopeScaling``: "linear", "llama3" or "yarn" with their parameters),
+    as the long-context checkpoints' ``rope_parameters`` say; None = plain RoPE. "yarn" also
+    scales cos and sin, and with ``mscale_all_dim`` the softmax (``softmax_scale``)."""
 
     tie_embeddings: bool = False
     """Share the token-embedding matrix with the LM head (GPT-2 style); ignored by the classifier head."""
@@ -168,6 +176,10 @@ class ModelConfig:
         require_choice("model.activation", self.activation, ("gelu", "swiglu"))
         require_positive("model.norm_eps", self.norm_eps)
         require_positive("model.rope_theta", self.rope_theta)
+        if isinstance(self.rope_scaling, Mapping):
+            self.rope_scaling = rope_scaling_from(self.rope_scaling)  # Python callers and JSON write a dict
+        require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling), "model.rope_scaling",
+                self.rope_scaling, "must be None or a mapping of rope_type, factor, ... (RopeScaling)")
         require_bool("model.tie_embeddings", self.tie_embeddings)
         require_positive("model.init_std", self.init_std)
         require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
@@ -251,6 +263,13 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """Features per head that get rotary positions: the whole head, or MLA's rotary part."""
         return self.qk_rope_head_dim if self.attention == "mla" else self.resolved_head_dim
+
+    @property
+    def softmax_scale(self) -> float | None:
+        """The attention softmax scale when rope scaling changes it (yarn's ``mscale_all_dim``):
+        ``softmax_multiplier / sqrt(A)``; None = attention's own ``1/sqrt(A)``."""
+        multiplier = 1.0 if self.rope_scaling is None else self.rope_scaling.softmax_multiplier
+        return None if multiplier == 1.0 else multiplier / self.resolved_head_dim ** 0.5
 
     @property
     def resolved_vocab_size(self) -> int:

@@ -13,10 +13,14 @@ H query heads, G key/value heads, A head dim.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moetrain.config.model import ModelConfig
+from moetrain.config.rope import RopeScaling
 from moetrain.models.kv_cache import KVCache
 
 
@@ -35,13 +39,58 @@ class RMSNorm(nn.Module):
         return normed_BSD.type_as(x_BSD) * self.weight
 
 
-def rope_table(head_dim: int, max_seq_len: int, *, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_frequencies(dim: int, *, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """fp64 angular frequency of each of the dim/2 rotary pairs, plain or stretched by ``scaling``."""
+    inv_freq_A2 = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if scaling is None:
+        return inv_freq_A2
+    factor = float(scaling.factor)
+    if scaling.rope_type == "linear":
+        return inv_freq_A2 / factor
+    assert scaling.original_max_seq_len is not None, "RopeScaling requires it for llama3 and yarn"
+    context = scaling.original_max_seq_len
+    if scaling.rope_type == "llama3":
+        assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        # Periods per pretraining context: short wavelengths (many turns) were seen whole in
+        # pretraining and stay; long ones are interpolated; the band between blends linearly.
+        turns_A2 = context * inv_freq_A2 / (2 * math.pi)
+        keep_A2 = ((turns_A2 - low) / (high - low)).clamp(0.0, 1.0)
+        return keep_A2 * inv_freq_A2 + (1 - keep_A2) * inv_freq_A2 / factor
+    assert scaling.rope_type == "yarn", scaling.rope_type
+    # The pair index at which a frequency turns ``r`` times over the pretraining context.
+    def pair_of(r: float) -> float:
+        return dim * math.log(context / (r * 2 * math.pi)) / (2 * math.log(theta))
+    fast = 32.0 if scaling.beta_fast is None else scaling.beta_fast
+    slow = 1.0 if scaling.beta_slow is None else scaling.beta_slow
+    lo, hi = pair_of(fast), pair_of(slow)
+    if scaling.truncate:
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    hi = hi + 0.001 if hi == lo else hi  # a ramp of zero width would divide by zero
+    # 0 below ``lo`` (fast pairs keep their frequency) to 1 above ``hi`` (slow ones interpolated).
+    ramp_A2 = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / (hi - lo)).clamp(0.0, 1.0)
+    return ramp_A2 * inv_freq_A2 / factor + (1 - ramp_A2) * inv_freq_A2
+
+
+def rope_table(head_dim: int, max_seq_len: int, *, theta: float,
+               scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos_SA, sin_SA)`` for positions ``0..max_seq_len-1``; each frequency is repeated in
-    both halves of the head dim (rotate-half layout)."""
-    inv_freq_A2 = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    both halves of the head dim (rotate-half layout). ``scaling``: the frequencies are stretched
+    (``rope_frequencies``) and cos and sin scaled by its ``cos_sin_scale`` (yarn's temperature)."""
+    inv_freq_A2 = rope_frequencies(head_dim, theta=theta, scaling=scaling)
     angles_SA2 = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq_A2)
     angles_SA = torch.cat([angles_SA2, angles_SA2], dim=-1)
-    return angles_SA.cos().float(), angles_SA.sin().float()
+    cos_SA, sin_SA = angles_SA.cos(), angles_SA.sin()
+    if scaling is not None and scaling.cos_sin_scale != 1.0:
+        cos_SA, sin_SA = cos_SA * scaling.cos_sin_scale, sin_SA * scaling.cos_sin_scale
+    return cos_SA.float(), sin_SA.float()
+
+
+def rope_table_for(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's rotary table: ``rope_table`` of its rotary dims (``rope_dim``), ``max_seq_len``
+    positions, ``rope_theta`` and ``rope_scaling``. Every module that holds the table builds it here."""
+    return rope_table(config.rope_dim, config.max_seq_len, theta=config.rope_theta, scaling=config.rope_scaling)
 
 
 def apply_rope(x_BHSA: torch.Tensor, cos_SA: torch.Tensor, sin_SA: torch.Tensor, *,
@@ -115,9 +164,11 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, *, num_heads: int, num_kv_heads: int, head_dim: int | None = None,
                  qkv_bias: bool = False, qk_norm: str = "none", clip_qkv: float | None = None,
-                 norm_eps: float = 1e-5, rope_interleave: bool = False, causal: bool = True) -> None:
+                 norm_eps: float = 1e-5, rope_interleave: bool = False, causal: bool = True,
+                 softmax_scale: float | None = None) -> None:
         super().__init__()
         assert qk_norm in QK_NORMS, qk_norm
+        self.softmax_scale = softmax_scale  # None = 1/sqrt(A); yarn's mscale_all_dim changes it
         A = dim // num_heads if head_dim is None else head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, A
         self.qk_norm, self.clip_qkv = qk_norm, clip_qkv
@@ -155,8 +206,9 @@ class Attention(nn.Module):
         q_BHSA = apply_rope(q_BSHA.transpose(1, 2), cos_SA, sin_SA, interleave=self.rope_interleave)
         k_BGSA = apply_rope(k_BSGA.transpose(1, 2), cos_SA, sin_SA, interleave=self.rope_interleave)
         if cache is None:
-            o_BHSA = attend(q_BHSA, k_BGSA, v_BSGA.transpose(1, 2), mask_B1SK, causal=self.causal)
+            o_BHSA = attend(q_BHSA, k_BGSA, v_BSGA.transpose(1, 2), mask_B1SK, causal=self.causal,
+                            scale=self.softmax_scale)
         else:
             k_BGKA, v_BGKA = cache.update(k_BGSA, v_BSGA.transpose(1, 2))
-            o_BHSA = attend(q_BHSA, k_BGKA, v_BGKA, mask_B1SK, causal=S > 1)
+            o_BHSA = attend(q_BHSA, k_BGKA, v_BGKA, mask_B1SK, causal=S > 1, scale=self.softmax_scale)
         return self.wo(o_BHSA.transpose(1, 2).reshape(B, S, H * A))

@@ -5,7 +5,8 @@ Per token: the latent ``c = kv_norm(x @ wkv_a)[:R]`` (rank R) expands into every
 no-position key part and value (``wkv_b``); the last P features of ``x @ wkv_a`` are one rotary
 key part shared by all heads. Queries come from ``wq`` or, with ``q_lora_rank``, through their
 own latent (``wq_b(q_norm(wq_a(x)))``). Each head scores ``[q_nope, q_rope] . [k_nope, k_rope]``
-with scale ``1/sqrt(N + P)``; the output projection reads H heads of U value features.
+with scale ``1/sqrt(N + P)`` (times yarn's ``softmax_multiplier``); the output projection reads H
+heads of U value features.
 
 For decoding, a ``LatentCache`` keeps per token only the normalised latent and the rotated rotary
 key (R + P numbers), and attention runs in the absorbed form (``_attend_latent``).
@@ -37,8 +38,10 @@ class MultiHeadLatentAttention(nn.Module):
 
     def __init__(self, dim: int, *, num_heads: int, q_lora_rank: int | None, kv_lora_rank: int,
                  qk_nope_head_dim: int, qk_rope_head_dim: int, v_head_dim: int, rope_interleave: bool = False,
-                 causal: bool = True) -> None:
+                 causal: bool = True, softmax_scale: float | None = None) -> None:
         super().__init__()
+        # None = 1/sqrt(N + P); DeepSeek's yarn (mscale_all_dim) sharpens it for the long context.
+        self.softmax_scale = softmax_scale
         self.num_heads, self.q_lora_rank, self.kv_lora_rank = num_heads, q_lora_rank, kv_lora_rank
         self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.rope_interleave, self.causal = rope_interleave, causal
@@ -86,7 +89,7 @@ class MultiHeadLatentAttention(nn.Module):
         # 4. Attention over [nope, rope] features (scale 1/sqrt(N + P)), then the output projection.
         q_BHSA = torch.cat([q_nope_BHSN, q_rope_BHSP], dim=-1)
         k_BHKA = torch.cat([k_nope_BHKN, k_rope_B1KP.expand(B, H, S, P)], dim=-1)
-        o_BHSU = attend(q_BHSA, k_BHKA, v_BHKU, mask_B1SK, causal=self.causal)
+        o_BHSU = attend(q_BHSA, k_BHKA, v_BHKU, mask_B1SK, causal=self.causal, scale=self.softmax_scale)
         return self.wo(o_BHSU.transpose(1, 2).reshape(B, S, H * U))
 
     def _attend_latent(self, q_nope_BHSN: torch.Tensor, q_rope_BHSP: torch.Tensor, c_BSR: torch.Tensor,
@@ -109,6 +112,7 @@ class MultiHeadLatentAttention(nn.Module):
         q_latent_BHSR = torch.einsum("bhsn,hnr->bhsr", q_nope_BHSN, w_uk_HNR)
         q_BHSX = torch.cat([q_latent_BHSR, q_rope_BHSP], dim=-1)
         k_B1KX = torch.cat([c_BKR, k_rope_BKP], dim=-1)[:, None]
-        o_latent_BHSR = attend(q_BHSX, k_B1KX, c_BKR[:, None], mask_B1SK, causal=S > 1, scale=1 / math.sqrt(N + P))
+        scale = 1 / math.sqrt(N + P) if self.softmax_scale is None else self.softmax_scale
+        o_latent_BHSR = attend(q_BHSX, k_B1KX, c_BKR[:, None], mask_B1SK, causal=S > 1, scale=scale)
         o_BHSU = torch.einsum("bhsr,hur->bhsu", o_latent_BHSR, w_uv_HUR)
         return self.wo(o_BHSU.transpose(1, 2).reshape(B, S, H * U))

@@ -27,7 +27,14 @@ from torch import nn
 from moetrain.config.base import require
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.models.attention import Attention, RMSNorm, apply_rope, attention_mask, rope_table
+from moetrain.models.attention import (
+    Attention,
+    RMSNorm,
+    apply_rope,
+    attention_mask,
+    rope_table,
+    rope_table_for,
+)
 from moetrain.models.feedforward import FeedForward
 from moetrain.models.kv_cache import DecodeCache
 from moetrain.models.mla import MultiHeadLatentAttention
@@ -88,11 +95,11 @@ def build_attention(config: ModelConfig) -> Attention | MultiHeadLatentAttention
             config.dim, num_heads=config.num_heads, q_lora_rank=config.q_lora_rank,
             kv_lora_rank=config.kv_lora_rank, qk_nope_head_dim=config.qk_nope_head_dim,
             qk_rope_head_dim=config.qk_rope_head_dim, v_head_dim=config.v_head_dim,
-            rope_interleave=config.rope_interleave, causal=config.causal)
+            rope_interleave=config.rope_interleave, causal=config.causal, softmax_scale=config.softmax_scale)
     return Attention(config.dim, num_heads=config.num_heads, num_kv_heads=config.resolved_num_kv_heads,
                      head_dim=config.resolved_head_dim, qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
                      clip_qkv=config.clip_qkv, norm_eps=config.norm_eps, rope_interleave=config.rope_interleave,
-                     causal=config.causal)
+                     causal=config.causal, softmax_scale=config.softmax_scale)
 
 
 class TransformerBlock(nn.Module):
@@ -162,7 +169,7 @@ class Transformer(nn.Module):
                 self.output.weight = self.tok_embeddings.weight
         # Rotary tables (for the rotary part of each head): derived from the config, so not saved
         # in checkpoints.
-        cos_SP, sin_SP = rope_table(config.rope_dim, config.max_seq_len, theta=config.rope_theta)
+        cos_SP, sin_SP = rope_table_for(config)
         self.register_buffer("rope_cos_SA", cos_SP, persistent=False)
         self.register_buffer("rope_sin_SA", sin_SP, persistent=False)
         if not self.tok_embeddings.weight.is_meta:
@@ -295,7 +302,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Draw every parameter from ``seed`` (:func:`init_parameters`) and fill the rotary tables."""
         init_parameters(self, self.config, seed)
-        cos_SP, sin_SP = rope_table(self.config.rope_dim, self.config.max_seq_len, theta=self.config.rope_theta)
+        cos_SP, sin_SP = rope_table_for(self.config)
         self.rope_cos_SA.copy_(cos_SP)
         self.rope_sin_SA.copy_(sin_SP)
 

@@ -33,7 +33,8 @@ def dense_config(family: str, **overrides):
         raise ValueError(family)
     kw.update(overrides)
     theta = kw.pop("rope_theta")
-    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    # ``rope_parameters`` in ``overrides`` (a rope scaling) keeps the base unless it names its own.
+    kw["rope_parameters"] = {"rope_type": "default", "rope_theta": theta, **kw.get("rope_parameters", {})}
     return cls(**kw)
 
 

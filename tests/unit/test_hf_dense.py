@@ -89,9 +89,9 @@ def test_configs_it_cannot_hold_are_refused_naming_the_key(family, key, value):
         FAMILIES[family].configs_from_hf(hf)
 
 
-def test_llama3_rope_scaling_is_refused():
+def test_a_rope_scaling_moetrain_lacks_is_refused():
     hf = dense_config("llama").to_dict()
-    hf["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}
+    hf["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 5e5, "factor": 8.0}
     with pytest.raises(ValueError, match="rope_type"):
         FAMILIES["llama"].configs_from_hf(hf)
 

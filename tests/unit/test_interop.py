@@ -44,7 +44,7 @@ def test_mixtral_config_round_trip_and_refusals():
 
 
 @pytest.mark.parametrize("family, hf_overrides, field", [
-    ("mixtral", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
+    ("mixtral", {"rope_parameters": {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}},
      "rope_parameters.rope_type"),
     ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window"),

@@ -48,7 +48,7 @@ from moetrain.config.zero import check_offload
 from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
-from moetrain.models.attention import attention_mask, rope_table
+from moetrain.models.attention import attention_mask, rope_table_for
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer, init_parameters
 
@@ -289,7 +289,7 @@ def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_s
             chunk.timer = CommTimer(enabled=True, device=torch.device(device))
         # The chunks keep the whole model's parameter names, so they get the whole model's draws.
         init_parameters(pm, cfg, seed)
-        cos_SP, sin_SP = rope_table(cfg.rope_dim, cfg.max_seq_len, theta=cfg.rope_theta)
+        cos_SP, sin_SP = rope_table_for(cfg)
         with torch.no_grad():
             for chunk in pm.chunks:
                 chunk.rope_cos_SA.copy_(cos_SP)

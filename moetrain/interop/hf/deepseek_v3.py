@@ -56,7 +56,7 @@ class DeepseekV3(Family):
     title = "DeepSeek-V3"
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
-        fields = backbone_fields(hf)
+        fields = backbone_fields(hf, softmax_mscale=True)  # MLA scales the softmax by mscale_all_dim
         hf_require(not hf.get("attention_bias", False), hf, "attention_bias",
                    "must be false (moetrain's MLA projections have no biases)")
         heads = fields["num_heads"]

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import warnings
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetrain.config.base import require
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.config.rope import ROPE_TYPES, RopeScaling
 
 
 @dataclass(frozen=True)
@@ -103,19 +104,73 @@ def hf_require(ok: bool, hf: dict, key: str, rule: str) -> None:
     require(ok, f"config.json {key}", hf.get(key), rule)
 
 
-def rope_theta(hf: dict, default: float = 10000.0) -> float:
-    """The rotary base of ``config.json``; ValueError for any rope scaling (yarn, linear, dynamic,
-    longrope, llama3): moetrain implements plain RoPE."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    require(kind == "default", "config.json rope_parameters.rope_type", kind,
-            'must be "default": moetrain implements plain RoPE, no rope scaling (yarn, linear, dynamic, ...)')
-    return float(params.get("rope_theta", hf.get("rope_theta", default)))
+_HF_ROPE_FIELDS = {"factor": "factor", "original_max_position_embeddings": "original_max_seq_len",
+                   "low_freq_factor": "low_freq_factor", "high_freq_factor": "high_freq_factor",
+                   "beta_fast": "beta_fast", "beta_slow": "beta_slow", "mscale": "mscale",
+                   "mscale_all_dim": "mscale_all_dim", "attention_factor": "attention_factor", "truncate": "truncate"}
+"""config.json rope parameter -> ``RopeScaling`` field."""
 
 
-def backbone_fields(hf: dict, *, default_theta: float = 10000.0) -> dict:
-    """The ModelConfig fields every family reads the same way."""
+def rope_fields(hf: dict, default_theta: float = 10000.0, *, softmax_mscale: bool = False) -> dict:
+    """``rope_theta`` and ``rope_scaling`` of ``config.json`` (``rope_parameters``, transformers 5,
+    or ``rope_scaling``, transformers 4). ValueError for a rope type moetrain does not implement.
+    ``softmax_mscale``: the family's attention scales the softmax by yarn's ``mscale_all_dim``
+    (DeepSeek's MLA); the others only use it in cos and sin, so it is folded into ``attention_factor``."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    params = dict(hf.get(key) or {})
+    kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    theta = float(params.pop("rope_theta", None) or hf.get("rope_theta") or default_theta)
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    require(kind in ROPE_TYPES, f"config.json {key}.rope_type", kind,
+            f"must be \"default\" or one of {', '.join(ROPE_TYPES)}: moetrain does not implement this rope scaling")
+    partial = params.pop("partial_rotary_factor", None)
+    require(partial in (None, 1, 1.0), f"config.json {key}.partial_rotary_factor", partial,
+            "must be 1: moetrain rotates every rotary feature")
+    unknown = sorted(k for k, v in params.items() if k not in _HF_ROPE_FIELDS and v is not None)
+    require(not unknown, f"config.json {key}", unknown, f"are keys moetrain does not read for rope_type {kind!r}")
+    # A zero mscale means none, as in transformers.
+    values = {_HF_ROPE_FIELDS[k]: _rope_value(k, v) for k, v in params.items()
+              if v is not None and not (k.startswith("mscale") and not v)}
+    if "mscale_all_dim" not in values or "attention_factor" in values:
+        values.pop("mscale", None)  # transformers reads it only beside mscale_all_dim, with no attention_factor
+    if kind in ("llama3", "yarn") and "original_max_seq_len" not in values:
+        values["original_max_seq_len"] = int(hf.get("original_max_position_embeddings")
+                                             or hf.get("max_position_embeddings", 4096))
+    if kind == "yarn" and "factor" not in values:  # the stretch the two lengths imply (DeepSeek's configs)
+        values["factor"] = int(hf.get("max_position_embeddings", 4096)) / values["original_max_seq_len"]
+    scaling = RopeScaling(rope_type=kind, **values)
+    if not softmax_mscale and scaling.mscale_all_dim is not None:
+        scaling = replace(scaling, attention_factor=scaling.cos_sin_scale, mscale=None, mscale_all_dim=None)
+    return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _rope_value(key: str, value):
+    """A config.json rope parameter as the ``RopeScaling`` field's type (left as is if it is not a
+    number: the field's check names it)."""
+    if key == "truncate" or isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return int(value) if key == "original_max_position_embeddings" and float(value).is_integer() else float(value)
+
+
+def rope_config(model: ModelConfig) -> dict:
+    """The config.json rope entries of ``model``: ``rope_theta`` (transformers 4) and
+    ``rope_parameters`` (transformers 5), plus ``rope_scaling`` (transformers 4) when scaled."""
+    params: dict = {"rope_type": "default", "rope_theta": model.rope_theta}
+    scaling = model.rope_scaling
+    if scaling is None:
+        return {"rope_theta": model.rope_theta, "rope_parameters": params}
+    params["rope_type"] = scaling.rope_type
+    for hf_key, field in _HF_ROPE_FIELDS.items():
+        value = getattr(scaling, field)
+        if value is not None and not (field == "truncate" and value):
+            params[hf_key] = value
+    return {"rope_theta": model.rope_theta, "rope_parameters": params, "rope_scaling": dict(params)}
+
+
+def backbone_fields(hf: dict, *, default_theta: float = 10000.0, softmax_mscale: bool = False) -> dict:
+    """The ModelConfig fields every family reads the same way (``softmax_mscale``: ``rope_fields``)."""
     act = hf.get("hidden_act", "silu")
     hf_require(act in ("silu", "swish"), hf, "hidden_act", 'must be "silu" (SwiGLU MLPs)')
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
@@ -124,7 +179,8 @@ def backbone_fields(hf: dict, *, default_theta: float = 10000.0) -> dict:
     return {"vocab_size": hf["vocab_size"], "dim": hf["hidden_size"], "num_layers": hf["num_hidden_layers"],
             "num_heads": heads, "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
             "max_seq_len": int(hf.get("max_position_embeddings", 4096)), "activation": "swiglu",
-            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)), "rope_theta": rope_theta(hf, default_theta),
+            "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
+            **rope_fields(hf, default_theta, softmax_mscale=softmax_mscale),
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "init_std": float(hf.get("initializer_range", 0.02)), "head": "lm"}
 
@@ -141,8 +197,7 @@ def backbone_config(model: ModelConfig, *, family: Family) -> dict:
             "vocab_size": model.vocab_size, "hidden_size": model.dim, "num_hidden_layers": model.num_layers,
             "num_attention_heads": model.num_heads, "num_key_value_heads": model.resolved_num_kv_heads,
             "hidden_act": "silu", "max_position_embeddings": model.max_seq_len, "rms_norm_eps": model.norm_eps,
-            "rope_theta": model.rope_theta,  # read by transformers 4
-            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},  # transformers 5
+            **rope_config(model),
             "tie_word_embeddings": model.tie_embeddings, "initializer_range": model.init_std,
             "attention_dropout": 0.0, "use_cache": True, "output_router_logits": False,
             # Token ids belong to a tokenizer, not to the model: None unless the converter knows
@@ -172,8 +227,8 @@ def backbone_problems(model: ModelConfig, moe: MoEConfig, *, family: str) -> lis
 def attention_problems(model: ModelConfig, *, family: str, qk_norm: str = "none", qkv_bias: bool = False,
                        clip_qkv: bool = False, head_dim: bool = True) -> list[str]:
     """What standard attention of ``family`` cannot express: MLA, the q/k norm it does not have,
-    biases and clipping it lacks, interleaved rope, a head dim other than dim / heads (``head_dim``
-    False)."""
+    biases and clipping it lacks, interleaved rope, yarn's softmax scaling (``mscale_all_dim``), a
+    head dim other than dim / heads (``head_dim`` False)."""
     out = []
     if model.attention != "mha":
         out.append(f"model.attention ({model.attention!r}) must be \"mha\" ({family} has standard attention)")
@@ -185,6 +240,10 @@ def attention_problems(model: ModelConfig, *, family: str, qk_norm: str = "none"
         out.append(f"model.clip_qkv ({model.clip_qkv}) must be None ({family} does not clip)")
     if model.rope_interleave:
         out.append(f"model.rope_interleave (true) must be false ({family} rotates halves)")
+    scaling = model.rope_scaling
+    if scaling is not None and scaling.mscale_all_dim is not None:
+        out.append(f"model.rope_scaling.mscale_all_dim ({scaling.mscale_all_dim}) must be None: {family} does not "
+                   "scale the softmax by it (give the cos/sin scale as attention_factor)")
     if not head_dim and model.resolved_head_dim != model.dim // model.num_heads:
         out.append(f"model.head_dim ({model.head_dim}) must be model.dim / model.num_heads "
                    f"({model.dim // model.num_heads}) for {family}")
