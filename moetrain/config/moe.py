@@ -177,9 +177,22 @@ class MoEConfig:
     num_experts / num_expert_groups must be >= top_k."""
 
     aux_loss_type: str = "batch"
-    """Granularity of the load-balancing loss. "batch": E * sum_e f_e * P_e over the whole global
-    batch (Switch/GShard). "sequence": the same term per sequence, averaged over sequences
-    (DeepSeek-V3's sequence-wise loss): it also penalises a sequence that uses few experts."""
+    """Granularity of the load-balancing loss E * sum_e f_e * P_e (f_e: the fraction of the routed
+    copies that chose expert e, a constant; P_e: the mean router probability of e). "batch"
+    (Switch/GShard; Megatron-LM's default): both per micro-batch, f_e over one micro-batch of every
+    data- and tensor-parallel rank together (counts summed over them), P_e over this rank's tokens:
+    the same gradient for any dp and tp, another one for another micro-batch count. "sequence": the
+    same term per sequence, averaged over sequences (DeepSeek-V3's sequence-wise loss): it also
+    penalises a sequence that uses few experts. "global_batch" (Qwen's global-batch balancing, Qiu
+    et al. 2025): f_e over a whole optimizer step, every micro-batch of every dp and tp rank. A
+    micro-batch's backward runs before the step's later micro-batches are routed, so f_e is the
+    previous optimizer step's (kept by install_balancing's pre-step hook, which the trainer installs;
+    uniform 1/E before the first step, which gives no gradient, the P_e summing to 1) and P_e is
+    over each forward's tokens: the step's loss, the mean over micro-batches and ranks, is
+    E * sum_e f_e(previous step) * P_e(this step), whose gradient is the same for any dp, tp, pp and
+    micro-batch count. Training without install_balancing is refused. (Megatron-LM's
+    global_aux_loss takes f_e as a running mean over the step's micro-batches so far instead:
+    current, but dependent on the micro-batch count.)"""
 
     dynamic_capacity: bool = False
     """Recompute the capacity factor from the load history every balance_interval steps:
@@ -312,7 +325,7 @@ class MoEConfig:
         require(self.top_k <= allowed, "moe.top_groups", self.top_groups,
                 f"leaves {allowed} experts per token (top_groups * num_experts / num_expert_groups), fewer "
                 f"than moe.top_k ({self.top_k})")
-        require_choice("moe.aux_loss_type", self.aux_loss_type, ("batch", "sequence"))
+        require_choice("moe.aux_loss_type", self.aux_loss_type, ("batch", "sequence", "global_batch"))
         require_bool("moe.dynamic_capacity", self.dynamic_capacity)
         if self.dynamic_capacity:
             require(self.capacity_factor is not None, "moe.capacity_factor", self.capacity_factor,

@@ -11,7 +11,8 @@ hook reads each MoE layer's routed-token counts of the step (summed over micro-b
 layer, and over all data- and expert-parallel ranks by its ``balance_group`` all-reduce, so they
 are identical on every rank and independent of gradient accumulation) and
 
-1. moves the auxiliary-loss-free selection bias (``moe.router_bias_update_rate``),
+1. moves the auxiliary-loss-free selection bias (``moe.router_bias_update_rate``), and keeps the
+   counts as the next step's f_e of the global-batch balance loss (``moe.aux_loss_type``),
 2. every ``moe.balance_interval`` steps, from the load of that interval: recomputes the dynamic
    capacity factor, the per-expert learning-rate scales, and checks for routing collapse (an
    alarm once one expert's share has stayed above ``moe.collapse_threshold`` for
@@ -108,7 +109,7 @@ class Balancer:
         self._collapse_on = []
         off = []
         for name, layer in self.named_layers:
-            layer.track_routing_stats = True
+            layer.track_routing_stats = layer.balancing_installed = True
             c = layer.config
             on = not c.is_expert_choice and c.collapse_threshold < 1.0
             if on and c.collapse_threshold <= c.top_k / c.num_experts:
@@ -131,7 +132,7 @@ class Balancer:
         for h in self.handles:
             h.remove()
         for layer in self.layers:
-            layer.track_routing_stats = False
+            layer.track_routing_stats = layer.balancing_installed = False
 
     def discard_step(self) -> None:
         """Forget the routing counts of the current step: call it when a step is skipped without
@@ -150,6 +151,8 @@ class Balancer:
             rate = layer.config.router_bias_update_rate
             if rate > 0:
                 layer.router.update_bias(routed_E, rate)
+            if layer.config.aux_loss_type == "global_batch":
+                layer.prev_step_routed_E.copy_(routed_E)
             self.window_routed_LE[i] += routed_E
             self.window_local_L4[i] += layer.step_local_stats
             self.interval_routed_LE[i] += routed_E
@@ -290,12 +293,15 @@ class Balancer:
         local_L4 = self.window_local_L4.clone()
         if self.dp_group is not None:
             dist.all_reduce(local_L4, group=self.dp_group)
-        return {"num_layers": len(self.layers), "num_experts": int(self.interval_routed_LE.shape[1]),
-                "steps": self.steps, "interval_routed": self.interval_routed_LE.tolist(),
-                "idle_steps": self.idle_steps_LE.tolist(), "total_alarms": self.total_alarms,
-                "window_steps": self.window_steps, "window_routed": self.window_routed_LE.tolist(),
-                "window_local": local_L4.tolist(), "window_alarms": list(self.window_alarms_L),
-                "collapse_streak": list(self.collapse_streak_L)}
+        state = {"num_layers": len(self.layers), "num_experts": int(self.interval_routed_LE.shape[1]),
+                 "steps": self.steps, "interval_routed": self.interval_routed_LE.tolist(),
+                 "idle_steps": self.idle_steps_LE.tolist(), "total_alarms": self.total_alarms,
+                 "window_steps": self.window_steps, "window_routed": self.window_routed_LE.tolist(),
+                 "window_local": local_L4.tolist(), "window_alarms": list(self.window_alarms_L),
+                 "collapse_streak": list(self.collapse_streak_L)}
+        if any(layer.config.aux_loss_type == "global_batch" for layer in self.layers):
+            state["prev_step_routed"] = [_prev_step_routed(layer) for layer in self.layers]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from ``state_dict()``'s counters: the next interval update comes at the step it
@@ -316,6 +322,11 @@ class Balancer:
         self.window_alarms_L = [int(a) for a in state["window_alarms"]]
         # Checkpoints written before the persistence rule existed carry no streak: it restarts.
         self.collapse_streak_L = [int(n) for n in state.get("collapse_streak", [0] * len(self.layers))]
+        # The global-batch balance loss's counts (layers with another aux_loss_type hold none;
+        # checkpoints without them restart from uniform f_e for one step).
+        for layer, routed in zip(self.layers, state.get("prev_step_routed", [None] * len(self.layers)), strict=True):
+            if routed is not None and layer.config.aux_loss_type == "global_batch":
+                layer.prev_step_routed_E.copy_(torch.tensor(routed, dtype=torch.int64))
         first_of_group = self.dp_group is None or dist.get_rank(self.dp_group) == 0
         local_L4 = torch.tensor(state["window_local"], dtype=torch.float64, device=dev)
         self.window_local_L4.copy_(local_L4 if first_of_group else torch.zeros_like(local_L4))
@@ -400,6 +411,11 @@ def _stepped_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimize
     """The optimizer whose step updates the tensors: ZeRO-1's inner optimizer (which steps this
     rank's slices, host copies when offloading), else ``optimizer`` itself."""
     return optimizer.inner if isinstance(optimizer, ZeroShardedOptimizer) else optimizer
+
+
+def _prev_step_routed(layer: MoELayer) -> list[int] | None:
+    """The counts behind the layer's global-batch f_e, None for another aux_loss_type."""
+    return layer.prev_step_routed_E.tolist() if layer.config.aux_loss_type == "global_batch" else None
 
 
 def _expert_bias(layer: MoELayer) -> torch.Tensor:

@@ -14,10 +14,15 @@ layout, by term:
     batch-wise balance loss      f_e and P_e over each micro-batch (Megatron-LM's default): the same
                                  for every tp and pp at a fixed micro-batch count, and a different
                                  gradient for another count, by construction
+    global-batch balance loss    f_e of the previous optimizer step over every micro-batch and rank,
+                                 P_e a mean over the step's tokens: the same for every dp, tp and cut
+                                 into micro-batches (its runs start from preset counts: the uniform
+                                 f_e before any step gives no gradient)
 
 The tp runs use the tp harness (tp_parity.py: dp index's rows cut ``m::M``), the pp runs the
 pipeline harness (pipeline_worker.py: rows cut into consecutive blocks); each is compared with its
-own one-process reference at one micro-batch (pp = tp = 1, no accumulation).
+own one-process reference at one micro-batch (pp = tp = 1, no accumulation). The global-batch runs
+use the tp harness at tp = 2 and, with tp = 1 on the same two ranks, at dp = 2.
 """
 
 from __future__ import annotations
@@ -60,8 +65,34 @@ def _pp_cases(term: str, pp: int, micro_batches: int) -> tuple[PPCase, PPCase]:
     return on, dataclasses.replace(on, name=on.name + "_off", moe=_off(TERMS[term]))
 
 
+GLOBAL_BATCH_TERM = {"aux_loss_type": "global_batch", "aux_loss_coef": 0.5, "z_loss_coef": 0.0,
+                     "collapse_threshold": 1.0}
+"""The global-batch term alone (its counts need install_balancing; its collapse alarm is off, as
+at top_k / num_experts = 0.5 it would only warn that it is)."""
+PRESET_ROUTED = (30, 10, 5, 19)
+"""The counts a previous step routed (4 experts; any non-uniform ones): the first step's f_e."""
+GLOBAL_LAYOUTS = {"dp2": 1, "tp2": 2}
+"""Layout name -> tp on two ranks (tp = 1 there is dp = 2)."""
+
+
+def _global_runs(layout: str, micro_batches: int) -> tuple[TpRun, TpRun]:
+    """``layout``: a key of GLOBAL_LAYOUTS, or "one" (the one-process reference)."""
+    on = TpRun(f"{layout}_global_batch_m{micro_batches}", tp=GLOBAL_LAYOUTS.get(layout, 1), steps=1,
+               micro_batches=micro_batches, balancing=True, prev_step_routed=PRESET_ROUTED, moe=GLOBAL_BATCH_TERM)
+    return on, dataclasses.replace(on, name=on.name + "_off", moe=_off(GLOBAL_BATCH_TERM))
+
+
+def _global_pp_cases(pp: int, micro_batches: int) -> tuple[PPCase, PPCase]:
+    on = PPCase(f"pp{pp}_global_batch_m{micro_batches}", pp=pp, steps=1, micro_batches=micro_batches,
+                micro_batch_size=PP_GLOBAL_BATCH // micro_batches, balancing=True, prev_step_routed=PRESET_ROUTED,
+                moe=GLOBAL_BATCH_TERM)
+    return on, dataclasses.replace(on, name=on.name + "_off", moe=_off(GLOBAL_BATCH_TERM))
+
+
 TP_RUNS = [r for term in TP_TERMS for m in TP_MICRO_BATCHES for r in _tp_runs(term, 2, m)]
+TP_RUNS += [r for layout in GLOBAL_LAYOUTS for m in TP_MICRO_BATCHES for r in _global_runs(layout, m)]
 PP_CASES = [c for term in TERMS for m in PP_MICRO_BATCHES for c in _pp_cases(term, 2, m)]
+PP_CASES += [c for m in PP_MICRO_BATCHES for c in _global_pp_cases(2, m)]
 
 
 def worker(rank: int, world: int, tp_runs: list[TpRun], pp_cases: list[PPCase]) -> dict:
@@ -165,3 +196,59 @@ def test_batch_balance_loss_follows_the_micro_batch_not_the_layout(world2):
             change = _max_relative_change(by_count[m], by_count[1])
             assert change > 1e-2, f"[batch, {name} harness] {m} micro-batches vs 1: relative change {change:.1e}"
 
+
+
+@functools.cache
+def _reference_global(micro_batches: int) -> tuple[dict, dict]:
+    """The one-process global-batch run's aux-loss gradient and its full results."""
+    on, off = _global_runs("one", micro_batches)
+    res_on = tp_parity.run_reference(on)
+    return _difference(res_on["grads"], tp_parity.run_reference(off)["grads"]), res_on
+
+
+def _aux_grads_global(layout: str, micro_batches: int, results: list[dict]) -> dict:
+    on, off = _global_runs(layout, micro_batches)
+    return _difference(results[0]["tp"][on.name]["grads"], results[0]["tp"][off.name]["grads"])
+
+
+def test_global_batch_balance_gradient_does_not_depend_on_dp_tp_or_micro_batches(world2):
+    """One process with the whole step in one micro-batch against one process with two, and dp = 2
+    and tp = 2, each with one and with two micro-batches: every parameter's aux-loss gradient."""
+    want = _reference_global(1)[0]
+    _assert_nonzero_at_routers(want, "[global_batch] reference")
+    for m in TP_MICRO_BATCHES:
+        _assert_same(_reference_global(m)[0], want, f"[global_batch] one process, {m} micro-batches:")
+        for layout in GLOBAL_LAYOUTS:
+            _assert_same(_aux_grads_global(layout, m, world2), want, f"[global_batch] {layout}, {m} micro-batches:")
+
+
+def test_global_batch_counts_are_the_steps_over_every_rank_and_micro_batch(world2):
+    """What the optimizer hook keeps for the next step: the step's routed copies, all of them (global
+    batch x seq_len x top_k per layer), the same integers at every layout and micro-batch count."""
+    want = _reference_global(1)[1]["prev_step_routed"][0]
+    assert want.shape == (1, 4) and int(want.sum()) == tp_parity.GLOBAL_BATCH * 8 * 2, want
+    assert not torch.equal(want[0], torch.tensor(PRESET_ROUTED)), "the hook did not replace the preset counts"
+    for m in TP_MICRO_BATCHES:
+        assert torch.equal(_reference_global(m)[1]["prev_step_routed"][0], want), f"one process, {m} micro-batches"
+        for layout in GLOBAL_LAYOUTS:
+            for rank, res in enumerate(world2):
+                got = res["tp"][_global_runs(layout, m)[0].name]["prev_step_routed"][0]
+                assert torch.equal(got, want), f"{layout}, {m} micro-batches, rank {rank}: {got} != {want}"
+
+
+def test_global_batch_balance_gradient_does_not_depend_on_pp_or_micro_batches(world2):
+    """The pipeline harness (its own model and batch): pp = 2 at 2 and 4 micro-batches, and one
+    process at 1, 2 and 4, against one process with the whole step in one micro-batch."""
+    def grads(m: int, results: list[dict] | None) -> dict:
+        on, off = _global_pp_cases(2, m)
+        if results is None:
+            return _difference(pipeline_worker.run_reference(on, 1)["grads"][0],
+                               pipeline_worker.run_reference(off, 1)["grads"][0])
+        merged = [{k: v for r in results for k, v in r["pp"][case.name]["grads"][0].items()} for case in (on, off)]
+        return _difference(*merged)
+
+    want = grads(1, None)
+    _assert_nonzero_at_routers(want, "[global_batch] pp reference")
+    for m in PP_MICRO_BATCHES:
+        _assert_same(grads(m, None), want, f"[global_batch] one process, {m} micro-batches:")
+        _assert_same(grads(m, world2), want, f"[global_batch] pp=2, {m} micro-batches:")

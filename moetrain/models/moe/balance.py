@@ -31,6 +31,24 @@ def load_balancing_loss(probs_TE: torch.Tensor, num_tokens_per_expert_E: torch.T
     return num_experts * torch.sum(f_E * P_E)
 
 
+def routed_frequencies(num_routed_E: torch.Tensor) -> torch.Tensor:
+    """``f_e = n_e / sum_e n_e`` of routed-copy counts (fp32), uniform ``1 / E`` when there are
+    none (no host sync: the choice is a ``torch.where``)."""
+    counts_E = num_routed_E.detach().float()
+    total = counts_E.sum()
+    return torch.where(total > 0, counts_E / total.clamp(min=1), torch.full_like(counts_E, 1 / counts_E.numel()))
+
+
+def frequency_load_balancing_loss(probs_TE: torch.Tensor, freq_E: torch.Tensor) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` with given frequencies ``freq_E`` (constants, summing to 1) and
+    ``P_e`` the mean router probability of e over these T tokens: the Switch term when f comes
+    from elsewhere than this batch (``moe.aux_loss_type="global_batch"``, the previous optimizer
+    step's global counts). Linear in the probabilities, so the token-weighted mean of its values
+    over micro-batches and ranks is its value over their union."""
+    num_experts = probs_TE.shape[1]
+    return num_experts * torch.sum(freq_E.detach().float() * probs_TE.float().mean(dim=0))
+
+
 def router_z_loss(logits_TE: torch.Tensor) -> torch.Tensor:
     """ST-MoE z-loss ``mean_t logsumexp(logits_t)^2``: keeps router logits small so the fp32
     softmax stays well conditioned."""

@@ -29,8 +29,10 @@ from moetrain.config.moe import MoEConfig
 from moetrain.models.feedforward import FeedForward
 from moetrain.models.moe.balance import (
     all_reduce_counts,
+    frequency_load_balancing_loss,
     load_balancing_loss,
     masked_sequence_load_balancing_loss,
+    routed_frequencies,
     router_z_loss,
     routing_entropy,
     sequence_load_balancing_loss,
@@ -83,6 +85,7 @@ class MoELayer(nn.Module):
     capacity_factor_now: torch.Tensor
     expert_lr_scale: torch.Tensor
     aux_loss_coef_now: torch.Tensor
+    prev_step_routed_E: torch.Tensor
 
     def __init__(self, dim: int, config: MoEConfig) -> None:
         super().__init__()
@@ -126,6 +129,9 @@ class MoELayer(nn.Module):
         # hook reads and zeroes them). Routed counts are global (summed over balance_group); the
         # local stats are this rank's: dropped copies, routed copies, summed token entropy, tokens.
         self.track_routing_stats = False
+        # Whether install_balancing's hooks own this layer (track_routing_stats may still be
+        # muted for a forward, as the pipeline's shape inference does).
+        self.balancing_installed = False
         self.register_buffer("step_routed_E", torch.zeros(c.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("step_local_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
 
@@ -139,6 +145,13 @@ class MoELayer(nn.Module):
             self.register_buffer("expert_lr_scale", torch.ones(c.num_experts, dtype=torch.float32))
         if c.collapse_aux_increase > 0:
             self.register_buffer("aux_loss_coef_now", torch.tensor(float(c.aux_loss_coef), dtype=torch.float64))
+        # The global_batch balance loss's f_e: the routed copies of the last optimizer step, over
+        # every micro-batch and dp x tp rank (step_routed_E as the pre-step hook read it), zero =
+        # none yet (uniform f). Saved with the balancer's counters, not in the model's state dict:
+        # it is training state, no weight.
+        if c.aux_loss_type == "global_batch":
+            self.register_buffer("prev_step_routed_E", torch.zeros(c.num_experts, dtype=torch.int64),
+                                 persistent=False)
 
     # ----- balancing state ---------------------------------------------------------------------------
 
@@ -266,7 +279,9 @@ class MoELayer(nn.Module):
                 z = z * token_share
         with torch.no_grad():
             self.tokens_per_expert.copy_(num_routed_E)
-        if c.aux_loss_type == "sequence" and sequence_ids is not None:
+        if c.aux_loss_type == "global_batch":
+            lb = self._global_batch_loss(routing.probs_TE) * token_share
+        elif c.aux_loss_type == "sequence" and sequence_ids is not None:
             assert num_sequences is not None, "a token mask gives both sequence_ids and num_sequences"
             lb = masked_sequence_load_balancing_loss(routing.probs_TE, routing.idx_TK, sequence_ids, num_sequences)
         elif c.aux_loss_type == "sequence":
@@ -280,6 +295,15 @@ class MoELayer(nn.Module):
         return MoEAux(loss=self.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
                       num_routed_per_expert=num_routed_E, num_dropped=d.num_dropped,
                       num_routed=num_tokens * c.top_k, num_token_rank_sends=d.num_token_rank_sends)
+
+    def _global_batch_loss(self, probs_TE: torch.Tensor) -> torch.Tensor:
+        """``E * sum_e f_e * P_e``, f_e from the previous optimizer step's global counts and P_e
+        over this forward's tokens (see ``MoEConfig.aux_loss_type``)."""
+        if self.training and not self.balancing_installed:
+            raise RuntimeError('moe.aux_loss_type "global_batch" takes f_e from the routing counts of the previous '
+                               'optimizer step, which only the optimizer hook of moetrain.train.balancing.'
+                               'install_balancing records: install it before training (the trainer does)')
+        return frequency_load_balancing_loss(probs_TE, routed_frequencies(self.prev_step_routed_E))
 
     def _expert_choice_aux(self, d, z, num_tokens: int) -> MoEAux:
         c = self.config

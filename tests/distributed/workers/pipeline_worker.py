@@ -56,6 +56,9 @@ class PPCase:
     balancing: bool = False
     """Install the between-step balancing (``install_balancing``) on the optimizer, and record
     every MoE layer's selection bias after every step."""
+    prev_step_routed: tuple[int, ...] | None = None
+    """With ``moe.aux_loss_type="global_batch"``: the routed counts preset in every MoE layer's
+    ``prev_step_routed_E`` (the first step's f_e, instead of the uniform one that gives no gradient)."""
 
     def configs(self) -> tuple[ModelConfig, MoEConfig]:
         moe = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16, "aux_loss_coef": 0.1, "z_loss_coef": 0.01,
@@ -77,6 +80,10 @@ def build_model(case: PPCase, *, meta: bool = False) -> Transformer:
         with torch.no_grad():
             for layer in list(model.layers)[case.empty_experts_from_layer:]:
                 layer.feed_forward.router.expert_bias.copy_(torch.tensor([100.0, 100.0, -100.0, -100.0]))
+    if case.prev_step_routed is not None and not meta:
+        for m in model.modules():
+            if isinstance(m, MoELayer):
+                m.prev_step_routed_E.copy_(torch.tensor(case.prev_step_routed))
     return model
 
 

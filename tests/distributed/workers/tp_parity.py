@@ -58,6 +58,10 @@ class TpRun:
     empty_experts: bool = False
     """Selection bias that sends every token to experts 0 and 1: at ep = 2 the second ep rank's
     experts (2 and 3) receive no tokens."""
+    prev_step_routed: tuple[int, ...] | None = None
+    """With ``moe.aux_loss_type="global_batch"``: the routed counts preset in every MoE layer's
+    ``prev_step_routed_E``, so that the first step's f_e is this (as if a step before it had
+    routed them) rather than uniform, which gives no balancing gradient."""
     model: dict = field(default_factory=dict)
     moe: dict = field(default_factory=dict)
 
@@ -99,6 +103,10 @@ def build(run: TpRun) -> Transformer:
             for layer in transformer.layers:
                 if layer.is_moe:
                     layer.feed_forward.router.expert_bias.copy_(torch.tensor([100.0, 100.0, -100.0, -100.0]))
+    if run.prev_step_routed is not None:
+        for m in transformer.modules():
+            if isinstance(m, MoELayer):
+                m.prev_step_routed_E.copy_(torch.tensor(run.prev_step_routed))
     return transformer
 
 
@@ -128,10 +136,16 @@ def _expert_bias(model) -> torch.Tensor | None:
     return None if biases[0] is None else torch.stack([b.detach().clone() for b in biases])
 
 
+def _prev_step_routed(model) -> torch.Tensor | None:
+    counts = [m.prev_step_routed_E.clone() for m in model.modules()
+              if isinstance(m, MoELayer) and m.config.aux_loss_type == "global_batch"]
+    return torch.stack(counts) if counts else None
+
+
 def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: slice,
            dims: ParallelDims | None = None) -> dict:
     n = run.micro_batches
-    losses, norms, out = [], [], {"expert_bias": [], "dropped": 0}
+    losses, norms, out = [], [], {"expert_bias": [], "prev_step_routed": [], "dropped": 0}
     if run.balancing:
         install_balancing(opt, model, dims)
     for s in range(run.steps):
@@ -157,6 +171,7 @@ def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: sli
         opt.zero_grad(set_to_none=True)
         losses.append(loss_sum)
         out["expert_bias"].append(_expert_bias(model))
+        out["prev_step_routed"].append(_prev_step_routed(model))
     out.update(loss=losses, grad_norm=norms,
                params={k: _full(v).detach().clone() for k, v in model.named_parameters()})
     return out
