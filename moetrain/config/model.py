@@ -59,7 +59,7 @@ class ModelConfig:
 
     rope_scaling: RopeScaling | None = None
     """How the rotary frequencies are stretched for a context longer than pretraining's
-    (``moetrain.config.rope.RopeScaling``: "linear", "llama3" or "yarn" with their parameters),
+    (``moetrain.config.rope.RopeScaling``: "linear", "llama3", "yarn" or "dynamic" with their parameters),
     as the long-context checkpoints' ``rope_parameters`` say; None = plain RoPE. "yarn" also
     scales cos and sin, and with ``mscale_all_dim`` the softmax (``softmax_scale``)."""
 
@@ -180,6 +180,9 @@ class ModelConfig:
             self.rope_scaling = rope_scaling_from(self.rope_scaling)  # Python callers and JSON write a dict
         require(self.rope_scaling is None or isinstance(self.rope_scaling, RopeScaling), "model.rope_scaling",
                 self.rope_scaling, "must be None or a mapping of rope_type, factor, ... (RopeScaling)")
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "dynamic":
+            require(self.rope_dim > 2, "model.rope_scaling.rope_type", "dynamic",
+                    f"needs more than 2 rotary dims per head (it has {self.rope_dim}): its exponent is P / (P - 2)")
         require_bool("model.tie_embeddings", self.tie_embeddings)
         require_positive("model.init_std", self.init_std)
         require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)

@@ -1,9 +1,10 @@
 """Rope scaling: how the released long-context checkpoints stretch their rotary frequencies
 (``model.rope_scaling``). moetrain implements the types of transformers' ``rope_parameters`` that
 the families it converts use: "linear" (Code Llama style position interpolation), "llama3"
-(Llama 3.1: long wavelengths interpolated, short ones kept, a smooth band between) and "yarn"
+(Llama 3.1: long wavelengths interpolated, short ones kept, a smooth band between), "yarn"
 (DeepSeek-V3, Kimi-K2, Qwen long-context: a ramp between interpolated and original frequencies
-over the feature pairs, with an attention temperature). The frequencies themselves are computed
+over the feature pairs, with an attention temperature) and "dynamic" (NTK: the base grows with the
+length of the sequence once it passes the original context). The frequencies themselves are computed
 in ``moetrain.models.attention``; this module holds the fields, their rules and the two scalars
 attention needs.
 """
@@ -17,16 +18,16 @@ from dataclasses import dataclass, fields
 from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice
 
-ROPE_TYPES = ("linear", "llama3", "yarn")
+ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic")
 """Rope scaling types moetrain implements (transformers' ``rope_type`` names)."""
 
-_ONLY = {"original_max_seq_len": ("llama3", "yarn"), "low_freq_factor": ("llama3",),
+_ONLY = {"original_max_seq_len": ("llama3", "yarn", "dynamic"), "low_freq_factor": ("llama3",),
          "high_freq_factor": ("llama3",), "beta_fast": ("yarn",), "beta_slow": ("yarn",), "mscale": ("yarn",),
          "mscale_all_dim": ("yarn",), "attention_factor": ("yarn",)}
 """Optional fields and the types that read them; every other type requires them None."""
 
 _REQUIRED = {"llama3": ("original_max_seq_len", "low_freq_factor", "high_freq_factor"),
-             "yarn": ("original_max_seq_len",)}
+             "yarn": ("original_max_seq_len",), "dynamic": ("original_max_seq_len",)}
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,21 @@ class RopeScaling:
     original_max_seq_len: 4096, beta_fast: 32, beta_slow: 1, mscale: 1.0, mscale_all_dim: 1.0}``."""
 
     rope_type: str = ""
-    """"linear", "llama3" or "yarn" (transformers' ``rope_type``)."""
+    """"linear", "llama3", "yarn" or "dynamic" (transformers' ``rope_type``)."""
 
     factor: float = 1.0
     """How many times longer than ``original_max_seq_len`` the context is stretched (>= 1): the
     interpolated frequencies are the plain ones divided by it (all of them with "linear", the
-    long wavelengths with "llama3", the pairs past the yarn ramp with "yarn")."""
+    long wavelengths with "llama3", the pairs past the yarn ramp with "yarn"). "dynamic": a
+    sequence of L > original_max_seq_len positions rotates with the base
+    ``rope_theta * (factor * L / original_max_seq_len - factor + 1) ** (P / (P - 2))`` (P rotary dims)."""
 
     original_max_seq_len: int | None = None
     """Context length of pretraining before the stretch (transformers'
     ``original_max_position_embeddings``; Llama 3.1: 8192, DeepSeek-V3: 4096). Required by
-    "llama3" and "yarn", which decide per feature pair from its wavelength against this length;
-    None with "linear"."""
+    "llama3" and "yarn", which decide per feature pair from its wavelength against this length,
+    and by "dynamic" (transformers' ``max_position_embeddings`` there): sequences up to this
+    length get plain RoPE. None with "linear"."""
 
     low_freq_factor: float | None = None
     """"llama3": wavelengths above ``original_max_seq_len / low_freq_factor`` are interpolated

@@ -39,16 +39,25 @@ class RMSNorm(nn.Module):
         return normed_BSD.type_as(x_BSD) * self.weight
 
 
-def rope_frequencies(dim: int, *, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
-    """fp64 angular frequency of each of the dim/2 rotary pairs, plain or stretched by ``scaling``."""
+def rope_frequencies(dim: int, *, theta: float, scaling: RopeScaling | None = None,
+                     seq_len: int | None = None) -> torch.Tensor:
+    """fp64 angular frequency of each of the dim/2 rotary pairs, plain or stretched by ``scaling``.
+    ``seq_len``: the length of the sequence they rotate, read by "dynamic" alone (None = within
+    the original context, where "dynamic" is plain)."""
     inv_freq_A2 = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     if scaling is None:
         return inv_freq_A2
     factor = float(scaling.factor)
     if scaling.rope_type == "linear":
         return inv_freq_A2 / factor
-    assert scaling.original_max_seq_len is not None, "RopeScaling requires it for llama3 and yarn"
+    assert scaling.original_max_seq_len is not None, "RopeScaling requires it for llama3, yarn and dynamic"
     context = scaling.original_max_seq_len
+    if scaling.rope_type == "dynamic":
+        if seq_len is None or seq_len <= context:
+            return inv_freq_A2
+        # NTK: a larger base slows the low frequencies most, so the longer sequence stays in range.
+        base = theta * (factor * seq_len / context - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     if scaling.rope_type == "llama3":
         assert scaling.low_freq_factor is not None and scaling.high_freq_factor is not None
         low, high = scaling.low_freq_factor, scaling.high_freq_factor
@@ -73,12 +82,13 @@ def rope_frequencies(dim: int, *, theta: float, scaling: RopeScaling | None = No
     return ramp_A2 * inv_freq_A2 / factor + (1 - ramp_A2) * inv_freq_A2
 
 
-def rope_table(head_dim: int, max_seq_len: int, *, theta: float,
-               scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_table(head_dim: int, max_seq_len: int, *, theta: float, scaling: RopeScaling | None = None,
+               seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 ``(cos_SA, sin_SA)`` for positions ``0..max_seq_len-1``; each frequency is repeated in
     both halves of the head dim (rotate-half layout). ``scaling``: the frequencies are stretched
-    (``rope_frequencies``) and cos and sin scaled by its ``cos_sin_scale`` (yarn's temperature)."""
-    inv_freq_A2 = rope_frequencies(head_dim, theta=theta, scaling=scaling)
+    (``rope_frequencies``, for a sequence of ``seq_len``) and cos and sin scaled by its
+    ``cos_sin_scale`` (yarn's temperature)."""
+    inv_freq_A2 = rope_frequencies(head_dim, theta=theta, scaling=scaling, seq_len=seq_len)
     angles_SA2 = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq_A2)
     angles_SA = torch.cat([angles_SA2, angles_SA2], dim=-1)
     cos_SA, sin_SA = angles_SA.cos(), angles_SA.sin()
@@ -89,8 +99,24 @@ def rope_table(head_dim: int, max_seq_len: int, *, theta: float,
 
 def rope_table_for(config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's rotary table: ``rope_table`` of its rotary dims (``rope_dim``), ``max_seq_len``
-    positions, ``rope_theta`` and ``rope_scaling``. Every module that holds the table builds it here."""
+    positions, ``rope_theta`` and ``rope_scaling``. Every module that holds the table builds it here
+    and reads it through ``rope_rows``. With "dynamic" scaling it is the table of the original context."""
     return rope_table(config.rope_dim, config.max_seq_len, theta=config.rope_theta, scaling=config.rope_scaling)
+
+
+def rope_rows(config: ModelConfig, cos_SA: torch.Tensor, sin_SA: torch.Tensor, start: int,
+              end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary angles of positions ``start..end-1`` from the model's table (``rope_table_for``).
+    With "dynamic" scaling and a sequence past the original context (``end`` beyond it), they come
+    from a table stretched for ``end`` positions, built here, as transformers' dynamic NTK does at
+    each forward: a decoded token rotates with the stretch of the sequence so far, and the keys
+    cached before keep theirs."""
+    scaling = config.rope_scaling
+    if scaling is None or scaling.rope_type != "dynamic" or end <= (scaling.original_max_seq_len or 0):
+        return cos_SA[start:end], sin_SA[start:end]
+    stretched_cos_SA, stretched_sin_SA = rope_table(config.rope_dim, end, theta=config.rope_theta, scaling=scaling,
+                                                    seq_len=end)
+    return stretched_cos_SA[start:].to(cos_SA.device), stretched_sin_SA[start:].to(sin_SA.device)
 
 
 def apply_rope(x_BHSA: torch.Tensor, cos_SA: torch.Tensor, sin_SA: torch.Tensor, *,

@@ -32,6 +32,7 @@ from moetrain.models.attention import (
     RMSNorm,
     apply_rope,
     attention_mask,
+    rope_rows,
     rope_table,
     rope_table_for,
 )
@@ -200,7 +201,7 @@ class Transformer(nn.Module):
                 require(padding_mask_BS.dtype == torch.bool and tuple(padding_mask_BS.shape) == (B, S),
                         "padding_mask_BS", f"{padding_mask_BS.dtype} {list(padding_mask_BS.shape)}",
                         f"must be a bool tensor of the input's shape [{B}, {S}]")
-            cos_SP, sin_SP = self.rope_cos_SA[:S], self.rope_sin_SA[:S]
+            cos_SP, sin_SP = rope_rows(self.config, self.rope_cos_SA, self.rope_sin_SA, 0, S)
             # One mask for every layer; None keeps SDPA's fused causal kernels.
             mask_B1SK = attention_mask(input_ids_BS, causal=self.config.causal,
                                        document_separator=self.config.document_separator,
@@ -209,7 +210,7 @@ class Transformer(nn.Module):
             require(padding_mask_BS is None, "padding_mask_BS", "a tensor",
                     "must be None with a cache (decode sequences of one length)")
             start, mask_B1SK = cache.begin(input_ids_BS)
-            cos_SP, sin_SP = self.rope_cos_SA[start:start + S], self.rope_sin_SA[start:start + S]
+            cos_SP, sin_SP = rope_rows(self.config, self.rope_cos_SA, self.rope_sin_SA, start, start + S)
         h_BSD = self.embedding_dropout(self.tok_embeddings(input_ids_BS))
         # The classifier's padded positions are not routed: they would take expert FLOPs and a
         # share of the balance losses and load statistics, and pooling drops them anyway.

@@ -1,4 +1,4 @@
-"""Rope scaling (``model.rope_scaling``: linear, llama3, yarn) against transformers, the independent
+"""Rope scaling (``model.rope_scaling``: linear, llama3, yarn, dynamic) against transformers, the independent
 reference, at positions past the pretraining context the scaling stretches: the rotary tables
 against transformers' rotary embedding; DeepSeek-V3's latent attention with its yarn temperatures
 (mscale on cos/sin, mscale_all_dim on the softmax) against transformers' attention module; decoding
@@ -23,7 +23,7 @@ from moetrain.config.rope import RopeScaling
 from moetrain.interop.export import build_model, read_export
 from moetrain.interop.hf.family import rope_fields
 from moetrain.interop.hf.registry import FAMILIES
-from moetrain.models.attention import rope_table, rope_table_for
+from moetrain.models.attention import rope_rows, rope_table, rope_table_for
 from moetrain.models.transformer import Transformer, build_attention
 from tests.helpers import hf_tiny_dense, hf_tiny_models
 
@@ -40,6 +40,7 @@ SCALINGS = {
                       "beta_slow": 2, "mscale": 0.707, "mscale_all_dim": 1.0},
     "yarn-exact-ends": {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 16,
                         "truncate": False},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},  # with max_position_embeddings 16: see tiny_hf
 }
 
 
@@ -57,7 +58,7 @@ def scaling(name: str, *, softmax_mscale: bool = True) -> RopeScaling:
 # --- the rotary table and attention against transformers ---------------------------------------
 
 
-@pytest.mark.parametrize("name", list(SCALINGS))
+@pytest.mark.parametrize("name", [n for n in SCALINGS if n != "dynamic"])
 def test_rotary_table_matches_transformers(name):
     cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
                                    max_position_embeddings=64, rope_parameters=hf_rope(name))
@@ -67,6 +68,48 @@ def test_rotary_table_matches_transformers(name):
     torch.testing.assert_close(sin_SA, sin_1SA[0], **TOL)
     plain_cos_SA, _ = rope_table(16, 64, theta=500.0)
     assert (cos_SA[16:] - plain_cos_SA[16:]).abs().max() > 0.1  # the scaling acts past the original context
+
+
+def test_dynamic_rows_match_transformers_within_and_past_the_original_context():
+    """transformers' dynamic NTK recomputes the frequencies for the length of each forward: a
+    fresh rotary embedding per length, against ``rope_rows`` of the model's table."""
+    cfg = transformers.LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1,
+                                   max_position_embeddings=16, rope_parameters=hf_rope("dynamic"))
+    found = rope_fields(cfg.to_dict())
+    model_cfg = ModelConfig(vocab_size=8, dim=32, num_heads=2, max_seq_len=found["max_seq_len"],
+                            rope_theta=found["rope_theta"], rope_scaling=found["rope_scaling"])
+    assert model_cfg.max_seq_len == 64
+    table = rope_table_for(model_cfg)
+    for length in (12, 16, 17, 48, 64):
+        cos_1SA, sin_1SA = hf_llama.LlamaRotaryEmbedding(cfg)(torch.zeros(1), torch.arange(length)[None])
+        cos_SA, sin_SA = rope_rows(model_cfg, *table, 0, length)
+        torch.testing.assert_close(cos_SA, cos_1SA[0], **TOL)
+        torch.testing.assert_close(sin_SA, sin_1SA[0], **TOL)
+    plain_cos_SA, _ = rope_table(16, 48, theta=500.0)
+    assert (rope_rows(model_cfg, *table, 0, 48)[0] - plain_cos_SA).abs().max() > 0.1
+
+
+def test_dynamic_decoding_matches_transformers_cached_generation():
+    """Each decoded token rotates with the stretch of the sequence so far and the cached keys
+    keep theirs, in transformers as here, so the cached logits differ from the full forward's."""
+    hf = tiny_hf("llama", "dynamic")
+    ids = hf_tiny_models.input_ids(batch=1, seq=40)
+    with torch.no_grad():
+        out = hf(ids[:, :12], use_cache=True)
+        want = [out.logits]
+        for t in range(12, 40):
+            out = hf(ids[:, t:t + 1], cache=out.past_key_values, use_cache=True)
+            want.append(out.logits)
+    family = FAMILIES["llama"]
+    model_cfg, moe_cfg = family.configs_from_hf(hf.config.to_dict())
+    ours = Transformer(model_cfg, moe=moe_cfg).eval()
+    names = {e.mt: e.hf for e in family.tensor_map(model_cfg, moe_cfg, fused=False)}
+    hf_sd = hf.state_dict()
+    ours.load_state_dict({mt: hf_sd[h] for mt, h in names.items()}, strict=True)
+    got = decoded_logits(ours, ids)
+    torch.testing.assert_close(got, torch.cat(want, dim=1), **LOGIT_TOL)
+    with torch.no_grad():
+        assert (got[:, 20:] - ours(ids).logits[:, 20:]).abs().max() > 1e-3
 
 
 def test_llama3_keeps_short_wavelengths_interpolates_long_ones_and_blends_between():
@@ -156,16 +199,20 @@ def test_decoding_with_the_cache_equals_the_full_forward(attention):
 
 # --- Hugging Face: every family both ways, and upcycling -----------------------------------------
 
-FAMILY_ROPE = {"mixtral": "yarn", "qwen2_moe": "linear", "qwen3_moe": "llama3", "olmoe": "yarn-exact-ends",
-               "deepseek_v3": "yarn-deepseek", "deepseek_v2_lite": "yarn", "llama": "llama3", "qwen3": "yarn-deepseek"}
+FAMILY_ROPE = [("mixtral", "yarn"), ("qwen2_moe", "linear"), ("qwen3_moe", "llama3"), ("olmoe", "yarn-exact-ends"),
+               ("deepseek_v3", "yarn-deepseek"), ("deepseek_v2_lite", "yarn"), ("llama", "llama3"),
+               ("qwen3", "yarn-deepseek"), ("mixtral", "dynamic"), ("deepseek_v2_lite", "dynamic"),
+               ("llama", "dynamic")]
 
 
-def tiny_hf(case: str):
-    rope = hf_rope(FAMILY_ROPE[case])
+def tiny_hf(case: str, rope_name: str):
+    rope = hf_rope(rope_name)
+    # transformers' dynamic scaling starts past max_position_embeddings; moetrain then holds 4x.
+    extra = {"max_position_embeddings": 16} if rope_name == "dynamic" else {}
     if case in hf_tiny_dense.DENSE_FAMILIES:
-        return hf_tiny_dense.tiny_dense(case, rope_parameters=rope)
-    # transformers' yarn reads head_dim, which MixtralConfig leaves None unless given.
-    extra = {"head_dim": 8} if case == "mixtral" else {}
+        return hf_tiny_dense.tiny_dense(case, rope_parameters=rope, **extra)
+    if case == "mixtral":  # transformers' yarn and dynamic read head_dim, which MixtralConfig leaves None
+        extra["head_dim"] = 8
     return hf_tiny_models.tiny_model(case, rope_parameters=rope, **extra)
 
 
@@ -173,13 +220,14 @@ def rope_entries(config: dict) -> dict:
     return {k: v for k, v in config["rope_parameters"].items() if k != "type"}
 
 
-@pytest.mark.parametrize("case", list(FAMILY_ROPE))
-def test_convert_round_trips_each_family(tmp_path, case):
-    hf = tiny_hf(case)
+@pytest.mark.parametrize("case, rope_name", FAMILY_ROPE, ids=[f"{c}-{r}" for c, r in FAMILY_ROPE])
+def test_convert_round_trips_each_family(tmp_path, case, rope_name):
+    hf = tiny_hf(case, rope_name)
     hf.save_pretrained(tmp_path / "hf")
     assert cli_main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "mt")]) == 0
     config, sd, _ = read_export(tmp_path / "mt")
-    assert config["model"]["rope_scaling"]["rope_type"] == SCALINGS[FAMILY_ROPE[case]]["rope_type"]
+    assert config["model"]["rope_scaling"]["rope_type"] == SCALINGS[rope_name]["rope_type"]
+    assert config["model"]["max_seq_len"] == 64  # dynamic: 4x transformers' max_position_embeddings
     ids = hf_tiny_models.input_ids(seq=SEQ)
     with torch.no_grad():
         want = hf(ids).logits
@@ -188,6 +236,7 @@ def test_convert_round_trips_each_family(tmp_path, case):
     assert cli_main(["convert", str(tmp_path / "mt"), "--to-hf", str(tmp_path / "back")]) == 0
     source = json.loads((tmp_path / "hf" / "config.json").read_text())
     written = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert written["max_position_embeddings"] == source["max_position_embeddings"]
     if case == "qwen3":  # standard attention: mscale / mscale_all_dim fold into the cos/sin scale
         assert "mscale_all_dim" not in written["rope_parameters"] and "attention_factor" in written["rope_parameters"]
     else:
@@ -198,7 +247,7 @@ def test_convert_round_trips_each_family(tmp_path, case):
 
 
 def test_a_llama3_dense_model_upcycles_with_the_dense_logits(tmp_path):
-    hf = tiny_hf("llama")
+    hf = tiny_hf("llama", "llama3")
     hf.save_pretrained(tmp_path / "dense")
     (tmp_path / "dense" / "tokenizer_config.json").write_text("{}")
     args = ["upcycle", "--from-hf", str(tmp_path / "dense"), "--to", str(tmp_path / "up"), "--num-experts", "4",
@@ -232,6 +281,7 @@ BAD = [
     ({"rope_type": "linear", "factor": 2.0, "truncate": False},
      r"model\.rope_scaling\.truncate \(False\) acts only with rope_type 'yarn'"),
     ({"rope_type": "linear", "factor": 2.0, "scale": 3}, r"model\.rope_scaling .* has unknown fields scale"),
+    ({"rope_type": "dynamic", "factor": 2.0}, r"model\.rope_scaling\.original_max_seq_len \(None\) is required"),
 ]
 
 
@@ -260,7 +310,7 @@ def test_no_scaling_keeps_the_plain_table_and_softmax():
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("kind", ["dynamic", "longrope", "proportional"])
+@pytest.mark.parametrize("kind", ["longrope", "proportional"])
 def test_rope_types_moetrain_lacks_are_refused_in_one_line(kind):
     hf = hf_tiny_models.hf_config("mixtral").to_dict()
     hf["rope_parameters"] = {"rope_type": kind, "factor": 2.0, "rope_theta": 500.0}
@@ -306,3 +356,23 @@ def test_yarn_without_a_factor_takes_the_ratio_of_the_two_lengths():
     found = rope_fields({"max_position_embeddings": 64, "rope_parameters": {
         "rope_type": "yarn", "original_max_position_embeddings": 16, "rope_theta": 1e4}})["rope_scaling"]
     assert found == RopeScaling(rope_type="yarn", factor=4.0, original_max_seq_len=16)
+
+
+@pytest.mark.parametrize("name", ["yarn-deepseek", "dynamic"])
+def test_pipeline_stages_rotate_as_the_whole_model(name):
+    """Two stages built on the meta device and materialised (their own rotary table, through
+    ``rope_table_for``; positions through ``rope_rows``) give the whole model's logits past the
+    original context."""
+    from moetrain.distributed.pipeline.stages import build_pipeline_model
+
+    found = rope_fields({"rope_parameters": hf_rope(name), "max_position_embeddings": 16})
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=2, num_heads=4, max_seq_len=64, moe_every=0,
+                      rope_theta=found["rope_theta"], rope_scaling=found["rope_scaling"])
+    whole = Transformer(cfg, seed=3).eval()
+    with torch.device("meta"):
+        meta = Transformer(cfg, seed=3)
+    pm = build_pipeline_model(meta, pp_rank=0, pp=1, virtual_stages=2, device=torch.device("cpu"), seed=3).eval()
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        h = pm.chunks[0](ids)
+        torch.testing.assert_close(pm.chunks[1](h), whole(ids).logits, rtol=0, atol=1e-6)

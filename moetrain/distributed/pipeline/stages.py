@@ -48,7 +48,7 @@ from moetrain.config.zero import check_offload
 from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
-from moetrain.models.attention import attention_mask, rope_table_for
+from moetrain.models.attention import attention_mask, rope_rows, rope_table_for
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer, init_parameters
 
@@ -221,7 +221,7 @@ class PipelineChunk(nn.Module):
                               backward_kind=f"{kind}_backward")
 
     def _blocks(self, h_BSD: torch.Tensor, S: int, mask_B1SK: torch.Tensor | None) -> torch.Tensor:
-        cos_SP, sin_SP = self.rope_cos_SA[:S], self.rope_sin_SA[:S]
+        cos_SP, sin_SP = rope_rows(self.config, self.rope_cos_SA, self.rope_sin_SA, 0, S)
         aux_losses = []
         for layer in self.layers.values():
             h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK)

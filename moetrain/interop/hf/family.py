@@ -113,7 +113,8 @@ _HF_ROPE_FIELDS = {"factor": "factor", "original_max_position_embeddings": "orig
 
 def rope_fields(hf: dict, default_theta: float = 10000.0, *, softmax_mscale: bool = False) -> dict:
     """``rope_theta`` and ``rope_scaling`` of ``config.json`` (``rope_parameters``, transformers 5,
-    or ``rope_scaling``, transformers 4). ValueError for a rope type moetrain does not implement.
+    or ``rope_scaling``, transformers 4), and ``max_seq_len`` with "dynamic" scaling
+    (``_dynamic_fields``). ValueError for a rope type moetrain does not implement.
     ``softmax_mscale``: the family's attention scales the softmax by yarn's ``mscale_all_dim``
     (DeepSeek's MLA); the others only use it in cos and sin, so it is folded into ``attention_factor``."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
@@ -135,6 +136,8 @@ def rope_fields(hf: dict, default_theta: float = 10000.0, *, softmax_mscale: boo
               if v is not None and not (k.startswith("mscale") and not v)}
     if "mscale_all_dim" not in values or "attention_factor" in values:
         values.pop("mscale", None)  # transformers reads it only beside mscale_all_dim, with no attention_factor
+    if kind == "dynamic":
+        return _dynamic_fields(hf, key, theta, values)
     if kind in ("llama3", "yarn") and "original_max_seq_len" not in values:
         values["original_max_seq_len"] = int(hf.get("original_max_position_embeddings")
                                              or hf.get("max_position_embeddings", 4096))
@@ -144,6 +147,18 @@ def rope_fields(hf: dict, default_theta: float = 10000.0, *, softmax_mscale: boo
     if not softmax_mscale and scaling.mscale_all_dim is not None:
         scaling = replace(scaling, attention_factor=scaling.cos_sin_scale, mscale=None, mscale_all_dim=None)
     return {"rope_theta": theta, "rope_scaling": scaling}
+
+
+def _dynamic_fields(hf: dict, key: str, theta: float, values: dict) -> dict:
+    """transformers' dynamic NTK stretches past ``max_position_embeddings`` by as much as a
+    sequence needs; moetrain's table needs a last position: ``factor`` times that length, the
+    stretch the factor is meant for (``max_seq_len``, which overrides the backbone's)."""
+    context = int(hf.get("max_position_embeddings", 4096))
+    given = values.pop("original_max_seq_len", context)
+    require(given == context, f"config.json {key}.original_max_position_embeddings", given,
+            f"must be max_position_embeddings ({context}) or absent: dynamic scaling starts there")
+    scaling = RopeScaling(rope_type="dynamic", original_max_seq_len=context, **values)
+    return {"rope_theta": theta, "rope_scaling": scaling, "max_seq_len": int(context * scaling.factor)}
 
 
 def _rope_value(key: str, value):
@@ -156,17 +171,22 @@ def _rope_value(key: str, value):
 
 def rope_config(model: ModelConfig) -> dict:
     """The config.json rope entries of ``model``: ``rope_theta`` (transformers 4) and
-    ``rope_parameters`` (transformers 5), plus ``rope_scaling`` (transformers 4) when scaled."""
+    ``rope_parameters`` (transformers 5), plus ``rope_scaling`` (transformers 4) when scaled, and
+    with "dynamic" scaling ``max_position_embeddings`` (overriding the backbone's)."""
     params: dict = {"rope_type": "default", "rope_theta": model.rope_theta}
     scaling = model.rope_scaling
     if scaling is None:
         return {"rope_theta": model.rope_theta, "rope_parameters": params}
     params["rope_type"] = scaling.rope_type
+    dynamic = scaling.rope_type == "dynamic"
     for hf_key, field in _HF_ROPE_FIELDS.items():
         value = getattr(scaling, field)
-        if value is not None and not (field == "truncate" and value):
+        if value is not None and not (field == "truncate" and value) and not (dynamic and hf_key.startswith("orig")):
             params[hf_key] = value
-    return {"rope_theta": model.rope_theta, "rope_parameters": params, "rope_scaling": dict(params)}
+    out = {"rope_theta": model.rope_theta, "rope_parameters": params, "rope_scaling": dict(params)}
+    if dynamic:  # transformers' dynamic scaling starts past max_position_embeddings
+        out["max_position_embeddings"] = scaling.original_max_seq_len
+    return out
 
 
 def backbone_fields(hf: dict, *, default_theta: float = 10000.0, softmax_mscale: bool = False) -> dict:
@@ -180,7 +200,7 @@ def backbone_fields(hf: dict, *, default_theta: float = 10000.0, softmax_mscale:
             "num_heads": heads, "num_kv_heads": int(hf.get("num_key_value_heads") or heads),
             "max_seq_len": int(hf.get("max_position_embeddings", 4096)), "activation": "swiglu",
             "norm_eps": float(hf.get("rms_norm_eps", 1e-6)),
-            **rope_fields(hf, default_theta, softmax_mscale=softmax_mscale),
+            **rope_fields(hf, default_theta, softmax_mscale=softmax_mscale),  # after max_seq_len: dynamic sets it
             "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
             "init_std": float(hf.get("initializer_range", 0.02)), "head": "lm"}
 
@@ -197,7 +217,7 @@ def backbone_config(model: ModelConfig, *, family: Family) -> dict:
             "vocab_size": model.vocab_size, "hidden_size": model.dim, "num_hidden_layers": model.num_layers,
             "num_attention_heads": model.num_heads, "num_key_value_heads": model.resolved_num_kv_heads,
             "hidden_act": "silu", "max_position_embeddings": model.max_seq_len, "rms_norm_eps": model.norm_eps,
-            **rope_config(model),
+            **rope_config(model),  # after max_position_embeddings: dynamic sets it
             "tie_word_embeddings": model.tie_embeddings, "initializer_range": model.init_std,
             "attention_dropout": 0.0, "use_cache": True, "output_router_logits": False,
             # Token ids belong to a tokenizer, not to the model: None unless the converter knows
