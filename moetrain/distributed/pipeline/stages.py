@@ -49,8 +49,9 @@ from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.attention import attention_mask, rope_rows, rope_table_for
+from moetrain.models.init import init_parameters
 from moetrain.models.moe.layer import MoELayer
-from moetrain.models.transformer import Transformer, init_parameters
+from moetrain.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.stage import _PipelineStageBase
