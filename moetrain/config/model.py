@@ -151,6 +151,18 @@ class ModelConfig:
     document, the separator counting in the document it ends. Rotary positions stay those of the
     packed sequence. None = plain causal attention across documents. Only with head "lm"."""
 
+    mtp_depth: int = 0
+    """Multi-token prediction (DeepSeek-V3): D sequential modules after the last block, module k
+    predicting the token k + 1 places after the next one from the previous depth's hidden state
+    and the embedding of the token k places ahead (``moetrain.models.mtp``; docs/mtp.md). Each has
+    its own norms, a [2 dim -> dim] projection and one block (MoE when the model has MoE blocks),
+    and shares the embedding and the output head. 0 = off. Only with head "lm"; must be less than
+    the sequence length. Not split by parallel.tp nor by parallel.pp (refused by name)."""
+
+    mtp_loss_weight: float = 0.3
+    """Weight of the multi-token loss: the mean over the depths of each one's cross-entropy, times
+    this, is added to the next-token loss (DeepSeek-V3: 0.3, then 0.1). Acts with mtp_depth > 0."""
+
     def __post_init__(self) -> None:
         # The name is checked where it is applied (config_from_dict): the presets are built from
         # this class, so it cannot consult them.
@@ -192,6 +204,18 @@ class ModelConfig:
             require_int("model.num_classes", self.num_classes, min_value=2,
                         note=' (required when model.head is "classifier")')
         self._check_layers_and_heads()
+        self._check_mtp()
+
+    def _check_mtp(self) -> None:
+        require_int("model.mtp_depth", self.mtp_depth, min_value=0, note=" (0 = no multi-token prediction)")
+        require(self.mtp_depth == 0 or self.head == "lm", "model.mtp_depth", self.mtp_depth,
+                f'must be 0 with model.head {self.head!r}: multi-token prediction predicts tokens (head "lm")')
+        require(self.mtp_depth < self.max_seq_len, "model.mtp_depth", self.mtp_depth,
+                f"must be < model.max_seq_len ({self.max_seq_len}): depth k scores the tokens k + 1 places ahead")
+        require(isinstance(self.mtp_loss_weight, (int, float)) and not isinstance(self.mtp_loss_weight, bool)
+                and self.mtp_loss_weight >= 0, "model.mtp_loss_weight", self.mtp_loss_weight, "must be a number >= 0")
+        require(self.mtp_depth > 0 or self.mtp_loss_weight == _MTP_WEIGHT, "model.mtp_loss_weight",
+                self.mtp_loss_weight, f"acts only with model.mtp_depth > 0: leave it at {_MTP_WEIGHT}")
 
     def _check_mha(self) -> None:
         require_int("model.head_dim", self.head_dim, min_value=2, none_ok=True, note=" (None = dim // num_heads)")
@@ -344,6 +368,9 @@ def tensor_parallel_errors(model: ModelConfig, tp: int) -> list[str]:
         if model.qk_norm == "full":
             errors.append("model.qk_norm ('full') normalises across all heads, which parallel.tp splits: use 'head' "
                           "or 'none'")
+    if model.mtp_depth > 0:
+        errors.append(f"model.mtp_depth ({model.mtp_depth}) must be 0 with parallel.tp > 1: the multi-token modules "
+                      "are not split by tensor parallelism")
     hidden = model.resolved_dense_hidden_dim
     if len(model.moe_layer_ids) < model.num_layers and hidden % tp:
         errors.append(f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({hidden}, model.dense_hidden_dim)")
@@ -351,6 +378,7 @@ def tensor_parallel_errors(model: ModelConfig, tp: int) -> list[str]:
 
 
 _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
+_MTP_WEIGHT = _DEFAULTS["mtp_loss_weight"]
 _MHA_FIELDS = ("head_dim", "num_kv_heads", "qkv_bias", "qk_norm", "clip_qkv")
 """Fields of multi-head attention that latent attention has no use for."""
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

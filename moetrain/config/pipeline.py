@@ -20,13 +20,17 @@ def check_pipeline_model(model: ModelConfig, *, pp: int, virtual_stages: int = 1
     """Stages hold contiguous runs of blocks, the first stage also the embedding and the last the
     final norm and a language-model head: every stage needs a block, and the embedding and the
     head cannot share one weight (they live on different ranks, and nothing here all-reduces a
-    tied gradient between the first and the last stage as Megatron does)."""
+    tied gradient between the first and the last stage as Megatron does); for that reason the multi-token
+    modules, which read the embedding after the last block, cannot be cut into stages either."""
     if pp == 1:
         return
     require(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
             f"must be false with parallel.pp ({pp}) > 1: the embedding lives on the first stage and the head on "
             "the last")
     require(model.head == "lm", "model.head", model.head, f"must be 'lm' with parallel.pp ({pp}) > 1")
+    require(model.mtp_depth == 0, "model.mtp_depth", model.mtp_depth,
+            f"must be 0 with parallel.pp ({pp}) > 1: the multi-token modules on the last stage need the token "
+            "embedding, which lives on the first stage (the same reason as model.tie_embeddings)")
     num_stages = pp * virtual_stages
     require(num_stages <= model.num_layers, "parallel.pp * parallel.pp_virtual_stages", num_stages,
             f"must be <= model.num_layers ({model.num_layers}): every stage holds at least one block")

@@ -40,6 +40,7 @@ from moetrain.models.init import init_parameters
 from moetrain.models.kv_cache import DecodeCache
 from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.layer import MoEAux, MoELayer
+from moetrain.models.mtp import MTPModule, mtp_losses
 
 # Attention, MultiHeadLatentAttention, RMSNorm, apply_rope and rope_table live in their own
 # modules; importing them from here keeps working.
@@ -63,13 +64,23 @@ class TransformerOutput:
     """Sum over the MoE blocks of ``MoEAux.loss`` (fp32, 0-dim; 0 for a dense model). Add it to
     ``loss`` for training."""
     moe_aux: list[MoEAux]
-    """One ``MoEAux`` per MoE block, in block order (routing counts, drops, loss terms for metrics)."""
+    """One ``MoEAux`` per MoE block, in block order, then the multi-token modules' (routing counts,
+    drops, loss terms for metrics)."""
+    mtp_losses: torch.Tensor | None = None
+    """``[model.mtp_depth]`` cross-entropy of each multi-token depth (fp32); None without labels or
+    with ``mtp_depth`` 0."""
+    mtp_loss: torch.Tensor | None = None
+    """``model.mtp_loss_weight * mtp_losses.mean()`` (fp32, 0-dim): added to ``loss`` for training."""
+    hidden_BSD: torch.Tensor | None = None
+    """``[B, S, D]`` the last block's output before the final norm (lm head): what the first
+    multi-token module reads."""
 
     @property
     def total_loss(self) -> torch.Tensor:
-        """``loss + aux_loss``: what training back-propagates."""
+        """``loss + aux_loss (+ mtp_loss)``: what training back-propagates."""
         assert self.loss is not None, "total_loss needs labels"
-        return self.loss + self.aux_loss
+        total = self.loss + self.aux_loss
+        return total if self.mtp_loss is None else total + self.mtp_loss
 
 
 @dataclass(frozen=True)
@@ -101,10 +112,11 @@ def build_attention(config: ModelConfig) -> Attention | MultiHeadLatentAttention
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: ModelConfig, moe: MoEConfig, *, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, moe: MoEConfig, *, layer_id: int, is_moe: bool | None = None) -> None:
+        """``is_moe``: an MoE FFN or a dense one; None = as ``config.is_moe_layer(layer_id)``."""
         super().__init__()
         self.layer_id = layer_id
-        self.is_moe = config.is_moe_layer(layer_id)
+        self.is_moe = config.is_moe_layer(layer_id) if is_moe is None else is_moe
         self.attention_norm = RMSNorm(config.dim, eps=config.norm_eps)
         self.attention = build_attention(config)
         self.ffn_norm = RMSNorm(config.dim, eps=config.norm_eps)
@@ -156,6 +168,12 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(config, moe, layer_id=i)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.dim, eps=config.norm_eps)
+        # Multi-token modules (empty at mtp_depth 0): an MoE block when the model has MoE blocks,
+        # as DeepSeek-V3's, numbered after the main blocks.
+        self.mtp = nn.ModuleList(
+            MTPModule(config.dim, norm_eps=config.norm_eps,
+                      block=TransformerBlock(config, moe, layer_id=config.num_layers + k, is_moe=config.is_moe))
+            for k in range(config.mtp_depth))
         if config.head == "classifier":
             if config.pooling == "attention":
                 self.pool_query = nn.Parameter(torch.zeros(config.dim))
@@ -218,22 +236,45 @@ class Transformer(nn.Module):
                                token_mask_BS)
             if aux is not None:
                 moe_aux.append(aux)
-        h_BSD = self.norm(h_BSD)
+        last_BSD, h_BSD = h_BSD, self.norm(h_BSD)
 
         if self.config.head == "classifier":
             logits = self.output(self._pool(h_BSD, padding_mask_BS))  # [B, C]
         else:
             logits = self.output(h_BSD)  # [B, S, V]
-        loss = None
+        loss = mtp_loss = per_depth = None
         if labels is not None:
             # Cross-entropy in fp32 whatever the compute dtype: the log-softmax over V in bf16
             # loses the small probabilities the loss is made of.
             loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
+            if len(self.mtp) > 0 and cache is None:
+                per_depth = self._mtp_losses(last_BSD, input_ids_BS, labels, cos_SP, sin_SP, moe_aux)
+                mtp_loss = self.config.mtp_loss_weight * per_depth.mean()
         if moe_aux:
             aux_loss = torch.stack([a.loss.float() for a in moe_aux]).sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
-        return TransformerOutput(logits=logits, loss=loss, aux_loss=aux_loss, moe_aux=moe_aux)
+        return TransformerOutput(logits=logits, loss=loss, aux_loss=aux_loss, moe_aux=moe_aux, mtp_losses=per_depth,
+                                 mtp_loss=mtp_loss, hidden_BSD=last_BSD)
+
+    def _mtp_losses(self, last_BSD: torch.Tensor, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor,
+                    cos_SP: torch.Tensor, sin_SP: torch.Tensor, moe_aux: list[MoEAux]) -> torch.Tensor:
+        """Each multi-token depth's loss (``moetrain.models.mtp``); their blocks' MoE aux appended."""
+        S, depth = input_ids_BS.shape[1], self.config.mtp_depth
+        require(S > depth, "sequence length", S, f"must be > model.mtp_depth ({depth}) to score a token that far")
+        cfg = self.config
+
+        def embed(ids_BS: torch.Tensor) -> torch.Tensor:
+            return self.embedding_dropout(self.tok_embeddings(ids_BS))
+
+        def mask_fn(ids_BS: torch.Tensor) -> torch.Tensor | None:
+            return attention_mask(ids_BS, causal=cfg.causal, document_separator=cfg.document_separator,
+                                  padding_mask_BS=None)
+
+        per_depth, aux = mtp_losses(self.mtp, last_BSD, input_ids_BS, labels_BS, embed=embed, output=self.output,
+                                    cos_SP=cos_SP, sin_SP=sin_SP, mask_fn=mask_fn)
+        moe_aux.extend(aux)
+        return per_depth
 
     def check_generative(self) -> None:
         """ValueError, with the reason, where token-by-token decoding cannot reproduce the model: a
@@ -310,9 +351,9 @@ class Transformer(nn.Module):
         """Counts of the instantiated model (global sizes, also when sharded)."""
         total = sum(p.numel() for p in self.parameters())
         expert = active_expert = 0
-        for block in self._blocks():
-            if isinstance(block.feed_forward, MoELayer):
-                n = sum(p.numel() for p in block.feed_forward.experts.parameters())
+        for module in self.modules():  # the blocks' and the multi-token modules' MoE layers
+            if isinstance(module, MoELayer):
+                n = sum(p.numel() for p in module.experts.parameters())
                 expert += n
                 active_expert += n * self.moe_config.top_k // self.moe_config.num_experts
         return ParamCounts(total=total, active=total - expert + active_expert, expert=expert,
@@ -342,6 +383,10 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
     shared = mats[moe.activation] * D * moe.resolved_shared_hidden_dim if moe.num_shared_experts > 0 else 0
     router = D * moe.num_experts
     num_moe = len(config.moe_layer_ids)
+    # Each multi-token module: a block (MoE when the model has MoE blocks), its three norms and
+    # the [2D -> D] projection; the embedding and head are the model's.
+    M = config.mtp_depth
+    mtp_moe = M if num_moe > 0 else 0
 
     embedding = V * D
     if config.head == "classifier":
@@ -349,10 +394,10 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
         head = D * config.num_classes + (D if config.pooling == "attention" else 0)  # + the pooling query
     else:
         head = 0 if config.tie_embeddings else V * D
-    non_expert = (embedding + head + D + L * (attention + norms)
-                  + (L - num_moe) * dense_ffn + num_moe * (shared + router))
-    expert = num_moe * moe.num_experts * one_expert
-    active = non_expert + num_moe * moe.top_k * one_expert
+    non_expert = (embedding + head + D + (L + M) * (attention + norms) + M * (3 * D + 2 * D * D)
+                  + (L + M - num_moe - mtp_moe) * dense_ffn + (num_moe + mtp_moe) * (shared + router))
+    expert = (num_moe + mtp_moe) * moe.num_experts * one_expert
+    active = non_expert + (num_moe + mtp_moe) * moe.top_k * one_expert
     return ParamCounts(total=non_expert + expert, active=active, expert=expert, non_expert=non_expert,
                        embedding=embedding)
 
@@ -381,12 +426,16 @@ def flops_per_token(config: ModelConfig, moe: MoEConfig, *, seq_len: int | None 
     table is tied to the LM head); the second term is attention scores and values (QK^T over
     the q.k head dim A and AV over the value head dim U, A = U outside MLA: 2 * S * H * (A + U)
     per layer forward, x3 for backward) at sequence length S (default ``max_seq_len``), counted
-    without the causal half as PaLM and torchtitan do.
+    without the causal half as PaLM and torchtitan do. The multi-token modules (``mtp_depth``) add
+    their blocks, projections and one more head each, counted over all S positions.
     """
     counts = count_params(config, moe, vocab_size=vocab_size)
     tied_lm = config.head == "lm" and config.tie_embeddings
     matmul_params = counts.active - (0 if tied_lm else counts.embedding)
+    # Every multi-token depth runs the shared head once more (its blocks are in the counts).
+    matmul_params += config.mtp_depth * counts.embedding
     S = config.max_seq_len if seq_len is None else seq_len
     A = config.resolved_head_dim
     U = config.v_head_dim if config.attention == "mla" else A
-    return 6 * matmul_params + 6 * config.num_layers * config.num_heads * (A + U) * S
+    num_blocks = config.num_layers + config.mtp_depth
+    return 6 * matmul_params + 6 * num_blocks * config.num_heads * (A + U) * S

@@ -46,6 +46,8 @@ class StepSums:
 
     loss: torch.Tensor | None = None
     aux: torch.Tensor | None = None
+    mtp: torch.Tensor | None = None
+    """``[model.mtp_depth]`` each multi-token depth's loss (None without multi-token prediction)."""
 
     def add(self, name: str, value: torch.Tensor) -> None:
         cur = getattr(self, name)
@@ -70,7 +72,7 @@ class MetricsWindow(StepSums):
         if sums is None:
             self.skipped += 1
             return
-        for name in ("loss", "aux"):
+        for name in ("loss", "aux", "mtp"):
             value = getattr(sums, name)
             if value is not None:
                 self.add(name, value)

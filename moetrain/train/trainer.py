@@ -252,7 +252,11 @@ class Trainer:
                 task_loss = out.loss
         # Each micro-step's loss is a mean over its tokens (examples); dividing by the accumulation
         # count makes the summed gradient the gradient of the mean over the whole step.
-        loss = (task_loss + out.aux_loss) / self.grad_accum
+        objective = task_loss + out.aux_loss
+        if not self.classifier and out.mtp_loss is not None:  # model.mtp_depth > 0
+            objective = objective + out.mtp_loss
+            self._step_sums.add("mtp", out.mtp_losses.float())
+        loss = objective / self.grad_accum
         self.scaler.scale_loss(loss).backward()
         self._step_sums.add("loss", task_loss.float())
         self._step_sums.add("aux", out.aux_loss.float())
@@ -328,6 +332,9 @@ class Trainer:
              **w.throughput(seq_len=self.cfg.data.seq_len, num_ranks=self.world_size,
                             flops_per_token=self.flops_per_token, peak_flops=self.peak_flops),
              "skipped_steps": w.skipped, "skipped_steps_total": self.skips.total}
+        if good > 0 and w.mtp is not None:  # each multi-token depth's loss, mtp_loss_1 ... mtp_loss_D
+            per_depth = mean_over_dp(w.mtp / (good * self.grad_accum), self.dims).tolist()
+            m.update({f"mtp_loss_{k}": v for k, v in enumerate(per_depth, start=1)})
         if self.cfg.train.dtype == "fp16":
             m["loss_scale"] = self.scaler.scale
         if self.pipeline is not None:  # every stage's layers, and the per-stage timings
