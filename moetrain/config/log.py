@@ -9,6 +9,46 @@ from moetrain.config.base import require, require_choice
 
 
 @dataclass
+class WandbConfig:
+    """A Weights & Biases run beside metrics.jsonl (``pip install moetrain[wandb]``)."""
+
+    project: str = "moetrain"
+    """W&B project."""
+
+    entity: str | None = None
+    """W&B entity (team or user); None = the logged-in user's default."""
+
+    mode: str = "online"
+    """"online" (sync as it runs), "offline" (write <run_dir>/wandb only; `wandb sync` uploads it later, the
+    mode for nodes without network) or "disabled"."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.project, str) and self.project != "", "log.wandb.project", self.project,
+                "must be a non-empty string")
+        require(self.entity is None or (isinstance(self.entity, str) and self.entity != ""), "log.wandb.entity",
+                self.entity, "must be None or a non-empty string")
+        require_choice("log.wandb.mode", self.mode, ("online", "offline", "disabled"))
+
+
+@dataclass
+class MlflowConfig:
+    """An MLflow run beside metrics.jsonl (``pip install moetrain[mlflow]``)."""
+
+    tracking_uri: str | None = None
+    """Tracking server or store: "http://host:5000", "sqlite:///path/mlflow.db", ...; None = MLflow's own
+    default (MLFLOW_TRACKING_URI, else its local store)."""
+
+    experiment: str = "moetrain"
+    """Experiment name; created when missing."""
+
+    def __post_init__(self) -> None:
+        require(self.tracking_uri is None or (isinstance(self.tracking_uri, str) and self.tracking_uri != ""),
+                "log.mlflow.tracking_uri", self.tracking_uri, "must be None or a non-empty URI")
+        require(isinstance(self.experiment, str) and self.experiment != "", "log.mlflow.experiment",
+                self.experiment, "must be a non-empty string")
+
+
+@dataclass
 class LogConfig:
     run_dir: str = "runs/default"
     """Folder of this run: the resolved config.yaml, metrics.jsonl, TensorBoard events and (by
@@ -39,6 +79,16 @@ class LogConfig:
     and the figures say what each exchange costs, the most overlap could hide. FSDP2's own gathers
     and reduce-scatters (stages 2/3) are not timed."""
 
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases (rank 0): every scalar of metrics.jsonl, the per-expert load as a table and
+    histograms, the resolved config, and at the end the report's PNGs as an artifact. The run id is kept in
+    <run_dir>/wandb_run_id, so a resumed run continues the same W&B run. None = off (wandb not imported)."""
+
+    mlflow: MlflowConfig | None = None
+    """Also log to MLflow (rank 0): the same scalars as metrics.jsonl, the resolved config as parameters and as
+    config.yaml, the per-expert load as JSON tables (expert_load/step<N>.json) and at the end the report's PNGs.
+    The run id is kept in <run_dir>/mlflow_run_id for resumes. None = off (mlflow not imported)."""
+
     level: str = "info"
     """Python logging level of rank 0: "debug", "info" or "warning" (other ranks log warnings only)."""
 
@@ -52,3 +102,7 @@ class LogConfig:
         require_bool("log.memory", self.memory)
         require_bool("log.comm_timing", self.comm_timing)
         require_choice("log.level", self.level, ("debug", "info", "warning"))
+        require(self.wandb is None or isinstance(self.wandb, WandbConfig), "log.wandb", self.wandb,
+                "must be None or a mapping of project, entity, mode")
+        require(self.mlflow is None or isinstance(self.mlflow, MlflowConfig), "log.mlflow", self.mlflow,
+                "must be None or a mapping of tracking_uri, experiment")

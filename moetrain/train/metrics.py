@@ -1,4 +1,5 @@
-"""Run metrics: one JSON line per log step in ``metrics.jsonl``, the same scalars in TensorBoard.
+"""Run metrics: one JSON line per log step in ``metrics.jsonl``, the same scalars in TensorBoard and in
+the experiment trackers that are on (``moetrain.train.trackers``).
 
 Only rank 0 writes. Values must already be Python numbers (the trainer does its one host sync
 per log step before calling ``log``).
@@ -10,6 +11,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -20,6 +22,8 @@ from moetrain.config.moe import MoEConfig
 
 if TYPE_CHECKING:  # imported lazily at run time: only a logging rank with TensorBoard on needs it
     from torch.utils.tensorboard import SummaryWriter
+
+    from moetrain.train.trackers import Tracker
 
 
 def expert_load_summary(counts_LE: torch.Tensor) -> dict:
@@ -147,9 +151,12 @@ class MetricsLogger:
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True,
-                 keep_until_step: int | None = None, tags: dict | None = None) -> None:
+                 keep_until_step: int | None = None, tags: dict | None = None,
+                 trackers: Sequence[Tracker] = ()) -> None:
         self.enabled = enabled
         self.tags = dict(tags or {})
+        self.run_dir = Path(run_dir)
+        self.trackers = list(trackers)
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file: TextIO | None = None
         self._tb: SummaryWriter | None = None
@@ -166,6 +173,8 @@ class MetricsLogger:
             self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
 
     def log(self, step: int, metrics: dict) -> None:
+        for tracker in self.trackers:
+            tracker.log(step, {**self.tags, **metrics})
         if not self.enabled:
             return
         record = {"step": step, **self.tags, **metrics}
@@ -179,6 +188,15 @@ class MetricsLogger:
         if self._file is not None:
             self._file.close()
             self._file = None
+            if self.trackers:
+                from moetrain.train.report import write_report  # the report reads this module's records
+
+                files = [self.run_dir / "config.yaml", *write_report(self.run_dir)]
+                for tracker in self.trackers:
+                    tracker.log_files([f for f in files if f.exists()])
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
         if self._tb is not None:
             self._tb.close()
             self._tb = None

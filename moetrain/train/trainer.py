@@ -29,6 +29,7 @@ from torch import nn
 
 from moetrain.config import JobConfig
 from moetrain.config.checkpoint import checkpoint_folder
+from moetrain.config.convert import config_to_dict
 from moetrain.config.loader import save_config
 from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
@@ -53,6 +54,7 @@ from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.train.rng_state import restore_rng_state, seed_rng_state
 from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
+from moetrain.train.trackers import build_trackers
 from moetrain.train.weight_average import WeightAverage
 from moetrain.utils.memory import MemoryTracker
 
@@ -189,9 +191,11 @@ class Trainer:
     def build_logging(self, resumed: Resumed | None) -> None:
         lc = self.cfg.log
         # metrics.jsonl of a resumed run reads like that of a run that never stopped.
+        trackers = build_trackers(lc, run_dir=self.run_dir, config=config_to_dict(self.cfg)) if self.is_main else []
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main and lc.jsonl, tensorboard=lc.tensorboard,
                                      keep_until_step=self.step if resumed is not None else None,
-                                     tags=run_tags(self.cfg.moe if self.model_config.is_moe else None))
+                                     tags=run_tags(self.cfg.moe if self.model_config.is_moe else None),
+                                     trackers=trackers)
         if resumed is not None and resumed.saved_world_size != self.world_size:
             # An elastic restart (or a reshard by hand): same global batch, another accumulation.
             self.metrics.log(self.step, {"event": "world_size_changed", "world_size_before": resumed.saved_world_size,
