@@ -42,6 +42,14 @@ class CheckpointConfig:
     checkpoint's weights replace these. ``moetrain train --init-from-hf DIR`` sets it. None = the
     weights are drawn from train.seed."""
 
+    init_from_new_head: bool = False
+    """With init_from: start the task head fresh instead of loading it. The model's own head (``output``, and
+    ``pool_query`` under attention pooling) keeps its initialisation from train.seed, the export's head (a
+    language model's output layer, another classifier's) is not read, and every other tensor must match as
+    usual. The route from a pre-trained language model to a classifier: pretrain, export, then train the
+    classifier (``model.head: classifier``) from the export with this flag; its tokenizer must be the
+    pretraining run's."""
+
     def __post_init__(self) -> None:
         require(self.dir is None or (isinstance(self.dir, str) and self.dir != ""), "checkpoint.dir",
                 self.dir, "must be None (<log.run_dir>/checkpoints) or a non-empty path")
@@ -53,3 +61,6 @@ class CheckpointConfig:
         require_bool("checkpoint.save_final", self.save_final)
         require(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
                 "checkpoint.init_from", self.init_from, "must be None or the path of a moetrain export folder")
+        require_bool("checkpoint.init_from_new_head", self.init_from_new_head)
+        require(not self.init_from_new_head or self.init_from is not None, "checkpoint.init_from_new_head",
+                self.init_from_new_head, "needs checkpoint.init_from (the export whose head it replaces)")

@@ -32,15 +32,21 @@ def _listed(names, what: str) -> list[str]:
     return [f"{what}: " + ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")]
 
 
+HEAD_NAMES = ("output.weight", "pool_query")
+"""The task head's tensors: the output layer (an LM's vocabulary logits or a classifier's classes) and the
+attention-pooling query. ``new_head`` leaves them out of the load on both sides."""
+
+
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer by state-dict name; a tied weight under each name."""
     return dict(model.state_dict(keep_vars=True))
 
 
 @torch.no_grad()
-def load_initial_weights(model: nn.Module, path: str | os.PathLike) -> int:
+def load_initial_weights(model: nn.Module, path: str | os.PathLike, *, new_head: bool = False) -> int:
     """Copy the export at ``path`` into ``model`` (plain or parallelized: pass the unwrapped
-    module whose state-dict names are moetrain's). Returns the number of tensors copied."""
+    module whose state-dict names are moetrain's). Returns the number of tensors copied.
+    ``new_head``: the head (``HEAD_NAMES``) keeps the model's own values and the export's is not read."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     path = Path(path)
@@ -50,6 +56,12 @@ def load_initial_weights(model: nn.Module, path: str | os.PathLike) -> int:
     src = SafetensorsFolder(path)
     targets = _targets(model)
     saved = set(src.names())
+    if new_head:
+        if any(t is targets.get("tok_embeddings.weight") for n, t in targets.items() if n in HEAD_NAMES):
+            raise ValueError("checkpoint.init_from_new_head (True) cannot start a head tied to the token "
+                             "embeddings fresh: set model.tie_embeddings=false, or load the head")
+        targets = {n: t for n, t in targets.items() if n not in HEAD_NAMES}
+        saved -= set(HEAD_NAMES)
     # LoRA adapters added for fine-tuning are new: they keep their own init when the export lacks them.
     problems = (_listed({n for n in set(targets) - saved if not is_lora_name(n)}, "missing")
                 + _listed(saved - set(targets), "not in this model")

@@ -140,7 +140,7 @@ class Trainer:
                                               **zero_settings(cfg))
         if cfg.checkpoint.init_from is not None:
             # A fresh run starts from an export's weights; a resume replaces them afterwards.
-            load_initial_weights(self.model, cfg.checkpoint.init_from)
+            load_initial_weights(self.model, cfg.checkpoint.init_from, new_head=cfg.checkpoint.init_from_new_head)
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
