@@ -1,20 +1,23 @@
 """Multi-token prediction (DeepSeek-V3, arXiv 2412.19437 section 2.2): ``model.mtp_depth`` modules
 after the last block, run one after the other, module k predicting token ``t + k + 1`` at position t.
 
-Module k takes the previous depth's hidden state ``h^{k-1}`` (``h^0``: the last block's output,
-before the final norm) at positions ``0 .. S-k-1`` and the embedding of the tokens ``k`` places
-ahead (``input_ids[:, k:]``, the shared ``tok_embeddings``):
+Module k takes the previous depth's hidden state ``h^{k-1}`` at positions ``0 .. S-k-1`` and the
+embedding of the tokens ``k`` places ahead (``input_ids[:, k:]``, the shared ``tok_embeddings``):
 
     h'_t  = eh_proj([hnorm(h^{k-1}_t); enorm(emb(x_{t+k}))])     [2D] -> [D]
-    h^k   = block(h'_{0 .. S-k-1})                              one causal transformer block
-    p_t   = softmax(output(norm(h^k_t)))                        the shared head, the module's own norm
+    h^k   = norm(block(h'_{0 .. S-k-1}))                        one causal block, the module's own norm
+    p_t   = softmax(output(h^k_t))                              the shared head
     L_k   = cross-entropy(p, labels[:, k:])                     labels[t + k] = x_{t+k+1}
 
-The sequence gets k positions shorter at depth k (no position sees past the end), and the rotary
-positions stay those of the main sequence. The loss added to the next-token loss is
-``model.mtp_loss_weight * mean_k L_k``. ``DeepSeek-V3``'s checkpoints store each module's
-``shared_head.norm`` apart, hence ``norm`` here; ``enorm``, ``hnorm`` and ``eh_proj`` keep their
-names. Self-speculative decoding (``moetrain.train.generation``) runs them as a draft model.
+``h^0`` is what the main head reads, the final norm's output, and each depth hands on its normed
+state: the paper leaves open which side of the norm the state is taken from; this is the side
+DeepSeek-V3's checkpoints are served with (Megatron-LM, vLLM at depth 1, and transformers'
+``MtpModel``, which tests/unit/test_hf_mtp.py compares against). The sequence gets k positions
+shorter at depth k (no position sees past the end), and the rotary positions stay those of the
+main sequence. The loss added to the next-token loss is ``model.mtp_loss_weight * mean_k L_k``.
+``DeepSeek-V3``'s checkpoints store each module's norm as ``shared_head.norm``, and concatenate
+the embedding first: the import swaps ``eh_proj``'s halves. Self-speculative decoding
+(``moetrain.train.generation``) runs the modules as a draft model.
 
 Nothing here knows about parallelism: expert parallelism finds the modules' MoE layers like any
 other; tensor and pipeline parallelism refuse ``mtp_depth`` by name (``ModelConfig``).
@@ -51,8 +54,8 @@ class MTPModule(nn.Module):
     def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
                 mask_B1SK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEAux | None]:
         """``h_BSD``: the previous depth's hidden states; ``emb_BSD``: the embeddings of the tokens
-        k places ahead of them. Returns this depth's hidden states (before ``norm``) and the
-        block's MoE aux (None for a dense block)."""
+        k places ahead of them. Returns the block's output (``norm`` of it is this depth's hidden
+        state) and its MoE aux (None for a dense block)."""
         x_BSD = self.eh_proj(torch.cat([self.hnorm(h_BSD), self.enorm(emb_BSD)], dim=-1))
         return self.block(x_BSD, cos_SP, sin_SP, mask_B1SK)
 
@@ -63,7 +66,7 @@ def mtp_losses(modules: nn.ModuleList, h_BSD: torch.Tensor, input_ids_BS: torch.
                ) -> tuple[torch.Tensor, list[MoEAux]]:
     """The cross-entropy of every depth, ``[num depths]`` fp32, and the MoE aux of their blocks.
 
-    ``h_BSD``: the last block's output (before the final norm); ``labels_BS``: the next-token
+    ``h_BSD``: the main model's final-norm output; ``labels_BS``: the next-token
     labels of the main loss; ``embed`` and ``output``: the model's shared embedding (with its
     dropout) and head; ``cos_SP, sin_SP``: the rotary angles of the S positions; ``mask_fn(ids_BS)``:
     the attention mask of a sequence of those tokens (None = plain causal)."""
@@ -74,10 +77,11 @@ def mtp_losses(modules: nn.ModuleList, h_BSD: torch.Tensor, input_ids_BS: torch.
         assert isinstance(module, MTPModule), type(module)
         L = S - k  # positions with a token k places ahead
         emb_BLD = embed(input_ids_BS[:, k:])
-        h_BSD, aux = module(h_BSD[:, :L], emb_BLD, cos_SP[:L], sin_SP[:L], mask_fn(input_ids_BS[:, :L]))
+        x_BLD, aux = module(h_BSD[:, :L], emb_BLD, cos_SP[:L], sin_SP[:L], mask_fn(input_ids_BS[:, :L]))
         if aux is not None:
             moe_aux.append(aux)
-        logits_BLV = output(module.norm(h_BSD))
+        h_BSD = module.norm(x_BLD)
+        logits_BLV = output(h_BSD)
         # fp32 cross-entropy, as the main loss: the log-softmax over V in bf16 loses small probabilities.
         losses.append(F.cross_entropy(logits_BLV.float().flatten(0, -2), labels_BS[:, k:].flatten(),
                                       ignore_index=IGNORE_INDEX))

@@ -72,8 +72,7 @@ class TransformerOutput:
     mtp_loss: torch.Tensor | None = None
     """``model.mtp_loss_weight * mtp_losses.mean()`` (fp32, 0-dim): added to ``loss`` for training."""
     hidden_BSD: torch.Tensor | None = None
-    """``[B, S, D]`` the last block's output before the final norm (lm head): what the first
-    multi-token module reads."""
+    """``[B, S, D]`` the final norm's output, which the lm head and the first multi-token module read."""
 
     @property
     def total_loss(self) -> torch.Tensor:
@@ -236,7 +235,7 @@ class Transformer(nn.Module):
                                token_mask_BS)
             if aux is not None:
                 moe_aux.append(aux)
-        last_BSD, h_BSD = h_BSD, self.norm(h_BSD)
+        h_BSD = self.norm(h_BSD)
 
         if self.config.head == "classifier":
             logits = self.output(self._pool(h_BSD, padding_mask_BS))  # [B, C]
@@ -248,16 +247,16 @@ class Transformer(nn.Module):
             # loses the small probabilities the loss is made of.
             loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=IGNORE_INDEX)
             if len(self.mtp) > 0 and cache is None:
-                per_depth = self._mtp_losses(last_BSD, input_ids_BS, labels, cos_SP, sin_SP, moe_aux)
+                per_depth = self._mtp_losses(h_BSD, input_ids_BS, labels, cos_SP, sin_SP, moe_aux)
                 mtp_loss = self.config.mtp_loss_weight * per_depth.mean()
         if moe_aux:
             aux_loss = torch.stack([a.loss.float() for a in moe_aux]).sum()
         else:
             aux_loss = torch.zeros((), dtype=torch.float32, device=h_BSD.device)
         return TransformerOutput(logits=logits, loss=loss, aux_loss=aux_loss, moe_aux=moe_aux, mtp_losses=per_depth,
-                                 mtp_loss=mtp_loss, hidden_BSD=last_BSD)
+                                 mtp_loss=mtp_loss, hidden_BSD=h_BSD)
 
-    def _mtp_losses(self, last_BSD: torch.Tensor, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor,
+    def _mtp_losses(self, h_BSD: torch.Tensor, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor,
                     cos_SP: torch.Tensor, sin_SP: torch.Tensor, moe_aux: list[MoEAux]) -> torch.Tensor:
         """Each multi-token depth's loss (``moetrain.models.mtp``); their blocks' MoE aux appended."""
         S, depth = input_ids_BS.shape[1], self.config.mtp_depth
@@ -271,7 +270,7 @@ class Transformer(nn.Module):
             return attention_mask(ids_BS, causal=cfg.causal, document_separator=cfg.document_separator,
                                   padding_mask_BS=None)
 
-        per_depth, aux = mtp_losses(self.mtp, last_BSD, input_ids_BS, labels_BS, embed=embed, output=self.output,
+        per_depth, aux = mtp_losses(self.mtp, h_BSD, input_ids_BS, labels_BS, embed=embed, output=self.output,
                                     cos_SP=cos_SP, sin_SP=sin_SP, mask_fn=mask_fn)
         moe_aux.extend(aux)
         return per_depth

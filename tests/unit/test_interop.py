@@ -1,7 +1,7 @@
 """Hugging Face interop beyond the logits (tests/unit/test_hf_families.py has those): configs
 both ways and every refusal naming its field, family detection, sharded inputs and outputs, a
-bf16 export that keeps the fp32 router bias, DeepSeek's multi-token-prediction layers skipped,
-missing and unexpected tensors listed, and the streaming reader/writer itself."""
+bf16 export that keeps the fp32 router bias, missing and unexpected tensors listed (DeepSeek's
+multi-token-prediction layers: tests/unit/test_hf_mtp.py), and the streaming reader/writer itself."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import transformers
 from moetrain.cli import main as cli_main
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.interop.export import build_model, read_export, write_export
+from moetrain.interop.export import write_export
 from moetrain.interop.hf.registry import FAMILIES, choose_family
 from moetrain.utils.safetensors_io import SafetensorsFolder, ShardedWriter, TensorSpec, parse_size
 from tests.helpers.hf_tiny_models import input_ids, tiny_model
@@ -113,22 +113,6 @@ def test_bf16_export_keeps_the_fp32_router_bias_and_says_what_it_cast(tmp_path, 
     want = hf.model.layers[1].mlp.gate.e_score_correction_bias
     assert torch.equal(folder.get("model.layers.1.mlp.gate.e_score_correction_bias"), want)
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
-
-
-def test_deepseek_mtp_layers_are_skipped_with_a_message(tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    hf = tiny_model("deepseek_v3")
-    hf.save_pretrained(tmp_path / "hf")
-    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
-    tensors["model.layers.3.eh_proj.weight"] = torch.zeros(32, 64)  # an MTP layer after the 3 blocks
-    tensors["model.layers.3.enorm.weight"] = torch.ones(32)
-    save_file(tensors, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.warns(UserWarning, match="skipped 2 tensors of multi-token-prediction layers"):
-        assert cli_main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "mt")]) == 0
-    config, sd, _ = read_export(tmp_path / "mt")
-    assert not any(k.startswith("layers.3.") for k in sd)
-    build_model(config, sd)
 
 
 def test_missing_and_unexpected_tensors_are_listed(tmp_path, capsys):

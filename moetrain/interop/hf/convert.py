@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,8 +60,6 @@ class ConversionReport:
     """Tensors written in another dtype than their source's."""
     kept_fp32: list[str] = field(default_factory=list)
     """fp32 buffers (router selection bias) left in fp32 by a lower-precision export."""
-    skipped: list[str] = field(default_factory=list)
-    """Source tensors left out on purpose (DeepSeek's multi-token-prediction layers)."""
 
     def lines(self) -> list[str]:
         out = [(f"{self.family} ({self.layout} experts): {self.num_tensors} tensors, {self.num_bytes / 2**20:.1f} MiB "
@@ -70,9 +67,6 @@ class ConversionReport:
         if self.cast:
             out.append(f"cast {len(self.cast)} tensors to the export dtype; kept in fp32: "
                        + (", ".join(self.kept_fp32) if self.kept_fp32 else "none"))
-        if self.skipped:
-            out.append(f"skipped {len(self.skipped)} tensors of multi-token-prediction layers (moetrain trains "
-                       f"no MTP head), e.g. {self.skipped[0]}")
         return out
 
 
@@ -104,8 +98,9 @@ def _import_jobs(entries: list[Entry], src: ExportTensors, dtype_of: Callable[[s
     jobs: list[Job] = []
     for entry in entries:
         if isinstance(entry, Copy):
-            spec = TensorSpec(entry.mt, src.shape(entry.hf), dtype_of(entry.mt))
-            jobs.append((spec, partial(_read, src, entry.hf, spec.dtype)))
+            if entry.load:
+                spec = TensorSpec(entry.mt, src.shape(entry.hf), dtype_of(entry.mt))
+                jobs.append((spec, partial(_read, src, entry.hf, spec.dtype, swap_halves=entry.swap_halves)))
             continue
         gate, up, down = entry.proj
         E = entry.num_experts
@@ -129,8 +124,13 @@ def _import_jobs(entries: list[Entry], src: ExportTensors, dtype_of: Callable[[s
 
 # Readers of one job each (bound with partial): a tensor is read only when the writer reaches it.
 
-def _read(src: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
-    return src.get(name).to(dtype)
+def _read(src: TensorSource, name: str, dtype: torch.dtype, *, swap_halves: bool = False) -> torch.Tensor:
+    """``swap_halves``: the two halves of the last dim trade places (``Copy.swap_halves``)."""
+    t = src.get(name)
+    if swap_halves:
+        first, second = t.chunk(2, dim=-1)
+        t = torch.cat([second, first], dim=-1)
+    return t.to(dtype)
 
 
 def _read_swapped(src: TensorSource, name: str, dtype: torch.dtype, *, rows: slice = slice(None)) -> torch.Tensor:
@@ -152,32 +152,31 @@ def _expert_linear(src: TensorSource, name: str, expert: int, dtype: torch.dtype
     return src.get_rows(name, expert, expert + 1)[0].t().to(dtype)
 
 
-def _hf_names(entries: list[Entry], *, exported_only: bool = False) -> list[str]:
+def _hf_names(entries: list[Entry], *, loaded_only: bool = False) -> list[str]:
     out = []
     for entry in entries:
         if isinstance(entry, Copy):
-            if entry.export or not exported_only:
+            if entry.load or not loaded_only:
                 out.append(entry.hf)
         else:
             out.extend(entry.hf_names())
     return out
 
 
-def _check_hf_names(family: Family, hf: dict, src: ExportTensors, entries: list[Entry],
-                    model: ModelConfig) -> list[str]:
-    """The HF tensors skipped on purpose; ValueError naming every missing and unexpected one."""
-    wanted = set(_hf_names(entries))
+def _check_hf_names(family: Family, hf: dict, src: ExportTensors, entries: list[Entry], model: ModelConfig) -> None:
+    """ValueError naming every missing and unexpected HF tensor of ``family``'s model of ``hf``
+    (config.json) and ``model``."""
+    wanted = set(_hf_names(entries, loaded_only=True))
     present = set(src.names())
-    skipped = sorted(n for n in present if family.skipped(n, hf))
-    ignored = {n for n in present if n.endswith("rotary_emb.inv_freq")}
+    # Copies of other tensors (DeepSeek's MTP embedding and head) and rotary tables are not read.
+    ignored = set(_hf_names(entries)) - wanted | {n for n in present if n.endswith("rotary_emb.inv_freq")}
     if model.tie_embeddings:
         ignored.add("lm_head.weight")  # transformers may write the tied copy too
     problems = (_listed(wanted - present, "tensors it lacks")
-                + _listed(present - wanted - set(skipped) - ignored, "tensors with no moetrain place"))
+                + _listed(present - wanted - ignored, "tensors with no moetrain place"))
     if problems:
         raise ValueError(f"{str(src.folder)!r} does not hold the {family.title} model its config.json describes: "
                          + "; ".join(problems))
-    return skipped
 
 
 def _check_against_model(jobs: list[Job], shapes: dict[str, tuple], what: str) -> None:
@@ -207,9 +206,10 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     family = family_of(hf)
     model, moe = family.configs_from_hf(hf)
     src = ExportTensors(hf_dir)
+    model = family.fit_to_tensors(model, hf, set(src.names()))
     fused = has_fused_experts(src.names())
     entries = family.tensor_map(model, moe, fused=fused)
-    skipped = _check_hf_names(family, hf, src, entries, model)
+    _check_hf_names(family, hf, src, entries, model)
     shapes, buffers = model_state_specs(model, moe)
     jobs = _import_jobs(entries, src, lambda name: buffers.get(name, dtype))
     _check_against_model(jobs, shapes, f"{str(hf_dir)!r}")
@@ -217,12 +217,9 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     info = {"source": str(hf_dir), "hf_family": family.model_type}
     files = _write(out, jobs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes)
     write_config_yaml(out, {"model": _plain(model), "moe": _plain(moe)}, info)
-    if skipped:
-        warnings.warn(f"skipped {len(skipped)} tensors of multi-token-prediction layers ({skipped[0]}, ...): "
-                      "moetrain trains no MTP head", stacklevel=2)
     return ConversionReport(out=out, family=family.title, layout="fused" if fused else "per-expert",
                             num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
-                            files=[p.name for p in files], skipped=skipped)
+                            files=[p.name for p in files])
 
 
 def _plain(cfg) -> dict:
@@ -238,7 +235,7 @@ def _export_jobs(entries: list[Entry], src: TensorSource, dtype_of: Callable[[st
         if isinstance(entry, Copy):
             if entry.export:
                 spec = TensorSpec(entry.hf, src.shape(entry.mt), dtype_of(entry.mt))
-                jobs.append((spec, partial(_read, src, entry.mt, spec.dtype)))
+                jobs.append((spec, partial(_read, src, entry.mt, spec.dtype, swap_halves=entry.swap_halves)))
             continue
         E, D, F = src.shape(f"{entry.mt}.w1")
         dts = {w: dtype_of(f"{entry.mt}.{w}") for w in ("w1", "w3", "w2")}
@@ -300,8 +297,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: 
     atomic_write_text(out / "config.json", json.dumps(hf_config, indent=2, sort_keys=True) + "\n", durable=True)
     report = ConversionReport(out=out, family=fam.title, layout="fused" if fused else "per-expert",
                               num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
-                              files=[p.name for p in files] + tokenizer_files, cast=sorted(cast),
-                              kept_fp32=sorted(kept))
+                              files=[p.name for p in files] + tokenizer_files, cast=sorted(set(cast)),
+                              kept_fp32=sorted(set(kept)))
     record = {"source": str(source), "family": fam.model_type, "layout": report.layout,
               "dtype": hf_config["dtype"], "cast": report.cast, "kept_fp32": report.kept_fp32}
     atomic_write_text(out / RECORD, json.dumps(record, indent=2) + "\n", durable=True)

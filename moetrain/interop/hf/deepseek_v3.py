@@ -8,8 +8,10 @@ scores, the fp32 ``e_score_correction_bias`` added for the selection only (moetr
 ``moe.expert_bias``), group-limited to ``topk_group`` of ``n_group`` groups scored by their two
 best, weights renormalised (``norm_topk_prob``) then scaled by ``routed_scaling_factor``; shared
 experts of ``n_shared_experts * moe_intermediate_size``; the first ``first_k_dense_replace``
-blocks dense. Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``) are
-skipped on import: moetrain trains no MTP head.
+blocks dense. Multi-token-prediction layers (``model.layers.{num_hidden_layers + i}``, ``N`` below,
+``num_nextn_predict_layers`` of them; always MoE blocks) are moetrain's ``mtp.{i}`` modules
+(``model.mtp_depth``); a checkpoint that stores fewer than its config.json promises (transformers'
+``save_pretrained`` writes none) is imported with those it holds, and a warning.
 
 HF names beyond the common ones (``L`` layer, ``e`` expert):
 
@@ -26,11 +28,17 @@ HF names beyond the common ones (``L`` layer, ``e`` expert):
     model.layers.L.mlp.experts.e.{gate,up,down}_proj    layers.L.feed_forward.experts.{w1,w3,w2}[e]  (transposed)
     model.layers.L.mlp.shared_experts.{gate,up,down}_proj  layers.L.feed_forward.shared_experts.{w1,w3,w2}
     model.layers.L.mlp.{gate,up,down}_proj              layers.L.feed_forward.{w1,w3,w2}  (dense blocks)
+    model.layers.N.{enorm,hnorm}.weight                 mtp.i.{enorm,hnorm}.weight
+    model.layers.N.eh_proj.weight                       mtp.i.eh_proj.weight  (column halves swapped)
+    model.layers.N.shared_head.norm.weight              mtp.i.norm.weight
+    model.layers.N.{embed_tokens,shared_head.head}      tok_embeddings, output  (copies: written, not read)
+    model.layers.N.<block tensors as above>             mtp.i.block.<...>
 """
 
 from __future__ import annotations
 
-import re
+import warnings
+from dataclasses import replace
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
@@ -45,7 +53,6 @@ from moetrain.interop.hf.family import (
     embedding_entries,
     hf_require,
     mlp_entries,
-    norm_entries,
     top_k_problems,
 )
 
@@ -72,7 +79,8 @@ class DeepseekV3(Family):
             **fields, moe_every=1, moe_layer_offset=first_dense, dense_hidden_dim=int(hf["intermediate_size"]),
             attention="mla", q_lora_rank=None if q_lora is None else int(q_lora), kv_lora_rank=int(hf["kv_lora_rank"]),
             qk_nope_head_dim=int(hf["qk_nope_head_dim"]), qk_rope_head_dim=int(hf["qk_rope_head_dim"]),
-            v_head_dim=int(hf["v_head_dim"]), rope_interleave=bool(hf.get("rope_interleave", True)))
+            v_head_dim=int(hf["v_head_dim"]), rope_interleave=bool(hf.get("rope_interleave", True)),
+            mtp_depth=int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 0)) or 0))
         num_experts = int(hf["n_routed_experts"])
         top_k = int(hf.get("num_experts_per_tok", 8))
         norm = bool(hf.get("norm_topk_prob", True))
@@ -92,13 +100,20 @@ class DeepseekV3(Family):
             router_init_std=fields["init_std"], aux_loss_coef=0.0, z_loss_coef=0.0)
         return model, moe
 
-    def skipped(self, hf_name: str, hf: dict) -> bool:
-        m = re.match(r"model\.layers\.(\d+)\.", hf_name)
-        return m is not None and int(m.group(1)) >= int(hf["num_hidden_layers"])
+    def fit_to_tensors(self, model: ModelConfig, hf: dict, names: set[str]) -> ModelConfig:
+        held = 0
+        while held < model.mtp_depth and f"model.layers.{model.num_layers + held}.eh_proj.weight" in names:
+            held += 1
+        if held < model.mtp_depth:
+            warnings.warn(f"config.json num_nextn_predict_layers ({model.mtp_depth}): the checkpoint holds {held} "
+                          f"multi-token-prediction layers (transformers' save_pretrained writes none); imported with "
+                          f"model.mtp_depth {held}", stacklevel=3)
+            model = replace(model, mtp_depth=held)
+        return model
 
     def problems(self, model: ModelConfig, moe: MoEConfig) -> list[str]:
         t = self.title
-        out = backbone_problems(model, moe, family=t) + top_k_problems(moe, family=t)
+        out = backbone_problems(model, moe, family=t, mtp=True) + top_k_problems(moe, family=t)
         if model.attention != "mla":
             out.append(f"model.attention ({model.attention!r}) must be \"mla\" (DeepSeek-V3's attention)")
         if model.qkv_bias or model.qk_norm != "none" or model.clip_qkv is not None:
@@ -135,25 +150,39 @@ class DeepseekV3(Family):
                 "kv_lora_rank": model.kv_lora_rank, "qk_nope_head_dim": model.qk_nope_head_dim,
                 "qk_rope_head_dim": model.qk_rope_head_dim, "v_head_dim": model.v_head_dim,
                 "head_dim": model.qk_rope_head_dim, "rope_interleave": model.rope_interleave,
-                "attention_bias": False, "num_nextn_predict_layers": 0,
+                "attention_bias": False, "num_nextn_predict_layers": model.mtp_depth,
                 # Read by DeepSeek's own modeling code; transformers' implements exactly these.
                 "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
 
     def tensor_map(self, model: ModelConfig, moe: MoEConfig, *, fused: bool) -> list[Entry]:
         out = embedding_entries(model)
         for i in range(model.num_layers):
-            hf, mt = f"model.layers.{i}.", f"layers.{i}."
-            out += norm_entries(i) + _mla_entries(hf + "self_attn.", mt + "attention.", model)
-            hf, mt = hf + "mlp", mt + "feed_forward"
-            if not model.is_moe_layer(i):
-                out += mlp_entries(hf, mt)
-                continue
-            out += [Copy(f"{hf}.gate.weight", f"{mt}.router.gate.weight"),
-                    Copy(f"{hf}.gate.e_score_correction_bias", f"{mt}.router.expert_bias")]
-            out.append(Experts(f"{hf}.experts", f"{mt}.experts", ("gate_proj", "up_proj", "down_proj"),
-                               moe.num_experts, fused))
-            out += mlp_entries(f"{hf}.shared_experts", f"{mt}.shared_experts")
+            out += _block_entries(f"model.layers.{i}.", f"layers.{i}.", model, moe, fused=fused,
+                                  is_moe=model.is_moe_layer(i))
+        head = "tok_embeddings.weight" if model.tie_embeddings else "output.weight"
+        for i in range(model.mtp_depth):
+            hf, mt = f"model.layers.{model.num_layers + i}.", f"mtp.{i}."
+            out += [Copy(f"{hf}enorm.weight", f"{mt}enorm.weight"), Copy(f"{hf}hnorm.weight", f"{mt}hnorm.weight"),
+                    Copy(f"{hf}eh_proj.weight", f"{mt}eh_proj.weight", swap_halves=True),
+                    Copy(f"{hf}shared_head.norm.weight", f"{mt}norm.weight"),
+                    Copy(f"{hf}embed_tokens.weight", "tok_embeddings.weight", load=False),
+                    Copy(f"{hf}shared_head.head.weight", head, load=False)]
+            out += _block_entries(hf, f"{mt}block.", model, moe, fused=fused, is_moe=True)
         return out
+
+
+def _block_entries(hf: str, mt: str, model: ModelConfig, moe: MoEConfig, *, fused: bool, is_moe: bool) -> list[Entry]:
+    """One block: ``hf`` like ``model.layers.L.``, ``mt`` like ``layers.L.``."""
+    out: list[Entry] = [Copy(f"{hf}input_layernorm.weight", f"{mt}attention_norm.weight"),
+                        Copy(f"{hf}post_attention_layernorm.weight", f"{mt}ffn_norm.weight")]
+    out += _mla_entries(hf + "self_attn.", mt + "attention.", model)
+    hf, mt = hf + "mlp", mt + "feed_forward"
+    if not is_moe:
+        return out + mlp_entries(hf, mt)
+    out += [Copy(f"{hf}.gate.weight", f"{mt}.router.gate.weight"),
+            Copy(f"{hf}.gate.e_score_correction_bias", f"{mt}.router.expert_bias")]
+    out.append(Experts(f"{hf}.experts", f"{mt}.experts", ("gate_proj", "up_proj", "down_proj"), moe.num_experts, fused))
+    return out + mlp_entries(f"{hf}.shared_experts", f"{mt}.shared_experts")
 
 
 def _mla_entries(hf: str, mt: str, model: ModelConfig) -> list[Entry]:

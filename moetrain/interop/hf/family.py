@@ -25,11 +25,17 @@ from moetrain.config.rope import ROPE_TYPES, RopeScaling
 @dataclass(frozen=True)
 class Copy:
     """``hf`` and ``mt`` hold the same tensor. ``export=False``: read on import only (the LM head
-    of a tied model is the embedding; HF does not store it twice)."""
+    of a tied model is the embedding; HF does not store it twice). ``load=False``: written on
+    export only, and optional on import (DeepSeek-V3's multi-token-prediction layers store copies
+    of the shared embedding and head). ``swap_halves``: the two halves of the last dim trade
+    places, both ways (DeepSeek-V3's ``eh_proj`` reads [embedding; hidden], moetrain's [hidden;
+    embedding])."""
 
     hf: str
     mt: str
     export: bool = True
+    load: bool = True
+    swap_halves: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,10 @@ class Family(ABC):
     def tensor_map(self, model: ModelConfig, moe: MoEConfig, *, fused: bool) -> list[Entry]:
         """Every tensor of the model: HF name(s), moetrain name, and how one becomes the other."""
 
-    def skipped(self, hf_name: str, hf: dict) -> bool:
-        """HF tensors the import leaves out on purpose (DeepSeek's multi-token-prediction layers)."""
-        return False
+    def fit_to_tensors(self, model: ModelConfig, hf: dict, names: set[str]) -> ModelConfig:
+        """``model`` as the checkpoint's tensor ``names`` hold it, where config.json may promise
+        more than a checkpoint stores (DeepSeek-V3's multi-token-prediction layers)."""
+        return model
 
     def hf_config_from(self, model: ModelConfig, moe: MoEConfig) -> dict:
         """``hf_config`` after checking ``problems``: ValueError naming every moetrain field this
@@ -225,10 +232,13 @@ def backbone_config(model: ModelConfig, *, family: Family) -> dict:
             "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "dtype": "float32"}
 
 
-def backbone_problems(model: ModelConfig, moe: MoEConfig, *, family: str) -> list[str]:
-    """What no family here can express: a classifier head, GELU MLPs, expert-choice routing, and
-    the attention features checked by each family itself."""
+def backbone_problems(model: ModelConfig, moe: MoEConfig, *, family: str, mtp: bool = False) -> list[str]:
+    """What no family here can express: a classifier head, GELU MLPs, expert-choice routing,
+    multi-token-prediction modules (unless ``mtp``), and the attention features checked by each
+    family itself."""
     out = []
+    if model.mtp_depth > 0 and not mtp:
+        out.append(f"model.mtp_depth ({model.mtp_depth}) must be 0: {family} has no multi-token-prediction layers")
     if model.head != "lm":
         out.append(f"model.head ({model.head!r}) must be \"lm\" ({family} is a causal LM)")
     if moe.activation != "swiglu":
