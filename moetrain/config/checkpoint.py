@@ -33,6 +33,14 @@ class CheckpointConfig:
     save_final: bool = True
     """Save a checkpoint after the last step."""
 
+    async_save: bool = False
+    """Write checkpoints in a background thread (DCP's async save): training stops only while the
+    tensors are copied to CPU memory, then goes on while the copy is written and published
+    (atomically, as a synchronous save). At most one save is in flight (the next one waits for it),
+    so CPU memory holds one more copy of the model and optimizer state. A save that fails in the
+    background stops the run at the next step with its error; the final and SIGTERM saves are
+    published before the run returns."""
+
     init_from: str | None = None
     """A moetrain export folder (``moetrain export`` / ``moetrain convert --from-hf``: safetensors of
     full tensors by moetrain name, one file or an index of shards) whose weights a fresh run
@@ -59,6 +67,7 @@ class CheckpointConfig:
         ok = isinstance(self.resume, str) and self.resume.lower() not in ("", "none", "no", "false", "off")
         require(ok, "checkpoint.resume", self.resume, 'must be "auto", "never" or a checkpoint path')
         require_bool("checkpoint.save_final", self.save_final)
+        require_bool("checkpoint.async_save", self.async_save)
         require(self.init_from is None or (isinstance(self.init_from, str) and self.init_from != ""),
                 "checkpoint.init_from", self.init_from, "must be None or the path of a moetrain export folder")
         require_bool("checkpoint.init_from_new_head", self.init_from_new_head)

@@ -368,6 +368,7 @@ class Trainer:
         last = {}
         with self.stop.installed():
             while self.step < t.steps:
+                self.checkpointer.poll()  # a checkpoint that failed in the background stops the run here
                 self.train_step()
                 is_last = self.step == t.steps
                 if self.step % lc.every == 0 or is_last or self.interrupted or self.skips.halt:
@@ -389,6 +390,7 @@ class Trainer:
                                     self.checkpointer.step_path(self.step))
                         break
                     self.interrupted = False  # the signal came with the last step: the run is complete
+            self.checkpointer.wait()  # the last save, if written in the background, is published
         bar.close()
         return last
 
@@ -409,7 +411,7 @@ class Trainer:
         state saved: the current weights (the skipped steps left them as they were) with the
         step, data position, schedule and RNG of the last step taken."""
         good = self._last_good
-        path = self.checkpointer.saved(good["step"]) or self.checkpointer.save(good)
+        path = self.checkpointer.saved(good["step"]) or self.checkpointer.save(good, wait=True)
         raise self.skips.error(self.step, last_good_step=good["step"], path=path)
 
     def generate(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,

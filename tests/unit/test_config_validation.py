@@ -73,6 +73,7 @@ BAD_SECTION_VALUES = [
     (CheckpointConfig, {"keep_last": -2}, "checkpoint.keep_last", "-2"),
     (CheckpointConfig, {"resume": "none"}, "checkpoint.resume", "'none'"),
     (CheckpointConfig, {"save_final": None}, "checkpoint.save_final", "None"),
+    (CheckpointConfig, {"async_save": "yes"}, "checkpoint.async_save", "'yes'"),
     (LogConfig, {"run_dir": ""}, "log.run_dir", "''"),
     (LogConfig, {"every": 0}, "log.every", "0"),
     (LogConfig, {"tensorboard": "true"}, "log.tensorboard", "'true'"),

@@ -4,6 +4,7 @@ any parallel layout and never unpickled.
     checkpointer.py     the component the trainer holds: where checkpoints go, what a run resumes
                         from, the training objects into and out of a checkpoint
     state.py            save_checkpoint / load_checkpoint: model, optimizer and trainer state through DCP
+    background.py       checkpoint.async_save: one save at a time written and published by a thread
     files.py            names, the manifest, ``latest``, retention, verification, the one path rule
     index.py            DCP's index as JSON and the reader that uses it; one-process weight reads
 

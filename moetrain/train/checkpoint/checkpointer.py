@@ -4,7 +4,9 @@ from, the training objects into and out of a checkpoint saved at any layout.
     checkpointer = Checkpointer(cfg, objects=TrainingObjects(...), dims=dims, phase=phase, ...)
     resumed = checkpointer.resume()        # collective; None when the run starts from scratch
     snapshot = checkpointer.snapshot(step=step, skipped_total=skips.total)
-    checkpointer.save(snapshot)            # collective
+    checkpointer.save(snapshot)            # collective; with checkpoint.async_save it returns once staged
+    checkpointer.poll()                    # every step: a background save's failure raised here
+    checkpointer.wait()                    # the save in flight published (before the run returns)
 
 The loop's own state (step, skip counters, interruption) belongs to the trainer: ``resume``
 returns what it read of it, and the trainer sets its counters from that.
@@ -29,6 +31,7 @@ from moetrain.distributed import runtime
 from moetrain.distributed.data_parallel.ddp import grad_compression_state, load_grad_compression_state
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.train.balancing import Balancer
+from moetrain.train.checkpoint.background import BackgroundSaver
 from moetrain.train.checkpoint.files import (
     CheckpointError,
     clean_stale_tmp,
@@ -37,7 +40,7 @@ from moetrain.train.checkpoint.files import (
     resolve_checkpoint,
     step_dir_name,
 )
-from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
+from moetrain.train.checkpoint.state import begin_save, load_checkpoint, save_checkpoint
 from moetrain.train.faults import Phase
 from moetrain.train.rng_state import capture_rng_state
 from moetrain.train.weight_average import WeightAverage
@@ -96,12 +99,19 @@ class Checkpointer:
     vocab_size: int | None
     is_main: bool
     last_saved_step: int | None = field(default=None, init=False)
+    background: BackgroundSaver | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.cfg.checkpoint.async_save:
+            self.background = BackgroundSaver()  # collective: every rank builds its Checkpointer
 
     def step_path(self, step: int) -> Path:
         return self.folder / step_dir_name(step)
 
     def saved(self, step: int) -> Path | None:
-        """The checkpoint of ``step`` when this run saved (or resumed from) it and it is still there."""
+        """The checkpoint of ``step`` when this run saved (or resumed from) it and it is still there
+        (a save in flight is waited for)."""
+        self.wait()
         path = self.step_path(step)
         return path if self.last_saved_step == step and path.exists() else None
 
@@ -170,9 +180,11 @@ class Checkpointer:
                 "scaler": o.scaler.state_dict(), "data": o.train_loader.state_dict(),
                 "skipped_total": skipped_total, "rng": capture_rng_state()}
 
-    def save(self, snapshot: dict) -> Path:
+    def save(self, snapshot: dict, *, wait: bool = False) -> Path:
         """Save ``snapshot``'s step, data position, schedule and RNG with the current weights (after
-        skipped steps, the last good state). Collective."""
+        skipped steps, the last good state); returns the checkpoint's path. Collective. With
+        ``checkpoint.async_save`` it returns once the state is staged, and the checkpoint is at its
+        path only after a later ``wait`` (or ``wait=True``)."""
         o, dims = self.objects, self.dims
         snap = dict(snapshot)
         rng = snap.pop("rng")
@@ -187,14 +199,34 @@ class Checkpointer:
             trainer_state["balancer"] = self._balancer_state(o.balancer)
         layout = {"world_size": dims.world_size, "dp": dims.dp, "ep": dims.ep, "etp": dims.etp,
                   "tp": dims.tp, "pp": dims.pp, "zero_stage": self.cfg.parallel.zero_stage}
+        args = dict(model=o.model, optimizer=o.optimizer, trainer_state=trainer_state, rng_state=rng,
+                    keep_last=self.cfg.checkpoint.keep_last, layout=layout,
+                    grad_compression_state=grad_compression_state(o.parallel_model),
+                    ema_state=o.ema.state_dict() if o.ema is not None else None)
         with self.phase(f"saving the checkpoint of step {snap['step']}"):
-            path = save_checkpoint(self.folder, snap["step"], model=o.model, optimizer=o.optimizer,
-                                   trainer_state=trainer_state, rng_state=rng,
-                                   keep_last=self.cfg.checkpoint.keep_last, layout=layout,
-                                   grad_compression_state=grad_compression_state(o.parallel_model),
-                                   ema_state=o.ema.state_dict() if o.ema is not None else None)
+            if self.background is None:
+                path = save_checkpoint(self.folder, snap["step"], **args)
+            else:
+                self.background.wait()  # the previous save first: at most one in flight
+                self.background.start(begin_save(self.folder, snap["step"], **args))
+                path = self.step_path(snap["step"])
         self.last_saved_step = snap["step"]
+        if wait:
+            self.wait()
         return path
+
+    def poll(self) -> None:
+        """Raise the error of a background save that failed (on every rank at the same step).
+        Collective while a save is in flight; a no-op without ``checkpoint.async_save``."""
+        if self.background is not None:
+            with self.phase("checking the checkpoint written in the background"):
+                self.background.poll()
+
+    def wait(self) -> None:
+        """Block until the background save in flight (if any) is published; raise its error."""
+        if self.background is not None and self.background.in_flight_step is not None:
+            with self.phase(f"finishing the checkpoint of step {self.background.in_flight_step}"):
+                self.background.wait()
 
     # --- the balancer's counters ------------------------------------------------------------------
 

@@ -77,23 +77,23 @@ log = logging.getLogger("moetrain")
 # --- saving ----------------------------------------------------------------------------------------
 
 
-def _agree(error: str | None) -> None:
-    """Rank 0's outcome to every rank: all raise, or none (a rank that carried on alone would
-    block in the next collective)."""
+def _agree(error: str | None, group: dist.ProcessGroup | None = None) -> None:
+    """Rank 0's outcome to every rank of ``group`` (default: the world): all raise, or none (a rank
+    that carried on alone would block in the next collective)."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         box = [error]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=group)
         error = box[0]
     if error is not None:
         raise RuntimeError(error)
 
 
-def _gather_to_main(obj: Any) -> list[Any] | None:
+def _gather_to_main(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
     rank, world = rank_world()
     if world == 1:
         return [obj]
     out = [None] * world if rank == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    dist.gather_object(obj, out, dst=0, group=group)
     return out
 
 
@@ -132,14 +132,15 @@ def _state_to_save(model: nn.Module, optimizer: torch.optim.Optimizer, trainer_s
     return state
 
 
-def _commit_on_main(tmp: Path, final: Path, gathered: list, metadata: Metadata, *, step: int,
+def _commit_on_main(tmp: Path, final: Path, gathered: list, metadata: Metadata | None, *, step: int,
                     layout: dict | None, keep_last: int) -> str | None:
     """Rank 0: write the JSON index and the manifest, rename into place, move ``latest``, prune.
     Returns the error every rank must raise, or None."""
     try:
         failures = [g for g in gathered if isinstance(g, str)]
         if failures:
-            raise RuntimeError("; ".join(failures))
+            raise RuntimeError("; ".join(dict.fromkeys(failures)))  # a failure DCP reported on every rank once
+        assert metadata is not None, "rank 0 wrote its data, so DCP returned the index"
         files = {k: v for g in gathered for k, v in g.items()}
         atomic_write_text(tmp / INDEX, json.dumps(index_to_json(metadata)), durable=True)
         for name in (".metadata", INDEX):
@@ -149,6 +150,83 @@ def _commit_on_main(tmp: Path, final: Path, gathered: list, metadata: Metadata, 
     except Exception as e:  # noqa: BLE001 - every rank must learn that the save failed
         return f"saving checkpoint {final} failed: {type(e).__name__}: {e}"
     return None
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A save whose DCP data is still to be written: ``state`` into ``tmp``, then published as ``final``."""
+
+    tmp: Path
+    final: Path
+    step: int
+    state: dict
+    """The DCP state dict (tensors only); the live tensors, until an asynchronous save stages a copy."""
+    layout: dict | None
+    keep_last: int
+    t0: float
+
+
+def begin_save(folder: str | os.PathLike, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+               trainer_state: dict, rng_state: dict[str, torch.Tensor] | None = None, keep_last: int = 0,
+               layout: dict | None = None, grad_compression_state: dict[str, torch.Tensor] | None = None,
+               ema_state: dict[str, torch.Tensor] | None = None) -> PendingSave:
+    """The first part of ``save_checkpoint`` (same arguments): a clean temporary folder and the
+    state dict to write into it. Collective."""
+    folder = Path(folder)
+    rank, _ = rank_world()
+    name = step_dir_name(step)
+    final, tmp = folder / name, folder / f".{name}.tmp"
+    t0 = time.perf_counter()
+    if isinstance(optimizer, ZeroShardedOptimizer):
+        optimizer = optimizer.consolidated()  # collective; the full state lives as long as the state dict
+    _check_optimizer(model, optimizer)
+
+    # 1. A clean temporary folder (left over by a save of the same step killed earlier).
+    error = None
+    if rank == 0:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            error = f"cannot create checkpoint folder {tmp}: {e}"
+    _agree(error)
+    rng = rng_state if rng_state is not None else capture_rng_state()
+    state = _state_to_save(model, optimizer, trainer_state, rng, rank, grad_compression_state or {}, ema_state)
+    return PendingSave(tmp=tmp, final=final, step=step, state=state, layout=layout, keep_last=keep_last, t0=t0)
+
+
+def checkpoint_writer(tmp: Path) -> dcp.FileSystemWriter:
+    """DCP's writer of one checkpoint: one file per rank, each fsynced before the manifest names it."""
+    return dcp.FileSystemWriter(tmp, single_file_per_rank=True, sync_files=True)
+
+
+def publish_save(pending: PendingSave, metadata: Metadata | None, *, write_error: str | None = None,
+                 group: dist.ProcessGroup | None = None) -> Path:
+    """The last part of a save, once DCP has written ``pending``'s data (on this rank: ``metadata``,
+    or ``write_error`` when it failed): every rank hashes the files it wrote, rank 0 writes the
+    index and the manifest and renames the folder into place, then moves ``latest``. Collective
+    over ``group`` (default: the world); every rank raises if any rank failed."""
+    rank, _ = rank_world()
+    tmp = pending.tmp
+    mine: dict[str, dict] | str
+    if write_error is not None:
+        mine = write_error
+    else:
+        try:
+            mine = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
+        except OSError as e:
+            mine = f"rank {rank} could not hash its checkpoint files: {e}"
+    gathered = _gather_to_main(mine, group)
+    error = None
+    if rank == 0:
+        assert gathered is not None  # rank 0 is where they were gathered
+        error = _commit_on_main(tmp, pending.final, gathered, metadata, step=pending.step,
+                                layout=pending.layout, keep_last=pending.keep_last)
+    _agree(error, group)
+    log.info("saved checkpoint %s (%.2f s)", pending.final, time.perf_counter() - pending.t0)
+    return pending.final
 
 
 def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
@@ -165,50 +243,16 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
     Collective. All ranks write into ``.step_N.tmp``; once DCP has written its index, every rank
     hashes the files it wrote, rank 0 writes the manifest and renames the folder into place, then
     moves ``latest``. A process killed at any point before the rename leaves the previous
-    checkpoint and ``latest`` untouched. Returns the checkpoint's path.
+    checkpoint and ``latest`` untouched. Returns the checkpoint's path. (``begin_save``,
+    DCP's write and ``publish_save`` are its three parts; ``moetrain.train.checkpoint.background``
+    runs the last two in a thread.)
     """
-    folder = Path(folder)
-    rank, _ = rank_world()
-    name = step_dir_name(step)
-    final, tmp = folder / name, folder / f".{name}.tmp"
-    t0 = time.perf_counter()
-    if isinstance(optimizer, ZeroShardedOptimizer):
-        optimizer = optimizer.consolidated()  # collective; the full state lives until this returns
-    _check_optimizer(model, optimizer)
-
-    # 1. A clean temporary folder (left over by a save of the same step killed earlier).
-    error = None
-    if rank == 0:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            tmp.mkdir()
-        except OSError as e:
-            error = f"cannot create checkpoint folder {tmp}: {e}"
-    _agree(error)
-
-    # 2. DCP writes every rank's shards (replicated entries once) and, on rank 0, the index.
-    rng = rng_state if rng_state is not None else capture_rng_state()
-    state = _state_to_save(model, optimizer, trainer_state, rng, rank, grad_compression_state or {}, ema_state)
-    metadata = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, single_file_per_rank=True,
-                                                                   sync_files=True))
-
-    # 3. Each rank hashes its own data files (in parallel); rank 0 writes the manifest.
-    mine: dict[str, dict] | str
-    try:
-        mine = {p.name: file_record(p) for p in sorted(tmp.glob(f"__{rank}_*.distcp"))}
-    except OSError as e:
-        mine = f"rank {rank} could not hash its checkpoint files: {e}"
-    gathered = _gather_to_main(mine)
-    error = None
-    if rank == 0:
-        assert gathered is not None  # rank 0 is where they were gathered
-        error = _commit_on_main(tmp, final, gathered, metadata, step=step, layout=layout,
-                                keep_last=keep_last)
-    _agree(error)
-    log.info("saved checkpoint %s (%.2f s)", final, time.perf_counter() - t0)
-    return final
+    pending = begin_save(folder, step, model=model, optimizer=optimizer, trainer_state=trainer_state,
+                         rng_state=rng_state, keep_last=keep_last, layout=layout,
+                         grad_compression_state=grad_compression_state, ema_state=ema_state)
+    # DCP writes every rank's shards (replicated entries once) and, on rank 0, the index.
+    metadata = dcp.save(pending.state, storage_writer=checkpoint_writer(pending.tmp))
+    return publish_save(pending, metadata)
 
 
 # --- loading ---------------------------------------------------------------------------------------
