@@ -23,6 +23,7 @@ from moetrain.config.data import DataConfig, DataSource
 from moetrain.data.cache import cached_corpus_files, fetch_corpus
 from moetrain.data.documents import Documents, document_separator, scan_user_path
 from moetrain.data.loader import TokenLoader
+from moetrain.data.megatron import is_megatron
 from moetrain.data.registry import check_corpus
 from moetrain.data.sources import MixedData, prepare_sources
 from moetrain.data.tokenizer import Tokenizer, build_tokenizer
@@ -90,7 +91,7 @@ def prepare_data(cfg: DataConfig, *, download: bool = True) -> PreparedData | Mi
     if cfg.sources is not None:
         return prepare_sources(cfg, list(cfg.sources))
     kind, files = scan_user_path(_user_path(cfg)) if cfg.corpus == "path" else ("corpus", [])
-    if kind == "tokens" and len(files) > 1:  # shards of one source
+    if kind == "tokens" and (len(files) > 1 or is_megatron(files[0])):  # shards, or a vocabulary to check
         return prepare_sources(cfg, [DataSource(path=_user_path(cfg))], field="data.path")
     if kind == "tokens":
         token_file = files[0]

@@ -1,7 +1,8 @@
 """User data from several sources mixed by weight (``data.sources``, or a ``data.path`` of several
 .bin shards), ready to be batched by `MixtureLoader`.
 
-Each source is a folder (or file) of .txt/.jsonl documents or of .bin token shards. A text source
+Each source is a folder (or file) of .txt/.jsonl documents or of .bin token shards (moetrain's, with a
+.bin.json sidecar, or Megatron-LM's indexed dataset, .bin + .idx: moetrain.data.megatron). A text source
 is tokenised once into the token cache (one token file per source, every document followed by the
 end-of-text id, as for a corpus); shard files are memory-mapped as they are, never read whole.
 
@@ -11,7 +12,9 @@ its weight's share of `BPE_SAMPLE_CHARS` characters, so the vocabulary fits the 
 trains on; "bytes" and a tokenizer.json need no training. Shards bring their vocabulary in their
 sidecars: every shard of every source must agree on vocab_size and eos_id (and, where both name
 one, on the tokeniser key), and so must the text sources' tokeniser; otherwise a ValueError names
-the two files that differ.
+the two files that differ. A Megatron corpus preprocessed elsewhere has no sidecar, so no vocabulary
+size: ``data.tokenizer`` must then name the tokenizer.json that wrote it, which gives vocab_size and
+eos_id.
 
 Validation: each file is split on its own, its last round(N * data.val_fraction) tokens held out
 (the rule of `split_tokens`), so every source, and every shard of it, gives validation data in
@@ -113,7 +116,11 @@ def prepare_sources(cfg: DataConfig, sources: list[DataSource], *, field: str = 
         where = f"{field}[{i}].path" if field == "data.sources" else field
         kind, files = scan_user_path(source.path, field=where)
         scanned.append(_Scanned(i, source, kind, files))
-    shard_meta = _shard_vocabulary(scanned)
+    shard_meta, unsized = _shard_vocabulary(scanned)
+    if unsized is not None and not cfg.tokenizer.endswith(".json"):
+        raise ValueError(f"{unsized} is Megatron-LM indexed data (.bin + .idx) with no {unsized.name}.json sidecar, so "
+                         f"no vocabulary size: set data.tokenizer (now {cfg.tokenizer!r}) to the tokenizer.json that "
+                         'wrote it, or write a sidecar such as {"vocab_size": 50257, "eos_id": 50256}')
     texts = [s for s in scanned if s.kind == "text"]
     tokenizer = _shared_tokenizer(cfg, texts, shard_meta)
     if tokenizer is None:
@@ -137,20 +144,24 @@ def prepare_sources(cfg: DataConfig, sources: list[DataSource], *, field: str = 
                      document_separator=separator)
 
 
-def _shard_vocabulary(scanned: list[_Scanned]) -> tuple[Path, dict] | None:
-    """(first shard, its sidecar) after checking that every shard agrees with it; None if no shards.
-    Opening a shard maps it and reads only its sidecar."""
+def _shard_vocabulary(scanned: list[_Scanned]) -> tuple[tuple[Path, dict] | None, Path | None]:
+    """((first shard with a vocabulary, its sidecar) after checking that every such shard agrees with
+    it, or None; the first Megatron shard without a sidecar, or None). Opening a shard maps it and
+    reads only its sidecar (and index)."""
     reference = None
+    unsized = None
     for s in scanned:
         if s.kind != "tokens":
             continue
         for path in s.files:
             meta = open_token_file(path)[1]
-            if reference is None:
+            if "vocab_size" not in meta:
+                unsized = unsized or path
+            elif reference is None:
                 reference = (path, meta)
             else:
                 _check_same_vocabulary(reference, (path, meta))
-    return reference
+    return reference, unsized
 
 
 def _check_same_vocabulary(a: tuple[Path, dict], b: tuple[Path, dict]) -> None:

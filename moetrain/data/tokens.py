@@ -11,7 +11,10 @@ Format (also what a user supplies as pre-tokenised data, `data.corpus=path data.
   tokeniser that wrote it: checked against the other sources of a mixture).
 
 A data source may hold many such files (shards, read in path order); ``write_token_shards`` writes
-them from documents, cut between documents, every document followed by the end-of-text id.
+them from documents, cut between documents, every document followed by the end-of-text id, and
+``moetrain data prepare`` from jsonl/parquet/arrow corpora (moetrain.data.prepare_corpus).
+A ``NAME.bin`` with a ``NAME.idx`` beside it is Megatron-LM's indexed dataset instead
+(moetrain.data.megatron), read by the same `open_token_file`.
 
 Ids in a user's file are not range-checked when it is opened (that would read the whole file); the
 embedding lookup fails on an id >= vocab_size.
@@ -22,14 +25,16 @@ reads with no offset, and lets nanoGPT-style files be used by adding one small j
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from moetrain.data.cache import resolve_cache_dir
+from moetrain.data.megatron import is_megatron, open_megatron
 from moetrain.utils.files import atomic_path, atomic_write_text
 
 TOKEN_DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -71,9 +76,16 @@ def write_token_file(path: str | os.PathLike, ids: Iterable, *, vocab_size: int,
 
 
 def open_token_file(path: str | os.PathLike) -> tuple[np.ndarray, dict]:
-    """Memory-map a token file read-only; returns (tokens [N], sidecar dict). Reads no token data."""
+    """Memory-map a token file read-only; returns (tokens [N], sidecar dict). Reads no token data.
+
+    A .bin with an .idx beside it is Megatron-LM's indexed dataset (moetrain.data.megatron): its
+    dtype and size come from the index, and its sidecar, optional, has no dtype; without one the
+    returned dict has no vocab_size (the tokeniser that wrote the corpus must supply it).
+    """
     path = Path(path)
     side = sidecar_path(path)
+    if is_megatron(path):
+        return _open_megatron_file(path, side)
     example = '{"dtype": "uint16", "vocab_size": 50257}'
     if not side.is_file():
         raise ValueError(f"token file {path} has no sidecar {side.name}; write one, e.g. {example} "
@@ -101,6 +113,42 @@ def open_token_file(path: str | os.PathLike) -> tuple[np.ndarray, dict]:
     if num_tokens == 0:
         return np.zeros(0, dtype=dtype), meta
     return np.memmap(path, dtype=dtype, mode="r", shape=(num_tokens,)), meta
+
+
+def _open_megatron_file(path: Path, side: Path) -> tuple[np.ndarray, dict]:
+    tokens, index = open_megatron(path)
+    meta: dict = {}
+    if side.is_file():
+        try:
+            meta = json.loads(side.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise ValueError(f"{side} is not valid JSON ({e})") from None
+        vocab_size = meta.get("vocab_size")
+        if not (isinstance(vocab_size, int) and vocab_size > 0):
+            raise ValueError(f"{side}: vocab_size ({vocab_size!r}) must be an int >= 1")
+    meta = {**meta, "dtype": index.dtype.name, "num_tokens": len(tokens), "format": "megatron",
+            "num_documents": max(0, len(index.document_indices) - 1)}
+    return tokens, meta
+
+
+def encode_texts(texts: Sequence[str], tokenizer, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """(the token ids of ``texts`` back to back [N] in ``dtype``, tokens per document [num_texts]):
+    every document followed by the end-of-text id, or, with no such id, ending in a newline (the
+    rule of the token cache, so prepared shards and cached corpora tokenise alike)."""
+    eos_id = tokenizer.eos_id
+    if eos_id is None:
+        texts = [t if t.endswith("\n") else t + "\n" for t in texts]
+    if tokenizer.key == "bytes":  # the bytes are the ids: no per-token Python objects
+        encoded = [t.encode("utf-8") for t in texts]
+        lengths = np.fromiter((len(b) for b in encoded), dtype=np.int64, count=len(encoded))
+        return np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(dtype), lengths
+    ids = tokenizer.encode_batch(texts)
+    lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=int(lengths.sum()))
+    if eos_id is not None:
+        tokens = np.insert(tokens, np.cumsum(lengths), np.asarray(eos_id, dtype=dtype))
+        lengths += 1
+    return tokens, lengths
 
 
 def _encoded_batches(documents: Iterable[str], tokenizer) -> Iterable[list[list[int]]]:
