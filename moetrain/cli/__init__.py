@@ -10,6 +10,7 @@ print; the work is done by the layers below (train, interop, plan).
     moetrain generate RUN --prompt TEXT | moetrain eval RUN_DIR [--nproc N]               (generate.py)
     moetrain compare RUN_A RUN_B [...] [--out DIR]                                        (compare.py)
     moetrain report RUN_DIR                                                               (report.py)
+    moetrain launch slurm|k8s --config X --nodes N --gpus-per-node G [--out FILE]       (cluster.py)
 
 Each module's docstring lists its commands' options. ``python -m moetrain.cli`` runs the same
 ``main`` (torchrun: ``torchrun ... -m moetrain.cli train --config X``).
@@ -20,16 +21,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moetrain.cli import compare, convert, data, experts, generate, plan, report, train
+from moetrain.cli import cluster, compare, convert, data, experts, generate, plan, report, train
 
-SUBCOMMANDS = (train, plan, data, convert, experts, generate, compare, report)
+SUBCOMMANDS = (train, plan, data, convert, experts, generate, compare, report, cluster)
 """The modules whose ``add_parsers(sub)`` add the subcommands, in the order ``--help`` lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
                                 epilog="Any --section.field=value argument overrides the config.")
-    # Only the job commands (train, demo, config, plan) take --section.field=value overrides.
+    # Only the job commands (train, demo, config, plan, launch) take --section.field=value overrides.
     p.set_defaults(takes_overrides=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     for module in SUBCOMMANDS:

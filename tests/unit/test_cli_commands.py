@@ -20,8 +20,9 @@ COMMANDS = {
                                                                  "--top-k", "2", "--to", "OUT"],
     "experts": ["grow", "RUN", "--num-experts", "8", "--to", "OUT"], "generate": ["RUN", "--prompt", "x"],
     "eval": ["RUN"], "compare": ["A", "B"], "report": ["RUN"],
+    "launch": ["slurm", "--nodes", "1", "--gpus-per-node", "1"],
 }
-JOB_COMMANDS = {"train", "demo", "config", "plan"}
+JOB_COMMANDS = {"train", "demo", "config", "plan", "launch"}
 
 
 def test_every_subcommand_dispatches_to_its_own_module():

@@ -1,0 +1,86 @@
+"""A script from ``moetrain launch slurm`` run here as Slurm would run it, on one node of two
+processes: ``srun`` and ``scontrol`` are stand-ins (srun runs its command; scontrol names this host
+and records a requeue), torchrun is the real one. The signal Slurm sends before the time limit
+(SIGUSR1) makes the script stop the workers, which save a checkpoint at the step they were in, and
+requeue the job; the requeued job (the same script again) resumes there and finishes the run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from moetrain.cli import main
+from tests.integration.conftest import job_overrides
+from tests.integration.test_fault_tolerance import _env, _output, _records, _wait_for, _worker
+
+SRUN = """#!/bin/bash
+while [[ "$1" == --* ]]; do shift; done
+exec "$@"
+"""
+SCONTROL = """#!/bin/bash
+if [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi
+echo "$*" >> "$SCONTROL_LOG"
+"""
+# torchrun, with the worker script (slowed steps) in place of `-m moetrain.cli`.
+TORCHRUN = """#!/bin/bash
+args=() module=0
+for a in "$@"; do
+    if [ "$a" = -m ]; then module=1; continue; fi
+    if [ "$module" = 1 ]; then args+=("$WORKER"); module=0; continue; fi
+    args+=("$a")
+done
+exec {python} -m torch.distributed.run "${{args[@]}}"
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fake_slurm(tmp_path: Path) -> Path:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN.format(python=sys.executable))):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_slurm_script_saves_requeues_before_the_time_limit_and_the_requeued_job_resumes(tmp_path,
+                                                                                        shakespeare_cached):
+    run_dir, script, requeues = tmp_path / "run", tmp_path / "job.sbatch", tmp_path / "scontrol.log"
+    assert main(["launch", "slurm", "--nodes", "1", "--gpus-per-node", "2", "--port", str(_free_port()),
+                 "--out", str(script), *job_overrides(run_dir, steps=6, ep=2)]) == 0
+    env = _env(PATH=f"{_fake_slurm(tmp_path)}:{os.environ['PATH']}", SLURM_JOB_ID="7",
+               SLURM_JOB_NODELIST="localhost", SCONTROL_LOG=str(requeues), WORKER=str(_worker(tmp_path)))
+
+    job = subprocess.Popen(["bash", str(script)], env={**env, "FAULT_STEP_DELAY": "0.3"}, cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        _wait_for(lambda: len(_records(run_dir)) >= 2, timeout_s=90, proc=job, what="2 logged steps")
+        job.send_signal(signal.SIGUSR1)  # what #SBATCH --signal=B:USR1@180 sends
+        assert job.wait(timeout=60) == 0, _output(job)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    stopped_at = _records(run_dir)[-1]["step"]
+    assert 2 <= stopped_at < 6
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{stopped_at:09d}"
+    assert requeues.read_text().split("\n")[0] == "requeue 7"
+
+    # The requeued job: the same script, from the checkpoint just saved to the last step.
+    rerun = subprocess.run(["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0, rerun.stdout[-4000:] + rerun.stderr[-4000:]
+    assert f"resumed from {run_dir / 'checkpoints' / f'step_{stopped_at:09d}'}" in rerun.stdout + rerun.stderr
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, 7))
+    assert requeues.read_text().count("requeue") == 1
