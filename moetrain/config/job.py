@@ -14,7 +14,7 @@ from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.config.moe import MoEConfig
-from moetrain.config.optim import OptimConfig
+from moetrain.config.optim import OptimConfig, check_muon
 from moetrain.config.parallel import ParallelConfig
 from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
 from moetrain.config.train import TrainConfig
@@ -98,6 +98,9 @@ class JobConfig:
         check_offload(par.zero_stage, offload_optimizer=self.zero.offload_optimizer == "cpu",
                       offload_param=self.zero.offload_param == "cpu", pp=par.pp)
         check_grad_compression(self.dp.grad_compression, zero_stage=par.zero_stage, tp=par.tp)
+        check_muon(self.optim.name, tp=par.tp, etp=par.etp, grad_compression=self.dp.grad_compression,
+                   zero_stage=par.zero_stage, offload_optimizer=self.zero.offload_optimizer,
+                   offload_param=self.zero.offload_param)
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
         check_pipeline_reduction(pp=par.pp, grad_compression=self.dp.grad_compression)
         if m.head == "classifier":

@@ -195,7 +195,7 @@ def _build(cfg: JobConfig, model_cfg, world: int):
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
     from moetrain.models.transformer import Transformer
-    from moetrain.train.optim import build_optimizer
+    from moetrain.train.optim import build_optimizer, optimizer_settings
     from moetrain.train.weight_average import WeightAverage
 
     dims = ParallelDims.from_config(cfg.parallel, world_size=world,
@@ -208,12 +208,11 @@ def _build(cfg: JobConfig, model_cfg, world: int):
         wrapped = parallelize(model, dims, activation_checkpointing=t.activation_checkpointing,
                               activation_checkpointing_every=t.activation_checkpointing_every, compile=t.compile,
                               grad_compression=cfg.dp.grad_compression, **zero_settings(cfg))
-    optimizer = wrap_optimizer(build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas,
-                                               eps=o.eps),
+    optimizer = wrap_optimizer(build_optimizer(model, **optimizer_settings(o)),
                                dims, zero_stage=cfg.parallel.zero_stage,
                                offload_optimizer=cfg.zero.offload_optimizer == "cpu",
                                bucket_numel=cfg.zero.allgather_bucket_size)
-    # One step on placeholder meta gradients: AdamW allocates its states lazily, in the step.
+    # One step on placeholder meta gradients: AdamW (and Muon) allocate their states lazily, in the step.
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)

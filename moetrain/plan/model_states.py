@@ -21,6 +21,9 @@ instantiates. The sharding rules are those of the code that trains:
   holds 1/(ep * etp) of the experts' elements, and ZeRO-1 slices them over edp = world / (ep * etp).
 * AdamW: ``exp_avg`` and ``exp_avg_sq`` like the (local) parameter, plus a 4-byte fp32 ``step``
   per parameter tensor, also for an empty shard.
+* optim.name "muon": the hidden and expert matrices (``ParamSpec.matrix``) keep one fp32
+  ``momentum_buffer`` like the (local) parameter and no step counter; the rest keep AdamW's. The
+  whole matrix each Muon step forms (gathered at stages 1-3) is transient (``transient_state_bytes``).
 * optim.ema_decay (``WeightAverage``): one more copy of each parameter as this rank holds it, whole
   at stages 0/1 (ZeRO-1 slices only the optimizer states), the unpadded local shard at stages 2/3.
 
@@ -47,6 +50,8 @@ ADAM_STATE_BYTES = 8
 """AdamW exp_avg + exp_avg_sq, fp32."""
 ADAM_STEP_BYTES = 4
 """AdamW's per-tensor ``step`` counter (a 0-dim fp32 tensor)."""
+MUON_STATE_BYTES = 4
+"""Muon's momentum buffer, fp32 (no second moment, no step counter)."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class ParamSpec:
     shape: tuple[int, ...]
     expert: bool
     """A routed-expert weight ``[E, ...]`` (GroupedExperts), sharded over ep (and edp)."""
+    matrix: bool = False
+    """A hidden or expert matrix: Muon's under optim.name "muon" (``muon_param_ids``)."""
 
     @property
     def numel(self) -> int:
@@ -80,6 +87,8 @@ class Layout:
     offload_params: bool = False
     weight_average: bool = False
     """optim.ema_decay > 0: the rank keeps a moving average of the parameters it holds."""
+    optimizer: str = "adamw"
+    """optim.name: "muon" keeps one momentum buffer for each ``ParamSpec.matrix`` instead of two moments."""
 
     def __post_init__(self) -> None:
         if self.etp > 1 and self.zero_stage > 1:
@@ -91,7 +100,7 @@ class Layout:
         p, z = cfg.parallel, cfg.zero
         return cls(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate, etp=p.etp,
                    offload_optimizer=z.offload_optimizer != "none", offload_params=z.offload_param != "none",
-                   weight_average=cfg.optim.ema_decay > 0)
+                   weight_average=cfg.optim.ema_decay > 0, optimizer=cfg.optim.name)
 
     @property
     def edp(self) -> int:
@@ -135,11 +144,14 @@ def _meta_model(model: ModelConfig, moe: MoEConfig):
 
 def param_specs(model: ModelConfig, moe: MoEConfig) -> list[ParamSpec]:
     """The parameters ``Transformer(model, moe)`` creates, a tied embedding once, in model order."""
+    from moetrain.distributed.muon import muon_param_ids
     from moetrain.models.moe.experts import GroupedExperts
 
     net = _meta_model(model, moe)
     expert_ids = {id(p) for m in net.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
-    return [ParamSpec(name, tuple(p.shape), id(p) in expert_ids) for name, p in net.named_parameters()]
+    matrices = muon_param_ids(net)
+    return [ParamSpec(name, tuple(p.shape), id(p) in expert_ids, id(p) in matrices)
+            for name, p in net.named_parameters()]
 
 
 def buffer_bytes(model: ModelConfig, moe: MoEConfig) -> int:
@@ -164,7 +176,7 @@ def _collapse(specs: list[ParamSpec]) -> list[tuple[ParamSpec, int]]:
     """Identical (shape, expert) parameters once, with their count: a model's blocks repeat."""
     counts: dict[tuple, list] = {}
     for s in specs:
-        key = (s.shape, s.expert)
+        key = (s.shape, s.expert, s.matrix)
         if key in counts:
             counts[key][1] += 1
         else:
@@ -173,7 +185,7 @@ def _collapse(specs: list[ParamSpec]) -> list[tuple[ParamSpec, int]]:
 
 
 def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> StateBytes:
-    """Parameter, gradient (after a backward), AdamW-state (after a step) and weight-average bytes on
+    """Parameter, gradient (after a backward), optimizer-state (after a step) and weight-average bytes on
     ``rank``."""
     return _rank_state_bytes(_collapse(specs), layout, rank)
 
@@ -185,6 +197,8 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
     total = StateBytes()
     for s, count in collapsed:
         out = StateBytes()
+        muon = layout.optimizer == "muon" and s.matrix
+        state_bytes, step_bytes = (MUON_STATE_BYTES, 0) if muon else (ADAM_STATE_BYTES, ADAM_STEP_BYTES)
         # The tensor this rank holds before any ZeRO sharding: experts are ep-sharded on dim 0
         # (which experts depends on the ep index; how many does not), and split over etp along
         # their hidden dim.
@@ -201,7 +215,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
                 held = _slice(local, world, r)
                 if layout.offload_optimizer:
                     out.optim += held * PARAM_BYTES  # the host master copy of the slice
-            out.optim += held * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+            out.optim += held * state_bytes + step_bytes
             _add(total, out, count)
             continue
         # FSDP2: dense units over dp (or the HSDP shard group), experts over edp at ep > 1.
@@ -212,7 +226,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
                 local = rows * s.row_numel // edp
                 out.param += local * PARAM_BYTES
                 out.grad += local * GRAD_BYTES
-                out.optim += local * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+                out.optim += local * state_bytes + step_bytes
                 out.average += local * avg_bytes
                 _add(total, out, count)
                 continue
@@ -222,7 +236,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
         local_rows, padded_rows = _chunk(rows, world, r)
         out.param += padded_rows * s.row_numel * PARAM_BYTES
         out.grad += padded_rows * s.row_numel * GRAD_BYTES
-        out.optim += local_rows * s.row_numel * ADAM_STATE_BYTES + ADAM_STEP_BYTES
+        out.optim += local_rows * s.row_numel * state_bytes + step_bytes
         out.average += local_rows * s.row_numel * avg_bytes
         _add(total, out, count)
     return total
@@ -264,18 +278,39 @@ def transient_state_bytes(specs: list[ParamSpec], layout: Layout, *, bucket_nume
       into its bucket; stage 1 adds the all-gather buffers of the step (a bucket of
       ``min(bucket_numel, parameters)`` elements gathered, plus this rank's 1/G of it sent);
     * stages 2/3: a unit's unsharded gradients and FSDP2's reduce-scatter input, both unit-sized
-      in fp32, for the largest unit.
+      in fp32, for the largest unit;
+    * optim.name "muon", on top: ``muon_step_bytes``.
     """
     ep = layout.ep
+    muon = muon_step_bytes(specs, layout)
     if layout.zero_stage in (0, 1):
         out = max((s.numel // (ep * layout.etp) if s.expert else s.numel) for s in specs) * GRAD_BYTES
         if layout.zero_stage == 1:
             dense = sum(s.numel for s in specs if not (s.expert and ep * layout.etp > 1))
             gathered = min(bucket_numel, dense)
             out += (gathered + gathered // layout.world) * PARAM_BYTES
-        return out
+        return out + muon
     units, _ = _units(specs, layout)
-    return 2 * max(units.values()) * GRAD_BYTES
+    return 2 * max(units.values()) * GRAD_BYTES + muon
+
+
+def muon_step_bytes(specs: list[ParamSpec], layout: Layout) -> int:
+    """fp32 bytes Muon's step allocates for its largest matrix (an estimate; 0 under AdamW): the
+    whole ep-local matrix ``u`` (at stages 1-3 the all-gather of its shards: ZeRO-1's slices or
+    FSDP2's dim-0 shards), and the Newton-Schulz working set, about three matrix-sized
+    temporaries and three ``min(A, B)``-square Gram products per expert. One matrix at a time:
+    each is freed before the next is gathered."""
+    if layout.optimizer != "muon":
+        return 0
+    out = 0
+    for s in specs:
+        if not s.matrix:
+            continue
+        *batch, rows, cols = s.shape
+        num_matrices = math.prod(batch) // (layout.ep if s.expert else 1)
+        n = num_matrices * rows * cols
+        out = max(out, (4 * n + 3 * num_matrices * min(rows, cols) ** 2) * MUON_STATE_BYTES)
+    return out
 
 
 def unsharded_param_peak_bytes(specs: list[ParamSpec], layout: Layout, *, compute_bytes: int) -> int:

@@ -237,7 +237,7 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
 def _layout(c: Choice, cfg: JobConfig, nproc: int) -> Layout:
     return Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
                   offload_optimizer=c.offload != "none", offload_params=c.offload == "params",
-                  weight_average=cfg.optim.ema_decay > 0)
+                  weight_average=cfg.optim.ema_decay > 0, optimizer=cfg.optim.name)
 
 
 def _layout_note(cfg: JobConfig) -> str | None:

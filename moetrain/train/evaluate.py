@@ -32,7 +32,7 @@ from moetrain.distributed.parallelize import parallelize
 from moetrain.train.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from moetrain.train.checkpoint.state import load_checkpoint
 from moetrain.train.classification import confusion_matrix, metrics_from_confusion
-from moetrain.train.optim import build_optimizer
+from moetrain.train.optim import build_optimizer, optimizer_settings
 from moetrain.train.precision import autocast_context
 from moetrain.train.task import build_model, build_task_data, is_classifier
 from moetrain.train.weight_average import WeightAverage
@@ -136,7 +136,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
     o = cfg.optim
     # The optimizer is read too (the checkpoint loader restores model and optimizer as one state);
     # nothing steps it.
-    optimizer = build_optimizer(model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps)
+    optimizer = build_optimizer(model, **optimizer_settings(o))
     # A run that kept a weight average evaluated it: so does this.
     ema = WeightAverage(model, decay=o.ema_decay) if o.ema_decay > 0 else None
     loaded = load_checkpoint(path, model=model, optimizer=optimizer,

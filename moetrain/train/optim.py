@@ -8,32 +8,61 @@ import math
 import torch
 from torch import nn
 
+from moetrain.config.optim import OptimConfig
 from moetrain.distributed.data_parallel.ddp import onebit_data_parallel
 from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
+from moetrain.distributed.muon import Muon, muon_param_ids
 
 
-def param_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, *, weight_decay: float, muon: bool = False) -> list[dict]:
     """AdamW groups: matrices (and stacked expert matrices) decay; norms, biases and other
-    vectors do not (decaying a norm gain pulls it towards zero, not towards "simple")."""
+    vectors do not (decaying a norm gain pulls it towards zero, not towards "simple").
+    ``muon``: the hidden and expert matrices (``muon_param_ids``) form a group of their own,
+    ``"muon": True``, which decays too; the other groups carry ``"muon": False``."""
+    to_muon = muon_param_ids(model) if muon else set()
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
+    matrices: list[nn.Parameter] = []
     for _, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        if id(p) in to_muon:
+            matrices.append(p)
+        else:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": matrices, "weight_decay": weight_decay, "name": "muon", "muon": True},
+              {"params": decay, "weight_decay": weight_decay, "name": "decay"},
               {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    if muon:
+        for g in groups[1:]:
+            g["muon"] = False
     return [g for g in groups if g["params"]]
 
 
+def optimizer_settings(o: OptimConfig) -> dict:
+    """``build_optimizer``'s keyword arguments from the optim section."""
+    return dict(name=o.name, lr=o.lr, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps,
+                momentum=o.muon_momentum, nesterov=o.muon_nesterov, ns_steps=o.muon_ns_steps)
+
+
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
-                    eps: float, data_parallel: nn.Module | None = None,
+                    eps: float, name: str = "adamw", momentum: float = 0.95, nesterov: bool = True,
+                    ns_steps: int = 5, data_parallel: nn.Module | None = None,
                     onebit_warmup_steps: int = 1) -> torch.optim.Optimizer:
     """AdamW over ``model``'s parameters; 1-bit Adam (AdamW for ``onebit_warmup_steps`` steps, then
     compressed momenta: ``moetrain.distributed.data_parallel.onebit_adam``) when ``data_parallel``, the wrapped
-    model, runs dp.grad_compression "onebit"."""
-    groups = param_groups(model, weight_decay=weight_decay)
+    model, runs dp.grad_compression "onebit". ``name="muon"``: ``Muon`` (momentum, nesterov,
+    ns_steps) for the hidden and expert matrices, AdamW for the rest (``moetrain.distributed.muon``)."""
     wrapper = onebit_data_parallel(data_parallel) if data_parallel is not None else None
+    if name == "muon":
+        if wrapper is not None:
+            raise ValueError("dp.grad_compression ('onebit') cannot be used with optim.name ('muon'): "
+                             "1-bit Adam replaces the optimizer")
+        return Muon(param_groups(model, weight_decay=weight_decay, muon=True), lr=lr, weight_decay=weight_decay,
+                    momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, betas=betas, eps=eps)
+    if name != "adamw":
+        raise ValueError(f"optim.name ({name!r}) must be 'adamw' or 'muon'")
+    groups = param_groups(model, weight_decay=weight_decay)
     if wrapper is not None:
         return OneBitAdam(groups, data_parallel=wrapper, warmup_steps=onebit_warmup_steps, lr=lr, betas=betas,
                           eps=eps, weight_decay=weight_decay)

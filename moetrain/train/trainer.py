@@ -49,7 +49,7 @@ from moetrain.train.flops import peak_flops
 from moetrain.train.generation import sample_text
 from moetrain.train.init_from import load_initial_weights
 from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums, run_tags
-from moetrain.train.optim import build_optimizer, build_scheduler
+from moetrain.train.optim import build_optimizer, build_scheduler, optimizer_settings
 from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step_batch
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.train.rng_state import restore_rng_state, seed_rng_state
@@ -147,8 +147,8 @@ class Trainer:
         # ZeRO-1 shards the optimizer state (dense over dp, experts over edp); other stages pass
         # the optimizer through (FSDP2 parameters are already shards).
         self.optimizer = wrap_optimizer(
-            build_optimizer(self.model, lr=o.lr, weight_decay=o.weight_decay, betas=o.betas, eps=o.eps,
-                            data_parallel=self.parallel_model, onebit_warmup_steps=self.cfg.dp.onebit_warmup(t.steps)),
+            build_optimizer(self.model, **optimizer_settings(o), data_parallel=self.parallel_model,
+                            onebit_warmup_steps=self.cfg.dp.onebit_warmup(t.steps)),
             self.dims, zero_stage=self.cfg.parallel.zero_stage,
             offload_optimizer=self.cfg.zero.offload_optimizer == "cpu", pin_memory=self.cfg.zero.pin_memory,
             bucket_numel=self.cfg.zero.allgather_bucket_size)

@@ -15,7 +15,9 @@ owns elements ``[r*c, (r+1)*c)`` of the flattened parameter, ``c = ceil(numel / 
 optimizer (the same class and hyper-parameters as the one it replaces) updates only those
 elements, through views into the parameters, so its states (AdamW: exp_avg, exp_avg_sq) are
 1/G size. Then one all-gather per bucket puts every rank's updated elements back into every
-replica. AdamW is element-wise, so the sharded step gives exactly the replicated one.
+replica. AdamW is element-wise, so the sharded step gives exactly the replicated one. Muon is not:
+it gathers each matrix's update from the slices, over the same group (``FlatSlice``, in
+``moetrain.distributed.muon``), and steps its own slice of the result.
 
 Groups: dense (replicated) parameters shard over ``dp`` (W ranks; with tensor parallelism over
 the dp x tp ranks of a stage, and the tp-split weights over ``dp``); expert shards (DTensors over
@@ -43,6 +45,7 @@ from torch.distributed.tensor import DTensor
 from moetrain.distributed.comm.collectives import all_gather_single
 from moetrain.distributed.comm.timer import CommTimer
 from moetrain.distributed.data_parallel.finalize import COPIES_AXES, copies_axis
+from moetrain.distributed.muon import FlatSlice, Muon
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.utils.tensors import local_tensor
 
@@ -117,6 +120,11 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
         self._inner_kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
         self.inner = cls(inner_groups, **self._inner_kwargs)
         self._shard_of = {id(s.master): s for s in self._shards}
+        if isinstance(self.inner, Muon):
+            # Muon is not element-wise: it gathers each matrix's update from these slices.
+            self.inner.slices = {id(s.master): FlatSlice(local_tensor(s.param).shape, s.lo, s.hi, s.chunk,
+                                                         *self._groups[s.group][:2], s.flat.device)
+                                 for s in self._shards}
         super().__init__(inner_groups, optimizer.defaults)
         # Adopt the inner optimizer's groups and state: schedulers edit the lr it steps with.
         self.param_groups = self.inner.param_groups
