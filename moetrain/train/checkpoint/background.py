@@ -1,9 +1,9 @@
 """Checkpoints written while training goes on (``checkpoint.async_save``).
 
-    saver = BackgroundSaver()             # collective: its own gloo groups
-    saver.start(pending)                  # waits for the previous save, stages a CPU copy, returns
-    saver.poll()                          # every step; collective while a save is in flight
-    saver.wait()                          # the save in flight published (or its error raised)
+    saver = BackgroundSaver(timeout_s=600)   # collective: its own gloo groups
+    saver.start(pending)                     # waits for the previous save, stages a CPU copy, returns
+    saver.poll()                             # every step; collective while a save is in flight
+    saver.wait()                             # the save in flight published (or its error raised)
 
 The training loop is blocked only while ``pending``'s tensors are copied to CPU memory (DCP's
 ``async_save`` stages them before it returns), so the next optimizer step can change the live
@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -41,11 +42,14 @@ class BackgroundSaver:
     """At most one checkpoint save in flight in a background thread. Build it on every rank (it
     creates two process groups when a process group exists)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, timeout_s: float) -> None:
         multi = dist.is_initialized()
         # Gloo whatever the training backend: DCP's async save needs a group with a CPU backend.
-        self._write_group = dist.new_group(backend="gloo") if multi else None
-        self._poll_group = dist.new_group(backend="gloo") if multi else None
+        # ``timeout_s`` (train.collective_timeout_s, as for a synchronous save) bounds the wait for
+        # a rank that died mid-save, so that the thread, which the interpreter joins at exit, ends.
+        timeout = timedelta(seconds=timeout_s)
+        self._write_group = dist.new_group(backend="gloo", timeout=timeout) if multi else None
+        self._poll_group = dist.new_group(backend="gloo", timeout=timeout) if multi else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moetrain-checkpoint")
         self._in_flight: tuple[int, Future[Path]] | None = None
 

@@ -103,7 +103,8 @@ class Checkpointer:
 
     def __post_init__(self) -> None:
         if self.cfg.checkpoint.async_save:
-            self.background = BackgroundSaver()  # collective: every rank builds its Checkpointer
+            # Collective: every rank builds its Checkpointer.
+            self.background = BackgroundSaver(timeout_s=self.cfg.train.collective_timeout_s)
 
     def step_path(self, step: int) -> Path:
         return self.folder / step_dir_name(step)
