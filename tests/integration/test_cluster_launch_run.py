@@ -1,5 +1,6 @@
-"""A script from ``moetrain launch slurm`` run here as Slurm would run it, on one node of two
-processes: ``srun`` and ``scontrol`` are stand-ins (srun runs its command; scontrol names this host
+"""A script from ``moetrain launch slurm`` run here as Slurm would run it, on two "nodes" of one
+process each (two local torchrun agents meeting at the c10d rendezvous): ``srun`` and ``scontrol``
+are stand-ins (srun starts its command once a node and passes signals on; scontrol names this host
 and records a requeue), torchrun is the real one. The signal Slurm sends before the time limit
 (SIGUSR1) makes the script stop the workers, which save a checkpoint at the step they were in, and
 requeue the job; the requeued job (the same script again) resumes there and finishes the run."""
@@ -19,9 +20,18 @@ from moetrain.cli import main
 from tests.integration.conftest import job_overrides
 from tests.integration.test_fault_tolerance import _env, _output, _records, _wait_for, _worker
 
+# srun: one task a node, each node here a local process; signals go to every task.
 SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
-exec "$@"
+pids=()
+for _ in $(seq "$SLURM_NNODES"); do "$@" & pids+=($!); done
+trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+for p in "${pids[@]}"; do
+    while kill -0 "$p" 2>/dev/null; do wait "$p" || true; done
+done
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=$?; done
+exit "$status"
 """
 SCONTROL = """#!/bin/bash
 if [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi
@@ -59,10 +69,10 @@ def _fake_slurm(tmp_path: Path) -> Path:
 def test_slurm_script_saves_requeues_before_the_time_limit_and_the_requeued_job_resumes(tmp_path,
                                                                                         shakespeare_cached):
     run_dir, script, requeues = tmp_path / "run", tmp_path / "job.sbatch", tmp_path / "scontrol.log"
-    assert main(["launch", "slurm", "--nodes", "1", "--gpus-per-node", "2", "--port", str(_free_port()),
+    assert main(["launch", "slurm", "--nodes", "2", "--gpus-per-node", "1", "--port", str(_free_port()),
                  "--out", str(script), *job_overrides(run_dir, steps=6, ep=2)]) == 0
-    env = _env(PATH=f"{_fake_slurm(tmp_path)}:{os.environ['PATH']}", SLURM_JOB_ID="7",
-               SLURM_JOB_NODELIST="localhost", SCONTROL_LOG=str(requeues), WORKER=str(_worker(tmp_path)))
+    env = _env(PATH=f"{_fake_slurm(tmp_path)}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="localhost",
+               SLURM_NNODES="2", SCONTROL_LOG=str(requeues), WORKER=str(_worker(tmp_path)))
 
     job = subprocess.Popen(["bash", str(script)], env={**env, "FAULT_STEP_DELAY": "0.3"}, cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

@@ -106,10 +106,3 @@ class BackgroundSaver:
         except Exception as e:
             raise RuntimeError(f"the checkpoint of step {step}, written in the background "
                                f"(checkpoint.async_save), failed: {e}") from e
-
-    def close(self) -> None:
-        """Wait for the save in flight, then stop the thread."""
-        try:
-            self.wait()
-        finally:
-            self._executor.shutdown(wait=True)
