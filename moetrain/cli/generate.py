@@ -2,7 +2,7 @@
 
     moetrain generate RUN --prompt "ROMEO:" [--max-new-tokens 100] [--temperature 0.8] [--top-k 50]
                       [--top-p 1.0] [--seed 0] [--checkpoint PATH] [--tokenizer tokenizer.json]
-                      [--device auto|cpu|cuda] [--dtype fp32|bf16] [--no-cache] [--ignore-eos]
+                      [--device auto|cpu|cuda] [--dtype fp32|bf16] [--no-cache] [--ignore-eos] [--speculative]
     moetrain eval RUN_DIR [--split test|val] [--checkpoint PATH] [--nproc N]
 
 ``generate`` continues a prompt in one process, one token per forward with a key/value cache
@@ -10,7 +10,10 @@
 newest checkpoint), a checkpoint or a moetrain export, whatever parallel layout wrote it; the
 tokenizer is the run's, or ``--tokenizer`` (a ``tokenizer.json``, or "bytes"), which an export of a
 Hugging Face model needs. It prints the prompt and its continuation, then one line of figures: new
-tokens, seconds, tokens/s overall and of the decoding steps after the first.
+tokens, seconds, tokens/s overall and of the decoding steps after the first. ``--speculative``
+decodes greedily with the model's multi-token modules (``model.mtp_depth``) drafting the next
+tokens and one forward verifying them (``generate_speculative``): the same tokens as greedy
+decoding, and the drafts' acceptance rate on the figures line.
 
 ``eval`` measures a saved run's checkpoint at any process count (``moetrain.train.evaluate``):
 classifier accuracy, macro-F1 and per-class F1, or LM loss and perplexity.
@@ -29,7 +32,8 @@ def add_parsers(sub) -> None:
     p.add_argument("source", metavar="RUN", help="run folder (its newest checkpoint), checkpoint or moetrain export")
     p.add_argument("--prompt", required=True, help="text to continue (empty: start after an end-of-text token)")
     p.add_argument("--max-new-tokens", type=int, default=100, help="tokens to generate (default 100)")
-    p.add_argument("--temperature", type=float, default=0.8, help="softmax temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="softmax temperature; 0 = greedy (default 0.8; 0 with --speculative)")
     p.add_argument("--top-k", type=int, default=50, help="sample from the K most likely tokens; 0 = all (default 50)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="then from the smallest set of them holding this probability; 1 = all (default 1)")
@@ -43,6 +47,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--no-cache", action="store_true",
                    help="a full forward over the whole sequence per token (the reference the cache reproduces)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
+    p.add_argument("--speculative", action="store_true",
+                   help="greedy, drafted by the model's multi-token modules (model.mtp_depth > 0) and verified "
+                        "by one forward per step: the same tokens, fewer forwards")
     p.set_defaults(func=run_generate)
 
     ev = sub.add_parser("eval", help="metrics of a saved run (classifier: accuracy, macro-F1, per-class F1; "
@@ -60,8 +67,15 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from moetrain.config.train import resolve_device
     from moetrain.interop.generation import load_generation_model, load_tokenizer, require_vocab
-    from moetrain.train.generation import generate
+    from moetrain.train.generation import Generation, generate, generate_speculative
 
+    if args.speculative:
+        for flag, value, ok in (("--temperature", args.temperature, args.temperature in (None, 0)),
+                                ("--no-cache", args.no_cache, not args.no_cache)):
+            if not ok:
+                raise ValueError(f"{flag} ({value}) cannot be used with --speculative: it decodes greedily, "
+                                 "with a cache, verifying the drafts against the greedy choices")
+    temperature = (0.0 if args.speculative else 0.8) if args.temperature is None else args.temperature
     model, config = load_generation_model(args.checkpoint or args.source)
     tokenizer = load_tokenizer(config, args.tokenizer, source=args.source)
     require_vocab(tokenizer, model)
@@ -72,10 +86,15 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         if tokenizer.eos_id is None:
             raise ValueError("--prompt ('') must not be empty with a tokenizer that has no end-of-text token")
         ids = [tokenizer.eos_id]  # the token stream puts it before every document but the first
-    out = generate(model, torch.tensor([ids], device=device), max_new_tokens=args.max_new_tokens,
-                   temperature=args.temperature, top_k=args.top_k or None,
-                   top_p=args.top_p if args.top_p < 1 else None, seed=args.seed, use_cache=not args.no_cache,
-                   stop_id=None if args.ignore_eos else tokenizer.eos_id)
+    prompt = torch.tensor([ids], device=device)
+    stop_id = None if args.ignore_eos else tokenizer.eos_id
+    out: Generation
+    if args.speculative:
+        out = generate_speculative(model, prompt, max_new_tokens=args.max_new_tokens, stop_id=stop_id)
+    else:
+        out = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature,
+                       top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1 else None, seed=args.seed,
+                       use_cache=not args.no_cache, stop_id=stop_id)
     print(tokenizer.decode(out.ids_BS[0].tolist()))
     print(figures_line(out, cache=not args.no_cache, device=device, dtype=args.dtype))
     return 0
@@ -85,8 +104,14 @@ def figures_line(out, *, cache: bool, device, dtype: str) -> str:
     """One line of a ``Generation``'s figures: new tokens, seconds, tokens/s."""
     total_s = out.prefill_s + out.decode_s
     decode = f"; decode {out.decode_tokens_per_s:.1f} tokens/s" if out.num_new > 1 else ""
+    from moetrain.train.generation import SpeculativeGeneration
+
+    drafts = ""
+    if isinstance(out, SpeculativeGeneration):
+        drafts = (f"; speculative: {out.num_accepted} of {out.num_drafted} drafts accepted "
+                  f"({out.acceptance_rate:.0%}), {out.num_steps} verifying forwards")
     return (f"[{out.num_new} new tokens in {total_s:.2f} s: {out.tokens_per_s:.1f} tokens/s (prefill of "
-            f"{out.num_prompt} tokens + first token {out.prefill_s * 1000:.1f} ms{decode}); "
+            f"{out.num_prompt} tokens + first token {out.prefill_s * 1000:.1f} ms{decode}){drafts}; "
             f"{'kv cache' if cache else 'no cache'}, {device.type}, {dtype}]")
 
 

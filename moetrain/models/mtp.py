@@ -52,12 +52,13 @@ class MTPModule(nn.Module):
         self.norm = RMSNorm(dim, eps=norm_eps)
 
     def forward(self, h_BSD: torch.Tensor, emb_BSD: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
-                mask_B1SK: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEAux | None]:
+                mask_B1SK: torch.Tensor | None = None, cache=None) -> tuple[torch.Tensor, MoEAux | None]:
         """``h_BSD``: the previous depth's hidden states; ``emb_BSD``: the embeddings of the tokens
-        k places ahead of them. Returns the block's output (``norm`` of it is this depth's hidden
-        state) and its MoE aux (None for a dense block)."""
+        k places ahead of them; ``cache``: the block's attention cache when decoding. Returns the
+        block's output (``norm`` of it is this depth's hidden state) and its MoE aux (None for a
+        dense block)."""
         x_BSD = self.eh_proj(torch.cat([self.hnorm(h_BSD), self.enorm(emb_BSD)], dim=-1))
-        return self.block(x_BSD, cos_SP, sin_SP, mask_B1SK)
+        return self.block(x_BSD, cos_SP, sin_SP, mask_B1SK, cache)
 
 
 def mtp_losses(modules: nn.ModuleList, h_BSD: torch.Tensor, input_ids_BS: torch.Tensor, labels_BS: torch.Tensor, *,

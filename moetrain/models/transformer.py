@@ -362,6 +362,10 @@ class Transformer(nn.Module):
         """Training FLOPs per token (forward + backward); see ``flops_per_token``."""
         return flops_per_token(self.config, self.moe_config, seq_len=seq_len)
 
+    def mtp_modules(self) -> list[MTPModule]:
+        """The multi-token modules in depth order (``mtp`` types its items as nn.Module)."""
+        return [cast(MTPModule, m) for m in self.mtp]
+
     def _blocks(self) -> list[TransformerBlock]:
         # nn.ModuleList types its items as nn.Module; this model's are always TransformerBlocks.
         return [cast(TransformerBlock, block) for block in self.layers]

@@ -14,12 +14,15 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import cast
 
 import torch
 from torch import nn
 
 from moetrain.config.base import require
-from moetrain.models.transformer import Transformer
+from moetrain.models.attention import rope_rows
+from moetrain.models.kv_cache import DecodeCache
+from moetrain.models.transformer import Transformer, TransformerBlock
 
 
 @torch.no_grad()
@@ -156,6 +159,140 @@ def generate(model: Transformer, prompt_ids_BS: torch.Tensor, *, max_new_tokens:
     _synchronize(device)
     return Generation(ids_BS=torch.cat(ids, dim=1), num_prompt=num_prompt, num_new=len(ids) - 1,
                       prefill_s=prefill_s, decode_s=time.perf_counter() - decode_start)
+
+
+@dataclass
+class SpeculativeGeneration(Generation):
+    """``generate_speculative``'s output: a ``Generation`` and how the drafts fared."""
+
+    num_steps: int = 0
+    """Forwards of the main model after the prefill (one per verification)."""
+    num_drafted: int = 0
+    """Tokens the multi-token modules proposed."""
+    num_accepted: int = 0
+    """Of those, the ones the main model's greedy choice confirmed (kept without a forward of their own)."""
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / max(self.num_drafted, 1)
+
+
+@torch.no_grad()
+def generate_speculative(model: Transformer, prompt_ids_BS: torch.Tensor, *, max_new_tokens: int,
+                         stop_id: int | None = None) -> SpeculativeGeneration:
+    """Greedy decoding of one sequence drafted by the model's own multi-token modules
+    (``model.mtp_depth`` D): after each verified token the modules propose the next D, one
+    forward of the main model over the verified token and the drafts checks them all, and the
+    longest run its argmax agrees with is kept plus its own next token. Every kept token is the
+    main model's argmax after the kept tokens before it, so the output is greedy decoding's.
+
+    Caches: the main model's, and one per module, rewound after each step to what was verified
+    (module k's position t is final once the token t + k is; the later ones depended on drafts).
+    Temperature sampling and batches of several sequences are not supported (ValueError).
+    """
+    cfg = model.config
+    B, num_prompt = prompt_ids_BS.shape
+    require(cfg.mtp_depth >= 1, "model.mtp_depth", cfg.mtp_depth, "must be >= 1 to draft with the multi-token modules")
+    require(B == 1, "batch size", B, "must be 1 for speculative decoding (each sequence keeps its own drafts)")
+    require(cfg.document_separator is None, "model.document_separator", cfg.document_separator,
+            "must be None for speculative decoding (the caches are rewound, the document bookkeeping cannot be)")
+    require(max_new_tokens >= 1, "max_new_tokens", max_new_tokens, "must be >= 1")
+    limit = num_prompt + max_new_tokens
+    require(limit <= cfg.max_seq_len, "prompt tokens + max_new_tokens", f"{num_prompt} + {max_new_tokens}",
+            f"must be <= model.max_seq_len ({cfg.max_seq_len})")
+    model.eval()
+    device = prompt_ids_BS.device
+    start = time.perf_counter()
+    main = model.new_cache(1, max_len=limit)
+    drafts = _MtpDrafter(model, max_len=limit)
+    out = model(prompt_ids_BS, cache=main)
+    drafts.add_verified(0, out.hidden_BSD)
+    tokens = prompt_ids_BS[0].tolist() + [int(out.logits[0, -1].argmax())]  # a host sync per step
+    _synchronize(device)
+    prefill_s, decode_start = time.perf_counter() - start, time.perf_counter()
+    result = SpeculativeGeneration(ids_BS=prompt_ids_BS, num_prompt=num_prompt, num_new=0, prefill_s=prefill_s,
+                                   decode_s=0.0)
+    while len(tokens) < limit and (stop_id is None or tokens[-1] != stop_id):
+        n = len(tokens) - 1  # positions the main model has run; tokens[n] is verified, not yet run
+        proposed = drafts.propose(tokens, num=min(cfg.mtp_depth, limit - len(tokens) - 1))
+        step = model(torch.tensor([tokens[n:] + proposed], device=device), cache=main)
+        greedy = step.logits[0].argmax(dim=-1).tolist()
+        kept = 0
+        while kept < len(proposed) and proposed[kept] == greedy[kept]:
+            kept += 1
+        _rewind(main, n + kept + 1)
+        drafts.add_verified(0, step.hidden_BSD[:, :kept + 1])
+        tokens += proposed[:kept] + [greedy[kept]]
+        result.num_steps += 1
+        result.num_drafted += len(proposed)
+        result.num_accepted += kept
+    if stop_id is not None and stop_id in tokens[num_prompt:]:
+        tokens = tokens[:tokens.index(stop_id, num_prompt) + 1]
+    tokens = tokens[:limit]
+    _synchronize(device)
+    result.ids_BS = torch.tensor([tokens], device=device)
+    result.num_new, result.decode_s = len(tokens) - num_prompt, time.perf_counter() - decode_start
+    return result
+
+
+class _MtpDrafter:
+    """The multi-token modules as a draft model over a growing sequence, each with its own
+    attention cache. ``states[j]``: the hidden states h^j (h^0: the main model's final-norm output)
+    at the positions whose inputs are all verified; module j's cache holds those positions too."""
+
+    def __init__(self, model: Transformer, *, max_len: int) -> None:
+        self.model = model
+        device = model.tok_embeddings.weight.device
+        # The dtype Transformer.new_cache picks: autocast's when it is on, else the weights'.
+        autocast = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if autocast else model.tok_embeddings.weight.dtype
+        blocks = [cast(TransformerBlock, m.block) for m in model.mtp_modules()]
+        self.caches = [DecodeCache([b.attention.new_cache(1, max_len=max_len, dtype=dtype, device=device)],
+                                   batch_size=1, max_len=max_len, document_separator=None, device=device)
+                       for b in blocks]
+        self.states: list[torch.Tensor | None] = [None] * (len(self.caches) + 1)
+
+    def add_verified(self, depth: int, h_B1D: torch.Tensor) -> None:
+        have = self.states[depth]
+        self.states[depth] = h_B1D if have is None else torch.cat([have, h_B1D], dim=1)
+
+    def num_verified(self, depth: int) -> int:
+        have = self.states[depth]
+        return 0 if have is None else have.shape[1]
+
+    def propose(self, tokens: list[int], *, num: int) -> list[int]:
+        """Up to ``num`` draft tokens after ``tokens`` (the last one verified, not yet run by the
+        main model): module j runs its positions from its cache's end to n - 1, the last reading
+        the draft j - 1 places ahead, and proposes the token at n + j."""
+        model, cfg = self.model, self.model.config
+        n = len(tokens) - 1
+        device = model.tok_embeddings.weight.device
+        ids = list(tokens)
+        prev = self.states[0]  # h^0 at positions 0 .. n-1
+        for j, module in enumerate(model.mtp_modules()[:num], start=1):
+            assert prev is not None and prev.shape[1] == n, "h^{j-1} must cover every run position"
+            a = self.num_verified(j)
+            new_ids = torch.tensor([ids[a + j:n + j]], device=device)
+            begin, mask = self.caches[j - 1].begin(new_ids)
+            assert begin == a, (begin, a)
+            cos, sin = rope_rows(cfg, model.rope_cos_SA, model.rope_sin_SA, begin, n)
+            x, _ = module(prev[:, a:n], model.tok_embeddings(new_ids), cos, sin, mask, self.caches[j - 1].layers[0])
+            h = module.norm(x)
+            ids.append(int(model.output(h[:, -1]).argmax()))
+            # Positions t <= n - j read verified tokens only: kept; the later ones read drafts.
+            verified = max(a, n - j + 1)
+            self.add_verified(j, h[:, :verified - a])
+            _rewind(self.caches[j - 1], verified)
+            done = self.states[j]
+            prev = h if done is None or a == 0 else torch.cat([done[:, :a], h], dim=1)
+        return ids[n + 1:]
+
+
+def _rewind(cache: DecodeCache, length: int) -> None:
+    """Forget the positions from ``length`` on (keys of rejected drafts): the next ``begin`` writes there."""
+    cache.num_cached = length
+    for layer in cache.layers:
+        layer.length = length
 
 
 def _synchronize(device: torch.device) -> None:
