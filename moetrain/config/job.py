@@ -91,6 +91,8 @@ class JobConfig:
             require(m.vocab_size >= tok_vocab, "model.vocab_size", m.vocab_size,
                     f"must be >= the tokenizer vocabulary ({tok_vocab}, from {source})")
         check_sequence_split(self.data.seq_len, tp=par.tp)
+        require(m.mtp_depth < self.data.seq_len, "model.mtp_depth", m.mtp_depth,
+                f"must be < data.seq_len ({self.data.seq_len}): depth k scores the tokens k + 1 places ahead")
         if tp_errors := tensor_parallel_errors(m, par.tp):
             raise ValueError("; ".join(tp_errors))
         if par.dp != -1:

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from moetrain.config.data import DataConfig
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.config.moe import MoEConfig
@@ -162,6 +163,8 @@ def test_config_rules():
         ModelConfig(mtp_loss_weight=0.1)
     assert any("model.mtp_depth" in e for e in tensor_parallel_errors(ModelConfig(mtp_depth=1), 2))
     assert tensor_parallel_errors(ModelConfig(mtp_depth=1), 1) == []
+    with pytest.raises(ValueError, match=r"model.mtp_depth \(4\) must be < data.seq_len \(4\)"):
+        JobConfig(model=ModelConfig(mtp_depth=4), data=DataConfig(seq_len=4))
     with pytest.raises(ValueError, match="model.mtp_depth .* parallel.pp"):
         JobConfig(model=ModelConfig(mtp_depth=1), parallel=ParallelConfig(pp=2))
     model = _model(mtp_depth=2)
