@@ -10,6 +10,7 @@ print; the work is done by the layers below (train, interop, plan).
     moetrain generate RUN --prompt TEXT | moetrain eval RUN_DIR [--nproc N]               (generate.py)
     moetrain compare RUN_A RUN_B [...] [--out DIR]                                        (compare.py)
     moetrain report RUN_DIR                                                               (report.py)
+    moetrain verify --config X [--layouts "ep=2; pp=2,ep=2" | auto] [--steps 3] [--json F]  (verify.py)
     moetrain launch slurm|k8s --config X --nodes N --gpus-per-node G [--out FILE]       (cluster.py)
 
 Each module's docstring lists its commands' options. ``python -m moetrain.cli`` runs the same
@@ -21,16 +22,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moetrain.cli import cluster, compare, convert, data, experts, generate, plan, report, train
+from moetrain.cli import cluster, compare, convert, data, experts, generate, plan, report, train, verify
 
-SUBCOMMANDS = (train, plan, data, convert, experts, generate, compare, report, cluster)
+SUBCOMMANDS = (train, plan, verify, data, convert, experts, generate, compare, report, cluster)
 """The modules whose ``add_parsers(sub)`` add the subcommands, in the order ``--help`` lists them."""
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
                                 epilog="Any --section.field=value argument overrides the config.")
-    # Only the job commands (train, demo, config, plan, launch) take --section.field=value overrides.
+    # Only the job commands (train, demo, config, plan, launch, verify) take --section.field=value overrides.
     p.set_defaults(takes_overrides=False)
     sub = p.add_subparsers(dest="cmd", required=True)
     for module in SUBCOMMANDS:

@@ -20,9 +20,9 @@ COMMANDS = {
                                                                  "--top-k", "2", "--to", "OUT"],
     "experts": ["grow", "RUN", "--num-experts", "8", "--to", "OUT"], "generate": ["RUN", "--prompt", "x"],
     "eval": ["RUN"], "compare": ["A", "B"], "report": ["RUN"],
-    "launch": ["slurm", "--nodes", "1", "--gpus-per-node", "1"],
+    "launch": ["slurm", "--nodes", "1", "--gpus-per-node", "1"], "verify": ["--config", "X"],
 }
-JOB_COMMANDS = {"train", "demo", "config", "plan", "launch"}
+JOB_COMMANDS = {"train", "demo", "config", "plan", "launch", "verify"}
 
 
 def test_every_subcommand_dispatches_to_its_own_module():

@@ -2,7 +2,10 @@
 relative) goes to the module's own layer or one below it, never up and never sideways to a
 sibling of the same rank; and the config modules import each other without a cycle.
 
-    utils 0 -> config 1 -> data 2, models 2 -> distributed 3 -> train 4 -> interop 5, plan 5 -> cli 6
+    utils 0 -> config 1 -> data 2, models 2 -> distributed 3 -> train 4 -> interop 5, plan 5 -> verify 6
+    -> cli 7
+
+``verify`` runs jobs (train) and reads them back through the exporter (interop), so it sits above both.
 
 The ``moetrain/cli/`` package (one module per subcommand) is the top layer: nothing imports it.
 The imports are read with ``ast``; nothing is executed.
@@ -18,7 +21,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "moetrain"
 
 RANKS = {"utils": 0, "config": 1, "data": 2, "models": 2, "distributed": 3, "train": 4, "interop": 5, "plan": 5,
-         "cli": 6}
+         "verify": 6, "cli": 7}
 """Layer -> rank. A layer may import layers of lower rank and itself; same-rank siblings not."""
 
 

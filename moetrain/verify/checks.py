@@ -1,0 +1,175 @@
+"""What ``moetrain verify`` compares and how close counts as equal (docs/verify.md explains each
+bound).
+
+A value ``x`` of a layout passes against the single-process value ``r`` when
+``|x - r| <= abs + rel * |r|`` element by element. The bounds, by quantity:
+
+    routing counts, drops        exact: an integer per expert; a token changing expert is a layout
+                                 bug unless a router score tie flipped, which fp32 makes rare and
+                                 bf16 routers avoid (the router runs in fp32)
+    loss, aux terms, lr          rel = ULP-scaled (see ``Precision``): the same sums in another order
+    grad norm                    rel = 4x the loss bound: a sum of squares over every gradient
+    parameters                   abs = lr * steps * parameter bound: Adam moves each weight by about
+                                 lr per step, its direction set by m/sqrt(v); rounding noise changes
+                                 that direction only where the gradient is itself at rounding level
+    optimizer moments            rel to the tensor's largest entry: moments of near-zero gradients
+                                 carry the gradient's rounding noise
+
+A quantity missing from one side (a tensor the layout did not save) always fails.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
+"""Unit roundoff of each compute dtype: half the gap between 1 and the next representable number."""
+
+FP8_UNIT_ROUNDOFF = 2.0 ** -4
+"""e4m3's unit roundoff (3 mantissa bits): the dispatch payload's rounding with moe.dispatch_dtype fp8."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The rounding a job's step carries: its compute dtype and its dispatch payload dtype. Each
+    bound is ``growth * u`` where u is the unit roundoff of the coarsest of the two and ``growth``
+    the error growth of the quantity's computation (sums over up to a few thousand terms in a
+    different order: sqrt(n) * u for the typical case, with a factor of 100 headroom for the
+    steps after the first, whose inputs already differ by that much)."""
+
+    dtype: str
+    dispatch_dtype: str = "none"
+
+    @property
+    def u(self) -> float:
+        u = UNIT_ROUNDOFF.get(self.dtype, UNIT_ROUNDOFF["fp32"])
+        if self.dispatch_dtype == "fp8":
+            u = max(u, FP8_UNIT_ROUNDOFF)
+        elif self.dispatch_dtype == "bf16":
+            u = max(u, UNIT_ROUNDOFF["bf16"])
+        return u
+
+    @property
+    def low_precision(self) -> bool:
+        return self.u > UNIT_ROUNDOFF["fp32"]
+
+    def scalar_rel(self) -> float:
+        """Loss and aux terms: fp32 6e-8 * 1e3 = 6e-5; bf16 4e-3 * 5 = 2e-2; fp8 6e-2 * 2."""
+        return self.u * (1e3 if not self.low_precision else (5.0 if self.u < FP8_UNIT_ROUNDOFF else 2.0))
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    abs: float
+    rel: float
+    why: str
+
+    def text(self) -> str:
+        if self.abs == 0 and self.rel == 0:
+            return "exact"
+        parts = ([f"abs {self.abs:.1e}"] if self.abs else []) + ([f"rel {self.rel:.1e}"] if self.rel else [])
+        return " + ".join(parts)
+
+
+EXACT = Tolerance(0.0, 0.0, "integer counts: a routing difference is a layout bug")
+
+
+@dataclass
+class Result:
+    """One quantity over every step it was compared at: the worst differences, and the first step
+    (and check) at which it left its tolerance."""
+
+    quantity: str
+    max_abs: float
+    max_rel: float
+    tolerance: Tolerance
+    ok: bool
+    note: str = ""
+    num_values: int = 0
+    first_bad: tuple[int, int] | None = None
+    """(step, order of the check) of the first failure; the earliest over all quantities is named."""
+
+    def row(self) -> dict:
+        out = {k: v for k, v in asdict(self).items() if k != "first_bad"}
+        out["tolerance"] = self.tolerance.text()
+        out["why"] = self.tolerance.why
+        out["first_failing_step"] = None if self.first_bad is None else self.first_bad[0]
+        return out
+
+
+@dataclass
+class Comparison:
+    """The results by quantity, in the order first checked; a quantity checked at several steps is
+    one row. The failure named last is the one at the earliest step (then the earliest check)."""
+
+    results: list[Result] = field(default_factory=list)
+    _order: int = 0
+
+    def values(self, quantity: str, got, want, tol: Tolerance, *, step: int = 0) -> Result:
+        """Compare ``got`` with ``want`` (numbers, nested lists or tensors of one size)."""
+        g = torch.as_tensor(got, dtype=torch.float64).detach().double().flatten()
+        w = torch.as_tensor(want, dtype=torch.float64).detach().double().flatten()
+        if g.shape != w.shape:
+            return self.missing(quantity, f"{g.numel()} values against {w.numel()}", tol, step=step)
+        if g.numel() == 0:
+            return self._add(quantity, 0.0, 0.0, tol, True, step=step)
+        both_nan = torch.isnan(g) & torch.isnan(w)
+        diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
+        rel = diff / w.abs().clamp(min=1e-30)
+        ok = not bool((torch.isnan(g) != torch.isnan(w)).any()) and bool((diff <= tol.abs + tol.rel * w.abs()).all())
+        return self._add(quantity, _finite(diff.max()), _finite(rel.max()), tol, ok, step=step, num=g.numel())
+
+    def scaled(self, quantity: str, pairs: list[tuple[torch.Tensor, torch.Tensor]], tol: Tolerance, *,
+               step: int = 0) -> Result:
+        """Tensors compared relative to each one's largest entry (``tol.rel`` of it): max abs diff
+        over all, and max of diff / max |want| per tensor."""
+        worst_abs, worst_rel = 0.0, 0.0
+        for got, want in pairs:
+            if want.numel() == 0:
+                continue
+            diff = (got.double() - want.double()).abs().max()
+            worst_abs = max(worst_abs, _finite(diff))
+            worst_rel = max(worst_rel, _finite(diff / want.double().abs().max().clamp(min=1e-30)))
+        return self._add(quantity, worst_abs, worst_rel, tol, worst_rel <= tol.rel, step=step,
+                         num=sum(w.numel() for _, w in pairs))
+
+    def missing(self, quantity: str, note: str, tol: Tolerance = EXACT, *, step: int = 0) -> Result:
+        return self._add(quantity, math.inf, math.inf, tol, False, step=step, note=note)
+
+    def note(self, quantity: str, note: str) -> Result:
+        """A check that could not run here (not a failure): shown with its reason."""
+        return self._add(quantity, 0.0, 0.0, Tolerance(0.0, 0.0, note), True, note=f"skipped: {note}")
+
+    def _add(self, quantity: str, max_abs: float, max_rel: float, tol: Tolerance, ok: bool, *, step: int = 0,
+             num: int = 0, note: str = "") -> Result:
+        self._order += 1
+        r = next((r for r in self.results if r.quantity == quantity), None)
+        if r is None:
+            r = Result(quantity, 0.0, 0.0, tol, True)
+            self.results.append(r)
+        r.max_abs, r.max_rel = max(r.max_abs, max_abs), max(r.max_rel, max_rel)
+        r.num_values += num
+        if note and not r.note:
+            r.note = note if ok else f"step {step}: {note}"
+        if not ok and r.ok:
+            r.ok, r.first_bad = False, (step, self._order)
+        return r
+
+    @property
+    def first_failure(self) -> Result | None:
+        bad = [r for r in self.results if not r.ok]
+        return min(bad, key=lambda r: r.first_bad or (0, 0)) if bad else None
+
+
+def _finite(t: torch.Tensor) -> float:
+    v = float(t)
+    return v if math.isfinite(v) else math.inf
+
+
+def counts_from_shares(shares_LE: list[list[float]], routed: int) -> torch.Tensor:
+    """Routed copies per expert from metrics.jsonl's per-layer shares (rounded to 5 digits there,
+    exact again once multiplied by the step's routed copies while those stay below 50,000)."""
+    return (torch.tensor(shares_LE, dtype=torch.float64) * routed).round()

@@ -1,0 +1,318 @@
+"""``moetrain verify``: the job run at world 1 and at each layout, compared step by step, then
+state by state, then through a reshard and an export (docs/verify.md).
+
+    1. shrink the job (``shrink``) and write it to WORK/job.yaml
+    2. reference: world 1, steps 1..S+1, checkpoints after S and S+1
+    3. each layout: its processes, steps 1..S+1, a checkpoint after S; then world 1 resumed from that
+       checkpoint for step S+1 (the reshard)
+    4. compare: every step's records; every tensor of the checkpoint after S; the resumed step and
+       state; the Hugging Face export of the layout's checkpoint read back by the importer
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from moetrain.config.job import JobConfig
+from moetrain.config.loader import save_config
+from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares
+from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes
+from moetrain.verify.runs import Run, RunFailed, read_checkpoint, train
+from moetrain.verify.shrink import GRAD_ACCUM, Change, shrink_job, unshrunk_job
+
+
+@dataclass
+class Plan:
+    cfg: JobConfig
+    """The job as verified (shrunk or not)."""
+    layouts: list[Layout]
+    changes: list[Change]
+    steps: int
+
+
+def plan_verification(cfg: JobConfig, *, layouts: list[Layout] | None, steps: int, shrink: bool,
+                      cpu: bool) -> Plan:
+    """What will run: the layouts (``None``: ``auto_layouts``), the shrunk job and its changes."""
+    if steps < 1:
+        raise ValueError(f"--steps ({steps}) must be >= 1")
+    chosen = layouts if layouts is not None else auto_layouts(cfg)
+    if shrink:
+        job, changes = shrink_job(cfg, pps=[lay.pp for lay in chosen], cpu=cpu)
+    else:
+        job, changes = unshrunk_job(cfg)
+    for lay in chosen:
+        if lay.pp > 1 and job.model.num_layers % lay.pp:
+            raise ValueError(f"model.num_layers ({job.model.num_layers}) must be a multiple of layout "
+                             f"{lay.name}'s pp ({lay.pp})")
+        if lay.ep > 1 and not job.model.is_moe:
+            raise ValueError(f"layout {lay.name}: ep > 1 needs an MoE model (model.moe_every > 0)")
+        # Every layout rule, before any process starts.
+        par = replace(job.parallel, dp=lay.dp, ep=lay.ep, tp=lay.tp, pp=lay.pp, etp=lay.etp, zero_stage=lay.zero)
+        try:
+            ParallelDims.from_config(par, world_size=lay.world,
+                                     num_experts=job.moe.num_experts if job.model.is_moe else None)
+        except ValueError as e:
+            raise ValueError(f"layout {lay.name}: {e}") from e
+    return Plan(job, chosen, changes, steps)
+
+
+CHECKS = ("steps", "reshard", "export")
+"""What is compared after the layout's own steps (always): the resharded step, the export."""
+
+
+@dataclass
+class _Context:
+    work: Path
+    config: Path
+    common: list[str]
+    ref_overrides: list[str]
+    ref_records: dict[int, dict]
+    ref_state: dict[int, dict[str, torch.Tensor]]
+    precision: Precision
+
+
+def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str], None] = print,
+                     checks: tuple[str, ...] = CHECKS) -> Comparison:
+    """Run the reference and every layout of ``plan`` and compare them, step by step. ``checks``
+    leaves out the reshard or the export (the per-step comparison always runs)."""
+    bad = sorted(set(checks) - set(CHECKS))
+    if bad:
+        raise ValueError(f"checks ({bad}) must be among {CHECKS}")
+    work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="moetrain-verify-"))
+    work.mkdir(parents=True, exist_ok=True)
+    config = work / "job.yaml"
+    save_config(plan.cfg, config)
+    S = plan.steps
+    accum = GRAD_ACCUM if plan.cfg.train.global_batch_size % GRAD_ACCUM == 0 else 1
+    micro = micro_batch_sizes([Layout(), *plan.layouts], global_batch=plan.cfg.train.global_batch_size,
+                              grad_accum=accum)
+    # A checkpoint after every step: the state (router bias included) is compared step by step.
+    common = [f"--train.steps={S + 1}", "--checkpoint.resume=auto", "--checkpoint.async_save=false",
+              "--checkpoint.every=1", f"--checkpoint.keep_last={S + 1}"]
+    ref_overrides = [*Layout().overrides(micro_batch=micro[Layout()]), *common]
+    ref = _reference(work, config, S, ref_overrides, say)
+    ctx = _Context(work, config, common, ref_overrides, ref.records(),
+                   {s: read_checkpoint(ref.checkpoint(s)) for s in range(1, S + 2)},
+                   Precision(plan.cfg.train.dtype, plan.cfg.moe.dispatch_dtype if plan.cfg.model.is_moe else "none"))
+    out = Comparison()
+    for i, lay in enumerate(plan.layouts):
+        try:
+            _verify_layout(out, plan, ctx, i, lay, micro[lay], checks, say)
+        except RunFailed as e:  # a layout that cannot train the job fails its verification
+            say(str(e))
+            out.missing(f"[{lay.name}] training run", str(e).splitlines()[0], step=0)
+    return out
+
+
+def _verify_layout(out: Comparison, plan: Plan, ctx: _Context, i: int, lay: Layout, micro: int,
+                   checks: tuple[str, ...], say: Callable[[str], None]) -> None:
+    S, work, tag = plan.steps, ctx.work, f"[{lay.name}]"
+    for stale in [work / f"layout{i}{suffix}" for suffix in ("", "-resumed", "-hf", "-hf-back")]:
+        shutil.rmtree(stale, ignore_errors=True)  # a run folder left by an earlier verify would resume
+    say(f"layout {lay.name}: {lay.world} processes, {S} steps")
+    run = train(f"layout{i}", ctx.config, work, nproc=lay.world,
+                overrides=[*lay.overrides(micro_batch=micro), *ctx.common, f"--train.steps={S}"])
+    records = run.records()
+    for step in range(1, S + 1):
+        compare_step(out, tag, records.get(step), ctx.ref_records.get(step), plan, ctx.precision, step=step)
+        compare_state(out, tag, read_checkpoint(run.checkpoint(step)), ctx.ref_state[step], plan, ctx.precision,
+                      step=step)
+    if "reshard" in checks:
+        say(f"layout {lay.name}: its step-{S} checkpoint resharded to world 1 for step {S + 1}")
+        resumed = train(f"layout{i}-resumed", ctx.config, work, nproc=1,
+                        overrides=[*ctx.ref_overrides, f"--checkpoint.resume={run.checkpoint(S)}"])
+        compare_step(out, f"{tag} resharded", resumed.records().get(S + 1), ctx.ref_records.get(S + 1), plan,
+                     ctx.precision, step=S + 1)
+        compare_state(out, f"{tag} resharded", read_checkpoint(resumed.checkpoint(S + 1)), ctx.ref_state[S + 1],
+                      plan, ctx.precision, step=S + 1)
+    if "export" in checks:
+        compare_export(out, tag, run.checkpoint(S), ctx.ref_state[S], work / f"layout{i}-hf", plan, ctx.precision,
+                       step=S)
+
+
+def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None]) -> Run:
+    """The world-1 run, or the one a previous verification left in ``work`` for the same job and
+    steps (``reference.json`` records them): re-verifying other layouts does not run it again."""
+    marker = work / "reference.json"
+    key = {"job": config.read_text(encoding="utf-8"), "steps": steps, "overrides": overrides}
+    ref = Run("reference", work / "reference", work / "reference.log")
+    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == key:
+        say(f"reference: world 1, reused from {ref.run_dir}")
+        return ref
+    marker.unlink(missing_ok=True)
+    if ref.run_dir.exists():
+        shutil.rmtree(ref.run_dir)  # a stale reference would resume instead of training
+    say(f"reference: world 1, {steps + 1} steps ({ref.run_dir})")
+    ref = train("reference", config, work, nproc=1, overrides=overrides)
+    marker.write_text(json.dumps(key), encoding="utf-8")
+    return ref
+
+
+ROUTING_MOVE_LOW_PRECISION = 0.01
+"""Share of a step's routed copies that may change expert when the step runs in bf16 (or
+dispatches in a low-precision dtype): another reduction order changes a router input by an ulp
+(2^-8 relative), enough to flip the few top-k choices whose scores are that close."""
+
+
+def _routing_tol(precision: Precision, routed: int) -> Tolerance:
+    if not precision.low_precision:
+        return Tolerance(0.0, 0.0, "integer counts from fp32 router scores: exact")
+    return Tolerance(max(2.0, ROUTING_MOVE_LOW_PRECISION * routed), 0.0,
+                     f"{ROUTING_MOVE_LOW_PRECISION:.0%} of the step's routed copies may flip between near-tied "
+                     "experts under low-precision rounding")
+
+
+def _scalar_tol(precision: Precision, key: str) -> Tolerance:
+    rel = precision.scalar_rel()
+    if key == "lr":
+        return Tolerance(0.0, 1e-12, "the schedule is a function of the step alone")
+    if key == "grad_norm":
+        return Tolerance(0.0, 4 * rel, "a sum of squares over every gradient, in another order")
+    return Tolerance(0.0, rel, "the same sums over tokens and ranks in another order")
+
+
+def compare_step(out: Comparison, tag: str, got: dict | None, want: dict | None, plan: Plan,
+                 precision: Precision, *, step: int) -> None:
+    """One step's records: the aux terms before the loss they join, the grad norm, the learning
+    rate, then routing counts and drops (exact)."""
+    if want is None:
+        return
+    if got is None:
+        out.missing(f"{tag} loss", f"no record of step {step} at the layout", step=step)
+        return
+    mtp = sorted(k for k in want if re.fullmatch(r"mtp_loss_\d+", k))
+    for key in ("aux_loss", *mtp, "loss", "grad_norm", "lr"):
+        if key in want:
+            value = got.get(key)
+            if value is None:
+                out.missing(f"{tag} {key}", f"not logged at the layout at step {step}", step=step)
+            else:
+                out.values(f"{tag} {key}", value, want[key], _scalar_tol(precision, key), step=step)
+    if not plan.cfg.model.is_moe:
+        return
+    routed = plan.cfg.train.global_batch_size * plan.cfg.data.seq_len * plan.cfg.moe.top_k
+    tol = _routing_tol(precision, routed)
+    for key, quantity in (("expert_share", "tokens per expert"), ("dropped_fraction", "dropped tokens")):
+        if key in want:
+            if key not in got:
+                out.missing(f"{tag} {quantity}", f"not logged at the layout at step {step}", step=step)
+            else:
+                out.values(f"{tag} {quantity}", counts_from_shares(got[key], routed),
+                           counts_from_shares(want[key], routed), tol, step=step)
+
+
+STATE_GROUPS = (
+    ("optimizer exp_avg", re.compile(r"^optim.*exp_avg$")),
+    ("optimizer exp_avg_sq", re.compile(r"^optim.*exp_avg_sq$")),
+    ("optimizer state", re.compile(r"^optim")),
+    ("router bias", re.compile(r"^model\..*(expert_bias|router\.bias|selection_bias)")),
+    ("parameters", re.compile(r"^model\.")),
+    ("other state", re.compile(r".")),
+)
+"""Checkpoint entries by kind, first match wins; compared in this order (the moments before the
+weights they move)."""
+
+
+PER_RANK_STATE = ("rng.",)
+"""Checkpoint entries that are per rank by design (each rank's random generators): not compared."""
+
+
+def state_group(key: str) -> str:
+    return next(name for name, pattern in STATE_GROUPS if pattern.search(key))
+
+
+def _state_tol(group: str, plan: Plan, precision: Precision, steps: int) -> Tolerance:
+    lr = plan.cfg.optim.lr
+    if group == "router bias":
+        if not precision.low_precision:
+            return Tolerance(0.0, 0.0, "updated from integer routing counts: exact")
+        rate = plan.cfg.moe.router_bias_update_rate
+        return Tolerance(2 * rate * steps, 0.0, "a flipped routing choice can flip an expert's update sign: "
+                         "at most 2 * rate per step")
+    if group == "parameters":
+        if precision.low_precision:
+            return Tolerance(2 * lr * steps, 0.0, "a flipped routing choice changes an expert's gradient: "
+                             "bounded by Adam's largest move, about lr per step each way")
+        return Tolerance(0.02 * lr * steps, 0.0, "Adam moves a weight by about lr per step; fp32 rounding "
+                         "changes that move only where the gradient is itself at rounding level")
+    if group.startswith("optimizer exp_avg"):
+        return Tolerance(0.0, precision.scalar_rel() * 10, "relative to each tensor's largest entry: moments "
+                         "of gradients summed in another order; a near-zero gradient's moment is its noise")
+    return Tolerance(0.0, 0.0, "step counters and integer state: exact")
+
+
+def compare_state(out: Comparison, tag: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                  plan: Plan, precision: Precision, *, step: int) -> None:
+    """Every checkpoint tensor, grouped by kind (``STATE_GROUPS``), one row per kind."""
+    groups: dict[str, list[str]] = {}
+    for key in sorted(set(got) | set(want)):
+        if key.startswith(PER_RANK_STATE):
+            continue
+        groups.setdefault(state_group(key), []).append(key)
+    for group in [name for name, _ in STATE_GROUPS if name in groups]:
+        keys = groups[group]
+        quantity = f"{tag} {group}"
+        absent = [k for k in keys if k not in got or k not in want]
+        if absent:
+            side = "layout" if absent[0] not in got else "world 1"
+            more = f" (+{len(absent) - 1} more)" if len(absent) > 1 else ""
+            out.missing(quantity, f"{absent[0]} missing at {side}{more}", step=step)
+            continue
+        tol = _state_tol(group, plan, precision, step)
+        shapes_differ = next((k for k in keys if got[k].shape != want[k].shape), None)
+        if shapes_differ:
+            out.missing(quantity, f"{shapes_differ}: shape {tuple(got[shapes_differ].shape)} against "
+                                  f"{tuple(want[shapes_differ].shape)}", step=step)
+            continue
+        if group.startswith("optimizer exp_avg"):
+            out.scaled(quantity, [(got[k], want[k]) for k in keys], tol, step=step)
+            continue
+        out.values(quantity, torch.cat([got[k].double().flatten() for k in keys]),
+                   torch.cat([want[k].double().flatten() for k in keys]), tol, step=step)
+
+
+def compare_export(out: Comparison, tag: str, checkpoint: Path, want: dict[str, torch.Tensor], hf_dir: Path,
+                   plan: Plan, precision: Precision, *, step: int) -> None:
+    """The layout's checkpoint exported to Hugging Face and read back by the importer: every weight
+    equal to world 1's (export and import copy tensors; no arithmetic)."""
+    from moetrain.interop.export import model_configs, open_source
+    from moetrain.interop.hf import choose_family, export_hf, import_hf
+
+    config, _, _ = open_source(checkpoint)
+    model, moe = model_configs(config)
+    try:
+        family = choose_family(model, moe)
+    except ValueError as e:
+        out.note(f"{tag} HF export", f"no Hugging Face family expresses this job ({str(e)[:120]})")
+        return
+    quantity = f"{tag} HF export ({family.model_type})"
+    try:
+        export_hf(checkpoint, hf_dir)
+        import_hf(hf_dir, hf_dir.with_name(hf_dir.name + "-back"))
+    except ValueError as e:
+        out.missing(quantity, f"export/import refused: {str(e)[:200]}", step=step)
+        return
+    from safetensors.torch import load_file
+
+    back: dict[str, torch.Tensor] = {}
+    for f in sorted(hf_dir.with_name(hf_dir.name + "-back").glob("*.safetensors")):
+        back.update(load_file(str(f)))
+    ref = {k.removeprefix("model."): v for k, v in want.items() if k.startswith("model.")}
+    missing = sorted(set(ref) - set(back))
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        out.missing(quantity, f"{missing[0]} not in the export{more}", step=step)
+        return
+    keys = sorted(ref)
+    tol = _state_tol("parameters", plan, precision, step)
+    out.values(quantity, torch.cat([back[k].double().flatten() for k in keys]),
+               torch.cat([ref[k].double().flatten() for k in keys]), tol, step=step)

@@ -1,0 +1,76 @@
+"""The training runs ``moetrain verify`` compares, each a real ``moetrain train`` in its own
+processes (torch.distributed.run, gloo on CPU), and what they leave: per-step records and
+checkpoints read back in one process at full size.
+
+    reference   world 1, steps 1..S+1, a checkpoint after S and after S+1
+    layout L    L's processes, steps 1..S+1, a checkpoint after S
+    resharded   world 1 resumed from L's checkpoint after S, step S+1, a checkpoint after it
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from moetrain.train.checkpoint.files import step_dir_name
+from moetrain.train.checkpoint.index import SafeReader, saved_like
+from moetrain.train.metrics import read_metrics
+
+
+class RunFailed(RuntimeError):
+    """A verification run exited non-zero; the message holds the end of its output."""
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    run_dir: Path
+    log: Path
+
+    def checkpoint(self, step: int) -> Path:
+        return self.run_dir / "checkpoints" / step_dir_name(step)
+
+    def records(self) -> dict[int, dict]:
+        """metrics.jsonl's training records by step (event lines left out)."""
+        return {r["step"]: r for r in read_metrics(self.run_dir) if "loss" in r and isinstance(r.get("step"), int)}
+
+
+def train(name: str, config: Path, work: Path, *, nproc: int, overrides: list[str], timeout_s: float = 900.0) -> Run:
+    """``moetrain train --config CONFIG --nproc NPROC OVERRIDES`` into ``work/name``; its output
+    goes to ``work/name.log``. Raises ``RunFailed`` with the log's end when it fails."""
+    run_dir, log = work / name, work / f"{name}.log"
+    argv = [sys.executable, "-m", "moetrain.cli", "train", "--config", str(config), f"--nproc={nproc}",
+            f"--log.run_dir={run_dir}", *overrides]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the cores; more threads only contend
+    with open(log, "w") as out:
+        try:
+            code = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = -1
+    if code != 0:
+        tail = log.read_text(errors="replace")[-3000:]
+        raise RunFailed(f"run {name!r} ({' '.join(argv[3:])}) exited with {code}; end of {log}:\n{tail}")
+    return Run(name, run_dir, log)
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of checkpoint ``path`` (model, optimizer, router state) at its full global
+    shape, read in this one process whatever layout wrote it; the trainer's JSON entry left out."""
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    state = {key: saved_like(metadata, key) for key, md in metadata.state_dict_metadata.items()
+             if isinstance(md, TensorStorageMetadata) and key != "trainer"}
+    with warnings.catch_warnings():
+        # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
+        warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return state

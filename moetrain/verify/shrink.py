@@ -1,0 +1,153 @@
+"""The user's job made CPU-sized for ``moetrain verify``: fewer layers and smaller widths, vocabulary
+and sequences, with every setting that changes the math of a step kept as it is.
+
+Kept: experts and top_k, the router (type, groups, bias updates, capacity factor and drop policy,
+shared experts and their gate), the aux-loss types and coefficients, dense layers (their share of
+the blocks), the attention kind (MLA stays MLA, GQA keeps its ratio), dtype, dispatch dtype,
+gradient and dispatch compression, the optimizer, LoRA targets, activation checkpointing.
+
+Changed, and printed by ``moetrain verify``: widths and layer count, the vocabulary (the byte
+tokenizer on the shipped Shakespeare corpus, so that no user data is needed), sequence length and
+batch, and the warmup (one step, so that the few steps verified move the weights by a full
+learning rate and a layout bug shows in them). Settings random per rank by design are set to 0
+and named with the reason (``RANDOM_PER_RANK``): no layout can reproduce another's draws.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moetrain.config.convert import config_from_dict, config_to_dict
+from moetrain.config.job import JobConfig
+
+GLOBAL_BATCH = 8
+"""Sequences per step of the shrunk job (every layout's dp divides it)."""
+
+GRAD_ACCUM = 2
+"""Micro-batches per step: every layout runs 8 / 2 = 4 sequences per micro-batch summed over its dp
+ranks, the same micro-batches a single process runs (the aux loss of a micro-batch depends on
+which sequences it holds), and a pipeline of 2 stages has its 2 micro-batches."""
+
+RANDOM_PER_RANK = {
+    "moe.router_noise_std": "each rank draws its own router noise, so no layout reproduces another's routing",
+    "moe.router_jitter": "each rank draws its own multiplicative jitter of the router input",
+    "model.dropout": "each rank draws its own dropout masks",
+    "classify.token_dropout": "each rank draws its own dropped tokens",
+}
+"""Fields whose randomness differs by rank by design: set to 0 for the comparison, with the reason."""
+
+
+@dataclass(frozen=True)
+class Change:
+    field: str
+    old: object
+    new: object
+    why: str
+
+    def line(self) -> str:
+        return f"{self.field}: {self.old!r} -> {self.new!r} ({self.why})"
+
+
+def _small(value: int | None, cap: int) -> int | None:
+    return None if value is None else min(value, cap)
+
+
+def _num_layers(model: dict, moe_every: int, pps: list[int]) -> int:
+    """Blocks of the shrunk model: the leading dense blocks (at most 1), then enough blocks for 2
+    MoE blocks at the job's moe_every, rounded up to a multiple of every layout's pp."""
+    lead = min(model["moe_layer_offset"], 1)
+    want = lead + 2 * max(moe_every, 1) if moe_every else 2
+    step = 1
+    for pp in pps:
+        step = step * pp // _gcd(step, pp)
+    return -(-want // step) * step
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool) -> tuple[JobConfig, list[Change]]:
+    """``cfg`` made CPU-sized (module docstring); returns the new config and what changed. ``pps``:
+    the pipeline degrees of the layouts to verify (the layer count is a multiple of each).
+    ``cpu``: no accelerator here, so the job runs on the CPU."""
+    if cfg.checkpoint.init_from is not None:
+        raise ValueError(f"checkpoint.init_from ({cfg.checkpoint.init_from!r}) must be null with --shrink auto: "
+                         "a shrunk model cannot load the full-size weights; verify it with --shrink none")
+    raw = config_to_dict(cfg)
+    m, moe, data = raw["model"], raw["moe"], raw["data"]
+    heads = min(m["num_heads"], 4)
+    kv = m["num_kv_heads"]
+    new_kv = None if kv is None else max(1, heads * kv // m["num_heads"])
+    seq = min(data["seq_len"], 32)
+    etp = raw["parallel"]["etp"]
+    plan: list[tuple[str, object, str]] = [
+        ("model.preset", None, "the preset's sizes are replaced below"),
+        ("model.dim", min(m["dim"], 64), "width"),
+        ("model.num_heads", heads, "width"),
+        ("model.num_kv_heads", new_kv, "keeps the grouped-query ratio"),
+        ("model.head_dim", _small(m["head_dim"], 16), "width"),
+        ("model.num_layers", _num_layers(m, m["moe_every"], pps), "depth, a multiple of every layout's pp"),
+        ("model.moe_layer_offset", min(m["moe_layer_offset"], 1), "keeps a leading dense block"),
+        ("model.dense_layers", tuple(i for i in m["dense_layers"] if i < 2), "keeps the first dense blocks"),
+        ("model.dense_hidden_dim", _small(m["dense_hidden_dim"], 128), "width"),
+        ("model.max_seq_len", max(seq, 32), "sequence"),
+        ("model.vocab_size", None, "the byte tokenizer's 256"),
+        ("moe.expert_hidden_dim", max(etp, min(moe["expert_hidden_dim"], 32) // etp * etp), "width"),
+        ("moe.shared_hidden_dim", _small(moe["shared_hidden_dim"], 32), "width"),
+        ("data.corpus", "shakespeare", "the shipped corpus: no user data needed"),
+        ("data.path", None, "the shipped corpus"),
+        ("data.sources", None, "the shipped corpus"),
+        ("data.tokenizer", "bpe" if data["document_mask"] else "bytes",
+         "vocabulary (bpe where data.document_mask needs an end-of-text id)"),
+        ("data.vocab_size", 512 if data["document_mask"] else data["vocab_size"], "vocabulary"),
+        ("data.seq_len", seq, "sequence"),
+        ("train.global_batch_size", GLOBAL_BATCH, "batch"),
+        ("train.grad_accum", None, "derived per layout"),
+        ("train.eval_every", 0, "verify compares training steps"),
+        ("train.compile", False, "compile time would dominate a few CPU steps"),
+        ("optim.warmup_steps", min(raw["optim"]["warmup_steps"], 1),
+         "a full learning rate from step 1, so the few steps move the weights"),
+        ("log.every", 1, "a record per step"),
+        ("log.tensorboard", False, "only metrics.jsonl is read"),
+        ("log.progress_bar", False, "quiet runs"),
+        ("log.wandb", None, "no tracker for throwaway runs"),
+        ("log.mlflow", None, "no tracker for throwaway runs"),
+    ]
+    if m["attention"] == "mla":  # the MLA widths act (and may be set) only with MLA attention
+        plan += [("model.q_lora_rank", _small(m["q_lora_rank"], 32), "MLA width"),
+                 ("model.kv_lora_rank", min(m["kv_lora_rank"], 32), "MLA width"),
+                 ("model.qk_nope_head_dim", min(m["qk_nope_head_dim"], 16), "MLA width"),
+                 ("model.qk_rope_head_dim", min(m["qk_rope_head_dim"], 8), "MLA width"),
+                 ("model.v_head_dim", min(m["v_head_dim"], 16), "MLA width")]
+    if cpu:
+        plan.append(("train.device", "cpu", "no accelerator here"))
+    plan += [(name, 0.0, f"random per rank by design: {why}") for name, why in RANDOM_PER_RANK.items()]
+    changes = []
+    for name, new, why in plan:
+        section, field = name.split(".")
+        old = raw[section][field]
+        if isinstance(old, list):
+            old = tuple(old)
+        if old != new:
+            raw[section][field] = list(new) if isinstance(new, tuple) else new
+            changes.append(Change(name, old, new, why))
+    return config_from_dict(raw), changes
+
+
+def unshrunk_job(cfg: JobConfig) -> tuple[JobConfig, list[Change]]:
+    """``--shrink none``: the job as it is, only its per-rank random settings set to 0 and its
+    logging made per step (the comparison reads every step's record)."""
+    raw = config_to_dict(cfg)
+    changes = []
+    plan: list[tuple[str, object, str]] = [("log.every", 1, "a record per step"),
+                                           ("train.eval_every", 0, "verify compares training steps")]
+    plan += [(name, 0.0, f"random per rank by design: {why}") for name, why in RANDOM_PER_RANK.items()]
+    for name, new, why in plan:
+        section, field = name.split(".")
+        if raw[section][field] != new:
+            changes.append(Change(name, raw[section][field], new, why))
+            raw[section][field] = new
+    return config_from_dict(raw), changes

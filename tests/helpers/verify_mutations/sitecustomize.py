@@ -1,0 +1,155 @@
+"""Test-only bug injection for ``moetrain verify``'s mutation suite (tests/integration/
+test_verify_mutations.py). Python imports ``sitecustomize`` at start-up from PYTHONPATH, so a
+process started with this folder on it and ``MOETRAIN_TEST_MUTATION=<name>`` in its environment
+gets one classic layout bug patched into moetrain as the module is imported. Nothing in moetrain
+reads the variable or knows this file: the hook cannot be reached from a config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+
+
+def _expert_grad_scale(finalize) -> None:
+    """Missing 1/ep: an expert shard's gradient averaged over its edp copies instead of (sum) / dp."""
+    original = finalize.grad_reduction
+
+    def grad_reduction(dims, axis):
+        rule = original(dims, axis)
+        return dataclasses.replace(rule, divisor=rule.size) if axis == "edp" else rule
+
+    finalize.grad_reduction = grad_reduction
+
+
+def _aux_loss_group(layer) -> None:
+    """The Switch balance loss normalised by this rank's tokens, not the balance group's."""
+    import torch.distributed as dist
+
+    original = layer.load_balancing_loss
+
+    def load_balancing_loss(probs_TE, counts_E, *, top_k, num_tokens=None):
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        local = None if num_tokens is None else num_tokens // world
+        return original(probs_TE, counts_E, top_k=top_k, num_tokens=local)
+
+    layer.load_balancing_loss = load_balancing_loss
+
+
+def _grad_norm_replicated(grads) -> None:
+    """Replicated (plain) gradients' squares summed over every rank: counted once per copy."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    original = grads.global_grad_norm
+
+    def global_grad_norm(params):
+        norm = original(params)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        plain = sum((p.grad.float().pow(2).sum() for p in params
+                     if p.grad is not None and not isinstance(p.grad, DTensor)), torch.zeros(()))
+        return (norm.pow(2) + (world - 1) * plain.to(norm.device)).sqrt()
+
+    grads.global_grad_norm = global_grad_norm
+
+
+def _bias_local_counts(layer) -> None:
+    """The router's selection bias updated from this rank's routing counts, not the global ones."""
+    import torch
+
+    from moetrain.models.moe import router as router_module
+
+    record = layer.MoELayer._record_step_stats
+
+    def _record_step_stats(self, aux, routing, num_tokens):
+        record(self, aux, routing, num_tokens)
+        if torch._C._current_graph_task_id() != -1:  # a checkpointed forward run again: counted once
+            return
+        local_E = torch.bincount(routing.idx_TK.reshape(-1), minlength=self.config.num_experts)
+        self.router._local_routed_E = getattr(self.router, "_local_routed_E", 0) + local_E
+
+    update = router_module.TopKRouter.update_bias
+
+    def update_bias(self, num_routed_E, rate):
+        local_E = self.__dict__.pop("_local_routed_E", num_routed_E)
+        update(self, local_E, rate)
+
+    layer.MoELayer._record_step_stats = _record_step_stats
+    router_module.TopKRouter.update_bias = update_bias
+
+
+def _optimizer_old_layout(state) -> None:
+    """After a reshard, each expert stack's optimizer moments left as the saving layout's first
+    rank held them: its expert rows repeated over the whole stack."""
+    original = state._read_state
+
+    def _read_state(*args, **kwargs):
+        loaded, groups = original(*args, **kwargs)
+        for name, entry in loaded["optim"]["state"].items():
+            if ".experts." not in name or not isinstance(entry, dict):
+                continue
+            for key in ("exp_avg", "exp_avg_sq"):
+                t = entry.get(key)
+                if t is not None and t.dim() == 3 and t.shape[0] >= 2:
+                    half = t.shape[0] // 2
+                    t[half:2 * half].copy_(t[:half])
+        return loaded, groups
+
+    state._read_state = _read_state
+
+
+def _export_skips_expert(convert) -> None:
+    """The HF exporter's per-expert loop stops one expert short."""
+    from moetrain.interop.hf.family import Experts
+
+    original = convert._export_jobs
+
+    def _export_jobs(entries, src, dtype_of):
+        jobs = original(entries, src, dtype_of)
+        last = {f"{e.hf}.{e.num_experts - 1}." for e in entries if isinstance(e, Experts)}
+        return [j for j in jobs if not any(j[0].name.startswith(p) for p in last)]
+
+    convert._export_jobs = _export_jobs
+
+
+MUTATIONS = {
+    "expert_grad_scale": ("moetrain.distributed.data_parallel.finalize", _expert_grad_scale),
+    "aux_loss_group": ("moetrain.models.moe.layer", _aux_loss_group),
+    "grad_norm_replicated": ("moetrain.distributed.data_parallel.grads", _grad_norm_replicated),
+    "bias_local_counts": ("moetrain.models.moe.layer", _bias_local_counts),
+    "optimizer_old_layout": ("moetrain.train.checkpoint.state", _optimizer_old_layout),
+    "export_skips_expert": ("moetrain.interop.hf.convert", _export_skips_expert),
+}
+"""Mutation name -> (the module it patches, the patch), applied right after that module runs."""
+
+
+class _PatchAfterImport(importlib.abc.MetaPathFinder):
+    def __init__(self, module: str, patch) -> None:
+        self.module, self.patch = module, patch
+
+    def find_spec(self, name, path, target=None):
+        if name != self.module:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+        patch = self.patch
+
+        def exec_module(module):
+            run(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+_name = os.environ.get("MOETRAIN_TEST_MUTATION")
+if _name:
+    if _name not in MUTATIONS:
+        raise SystemExit(f"MOETRAIN_TEST_MUTATION ({_name!r}) must be one of {', '.join(MUTATIONS)}")
+    sys.meta_path.insert(0, _PatchAfterImport(*MUTATIONS[_name]))

@@ -1,0 +1,122 @@
+"""``moetrain verify``'s pieces that need no training run: layouts, the shrink, the comparison and
+its report. The runs themselves are tested in tests/integration/test_verify_mutations.py."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from moetrain.config.loader import load_config
+from moetrain.verify.checks import EXACT, Comparison, Precision, Tolerance, counts_from_shares
+from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes, parse_layouts
+from moetrain.verify.report import last_line, table, write_json
+from moetrain.verify.shrink import shrink_job
+
+
+def test_layouts_parse_into_degrees_and_processes():
+    a, b, c = parse_layouts("ep=2,dp=2; pp=2,ep=2; zero=3,ep=2")
+    assert (a.world, a.dp, a.ep) == (2, 2, 2)
+    assert (b.world, b.dp, b.pp) == (4, 2, 2)
+    assert (c.world, c.zero, c.name) == (2, 3, "dp=2,ep=2,zero=3")
+    assert parse_layouts("ep=2; ep=2 ,dp=2") == [Layout(dp=2, ep=2)]
+    assert "--parallel.zero_stage=3" in c.overrides(micro_batch=2)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("ep", "must be KEY=N"), ("sp=2", "must be KEY=N"), ("zero=4", "zero one of"), (" ; ", "names no layout"),
+])
+def test_bad_layouts_are_refused_by_name(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_layouts(text)
+
+
+def test_every_layout_runs_the_micro_batches_one_process_runs():
+    lays = [Layout(), Layout(dp=2, ep=2), Layout(dp=4, ep=2)]
+    assert list(micro_batch_sizes(lays, global_batch=8, grad_accum=2).values()) == [4, 2, 1]
+    with pytest.raises(ValueError, match="train.global_batch_size"):
+        micro_batch_sizes([Layout(dp=3)], global_batch=8, grad_accum=2)
+
+
+def test_auto_folds_the_job_and_adds_the_other_zero_family():
+    assert auto_layouts(load_config("hybrid-dp-ep-pp")) == [Layout(dp=2, ep=2, pp=2), Layout(dp=2, ep=2, zero=3)]
+    assert auto_layouts(load_config("deepseek-v3")) == [Layout(dp=2, ep=2, zero=3), Layout(dp=2, ep=2)]
+
+
+def test_shrink_keeps_the_math_and_says_what_changed():
+    cfg = load_config("deepseek-v3")
+    small, changes = shrink_job(cfg, pps=[2], cpu=True)
+    for section, name in [("moe", "num_experts"), ("moe", "top_k"), ("moe", "router"), ("moe", "num_expert_groups"),
+                          ("moe", "top_groups"), ("moe", "router_bias_update_rate"), ("moe", "aux_loss_type"),
+                          ("moe", "num_shared_experts"), ("moe", "capacity_factor"), ("train", "dtype"),
+                          ("parallel", "zero_stage")]:
+        assert getattr(getattr(small, section), name) == getattr(getattr(cfg, section), name), name
+    assert small.model.num_layers % 2 == 0 and small.model.moe_layer_offset == 1  # a dense block kept
+    assert small.model.dim == 64 and small.data.tokenizer == "bytes" and small.train.device == "cpu"
+    changed = {c.field: c for c in changes}
+    assert changed["model.num_layers"].old == 61 and "moe.num_experts" not in changed
+    assert "random per rank" not in " ".join(c.why for c in changes)  # V3 draws no per-rank noise
+
+
+def test_shrink_names_and_zeroes_per_rank_randomness():
+    cfg = load_config("tiny", ["--moe.router_noise_std=0.1", "--model.dropout=0.1"])
+    small, changes = shrink_job(cfg, pps=[1], cpu=True)
+    assert small.moe.router_noise_std == 0 and small.model.dropout == 0
+    whys = {c.field: c.why for c in changes}
+    assert "random per rank" in whys["moe.router_noise_std"] and "random per rank" in whys["model.dropout"]
+
+
+def test_comparison_bounds_and_first_failure_by_step():
+    out = Comparison()
+    out.values("loss", [1.0, 2.0], [1.0, 2.0 + 1e-6], Tolerance(0.0, 1e-6, "x"), step=1)  # inside: 5e-7 rel
+    out.values("counts", [3, 5], [3, 5], EXACT, step=1)
+    out.values("counts", [4, 4], [3, 5], EXACT, step=2)  # a token changed expert at step 2
+    out.values("grad_norm", 1.5, 1.0, Tolerance(0.0, 1e-3, "x"), step=1)
+    out.missing("bias", "absent", step=3)
+    rows = {r.quantity: r for r in out.results}
+    assert rows["loss"].ok and not rows["counts"].ok and rows["counts"].max_abs == 1.0
+    assert out.first_failure is rows["grad_norm"]  # step 1 before step 2
+    assert last_line(out).startswith("verify: FAIL: grad_norm") and "3 quantities failed" in last_line(out)
+    assert "PASS" in table(out) and "FAIL" in table(out)
+
+
+def test_scaled_comparison_is_relative_to_each_tensors_largest_entry():
+    out = Comparison()
+    big, small = torch.tensor([100.0, 0.0]), torch.tensor([1e-3, 1e-9])
+    r = out.scaled("m", [(big + torch.tensor([0.0, 1e-3]), big), (small, small)], Tolerance(0.0, 1e-4, "x"))
+    assert r.ok and math.isclose(r.max_rel, 1e-5, rel_tol=1e-4)
+    r = out.scaled("m2", [(big * 2, big)], Tolerance(0.0, 1e-4, "x"))
+    assert not r.ok
+
+
+def test_precision_bounds_grow_with_the_rounding():
+    fp32, bf16, fp8 = Precision("fp32"), Precision("bf16"), Precision("fp32", "fp8")
+    assert fp32.scalar_rel() < 1e-4 < bf16.scalar_rel() < fp8.scalar_rel()
+    assert not fp32.low_precision and bf16.low_precision and fp8.low_precision
+
+
+def test_counts_come_back_exact_from_rounded_shares():
+    counts = torch.tensor([[517.0, 3.0, 1000.0, 528.0]])
+    shares = [[round(v, 5) for v in (counts / counts.sum()).tolist()[0]]]
+    assert torch.equal(counts_from_shares(shares, 2048), counts)
+
+
+def test_json_report(tmp_path):
+    out = Comparison()
+    out.values("loss", 1.0, 1.0, EXACT, step=1)
+    out.note("HF export", "no family")
+    write_json(tmp_path / "v.json", out, changes=[], layouts=["dp=2,ep=2"], excluded={}, steps=3)
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert doc["passed"] and [r["status"] for r in doc["results"]] == ["PASS", "SKIP"]
+
+
+def test_the_command_refuses_a_bad_layout_before_running_anything(capsys, tmp_path):
+    from moetrain.cli import main
+
+    assert main(["verify", "--config", "tiny", "--layouts", "sp=2", "--work", str(tmp_path / "w")]) == 2
+    assert "--layouts ('sp=2'): 'sp=2' must be KEY=N" in capsys.readouterr().err
+    assert main(["verify", "--config", "tiny", "--layouts", "ep=3", "--work", str(tmp_path / "w")]) == 2
+    assert "layout dp=3,ep=3: parallel.ep (3) must divide moe.num_experts (8)" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
