@@ -79,16 +79,31 @@ def discover_inputs(paths: list[str | os.PathLike]) -> list[Input]:
         if path.is_file():
             raise ValueError(f"input ({str(given)!r}) must end in one of {', '.join(INPUT_SUFFIXES)}, "
                              "or be a folder saved by datasets' save_to_disk")
-        found = sorted((p for p in path.rglob("*")
-                        if not any(part.startswith(".") for part in p.relative_to(path).parts)
-                        and p.is_file() and input_kind(p) is not None),
-                       key=lambda p: p.relative_to(path).as_posix())
+        found = _scan_folder(path)
         if not found:
-            raise ValueError(f"input ({str(given)!r}) holds no {', '.join(INPUT_SUFFIXES)} files")
-        out.extend(Input(p, input_kind(p) or "") for p in found)
+            raise ValueError(f"input ({str(given)!r}) holds no {', '.join(INPUT_SUFFIXES)} files or saved datasets")
+        out.extend(found)
     if not out:
         raise ValueError("data prepare needs at least one INPUT")
     return out
+
+
+def _scan_folder(root: Path) -> list[Input]:
+    """The inputs under ``root`` in relative-path order: files by suffix, saved datasets as a whole
+    (their own .arrow files are not inputs); hidden entries skipped."""
+    found: list[Input] = []
+    datasets: list[Path] = []
+    for path in sorted(root.rglob("*"), key=lambda p: p.relative_to(root).as_posix()):
+        # A folder sorts before its contents, so a dataset is known before its files come up.
+        if any(part.startswith(".") for part in path.relative_to(root).parts) or \
+                any(d in path.parents for d in datasets):
+            continue
+        kind = input_kind(path)
+        if kind == "arrow":
+            datasets.append(path)
+        if kind is not None:
+            found.append(Input(path, kind))
+    return found
 
 
 def read_batches(inp: Input, input_index: int, *, text_field: str, start_record: int, batch_docs: int,

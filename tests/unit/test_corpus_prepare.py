@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from moetrain.config.data import DataConfig
-from moetrain.data.inputs import BadInputError
+from moetrain.data.inputs import BadInputError, discover_inputs
 from moetrain.data.prepare import prepare_data
 from moetrain.data.prepare_corpus import PrepareOptions, prepare_corpus
 from moetrain.data.tokenizer import EOS_TOKEN, PretrainedTokenizer, train_bpe
@@ -92,6 +92,12 @@ def test_every_input_kind_gives_the_tokeniser_ids_in_input_order(corpus, tmp_pat
 
     assert [i["sha256"] for i in manifest["inputs"]] == [sha256_file(p) for p in corpus["inputs"]]
     assert manifest["tokenizer"]["sha256"] == sha256_file(corpus["tokenizer"])
+
+
+def test_a_folder_stands_for_its_inputs_in_path_order(corpus):
+    found = [(i.path.relative_to(corpus["root"]).as_posix(), i.kind) for i in discover_inputs([corpus["root"]])]
+    assert found == [("a.jsonl", "jsonl"), ("b.jsonl.gz", "jsonl.gz"), ("c.jsonl.zst", "jsonl.zst"),
+                     ("d.parquet", "parquet"), ("e", "arrow")]  # not e's own .arrow files, nor tok/
 
 
 def test_bpe_output_trains_as_data_path_with_its_own_tokenizer(corpus, tmp_path):
