@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 BLOCK = 32768
@@ -48,6 +49,20 @@ def history(path: Path) -> dict[int, dict]:
     return rows
 
 
-def run_file(run_dir: Path) -> Path:
+def run_file(run_dir: Path, timeout_s: float = 60.0) -> Path:
+    """The offline run file under ``run_dir``, once it ends with the run's exit record: ``run.finish()``
+    can return while wandb's service process is still writing the file."""
     (found,) = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    deadline = time.monotonic() + timeout_s
+    while not _has_exit(found):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{found} has no exit record after {timeout_s} s")
+        time.sleep(0.2)
     return found
+
+
+def _has_exit(path: Path) -> bool:
+    try:
+        return any(r.WhichOneof("record_type") == "exit" for r in records(path))
+    except Exception:  # a record cut short: the writer is still at it
+        return False
