@@ -64,17 +64,31 @@ def checkpoint_blocks(model: nn.Module, mode: str, *, every: int = 2) -> list[nn
     return blocks
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
+def apply_activation_checkpointing(blocks: list[nn.Module], *, compile: bool = False) -> None:
     """Recompute each block's activations in backward (``use_reentrant=False``, which works with
     the all-to-all and with DDP). Patches ``forward`` in place so parameter names, and therefore
-    checkpoints and DDP's bookkeeping, stay as they were."""
+    checkpoints and DDP's bookkeeping, stay as they were.
+
+    ``compile``: the checkpointed function is the block's own forward compiled, so the checkpoint
+    itself stays eager. Dynamo traces a checkpoint as one higher-order op, which may not contain a
+    graph break; an expert-parallel MoE block breaks at its host syncs, and a compiled wrapper
+    around its checkpoint then ran the whole block eagerly."""
     for block in blocks:
-        inner = block.forward
+        inner = torch.compile(block.forward) if compile else block.forward
 
         def forward(*args, _inner=inner, **kwargs):
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
 
         block.forward = forward
+
+
+def compile_blocks(blocks: list[nn.Module], *, checkpointed: list[nn.Module]) -> None:
+    """``torch.compile`` each block, except those checkpointed whole (already compiled inside their
+    checkpoint by ``apply_activation_checkpointing``)."""
+    inside = {id(m) for m in checkpointed}
+    for block in blocks:
+        if id(block) not in inside:
+            block.compile()
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointing: bool | str = False,
@@ -100,17 +114,15 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
     apply_tensor_parallel(model, dims)
     # 2. Expert parallelism.
     apply_expert_parallel(model, dims)
-    # 3. Activation checkpointing.
+    # 3. Activation checkpointing (a checkpointed module compiles inside its checkpoint).
     if isinstance(activation_checkpointing, str):
-        apply_activation_checkpointing(checkpoint_blocks(model, activation_checkpointing,
-                                                         every=activation_checkpointing_every))
-    elif activation_checkpointing:
-        apply_activation_checkpointing(blocks(model))
+        checkpointed = checkpoint_blocks(model, activation_checkpointing, every=activation_checkpointing_every)
+    else:
+        checkpointed = blocks(model) if activation_checkpointing else []
+    apply_activation_checkpointing(checkpointed, compile=compile)
     # 4. Compile, per block (the all-to-all's host sync would split a whole-model graph anyway).
-    #    Off by default: on CPU, fp32 torch._grouped_mm cannot be traced yet.
     if compile:
-        for block in default_blocks(model):
-            block.compile()
+        compile_blocks(default_blocks(model), checkpointed=checkpointed)
     # 5. Data parallelism.
     return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb, zero_stage=zero_stage,
                                blocks=default_blocks(model), mixed_precision=mixed_precision,

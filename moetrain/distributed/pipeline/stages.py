@@ -315,7 +315,11 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     ``bucket_cap_mb`` (DDP's) has no use here: the stage 0/1 reduction is one flat buffer."""
     from moetrain.distributed.data_parallel.ddp import apply_data_parallel
     from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
-    from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
+    from moetrain.distributed.parallelize import (
+        apply_activation_checkpointing,
+        checkpoint_blocks,
+        compile_blocks,
+    )
 
     del bucket_cap_mb
     check_pipeline_reduction(pp=dims.pp, grad_compression=grad_compression)
@@ -324,11 +328,10 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
     for chunk in pm.chunks:
         chunk.sequence_shards = dims.tp
     apply_expert_parallel(pm, dims)
-    apply_activation_checkpointing(checkpoint_blocks(pm, activation_checkpointing,
-                                                     every=activation_checkpointing_every))
+    checkpointed = checkpoint_blocks(pm, activation_checkpointing, every=activation_checkpointing_every)
+    apply_activation_checkpointing(checkpointed, compile=compile)
     if compile:
-        for block in pm.layers.values():
-            block.compile()
+        compile_blocks(list(pm.layers.values()), checkpointed=checkpointed)
     if zero_stage >= 2:
         # FSDP2 warns that a root returning a view loses its pre-backward hook to an in-place op
         # on it; a chunk's output is only sent or fed to the loss, never modified in place.
