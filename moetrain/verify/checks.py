@@ -118,7 +118,8 @@ class Comparison:
             return self._add(quantity, 0.0, 0.0, tol, True, step=step)
         both_nan = torch.isnan(g) & torch.isnan(w)
         diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
-        rel = diff / w.abs().clamp(min=1e-30)
+        # A difference from an exact zero is infinitely relative (shown "inf"); none at all is 0.
+        rel = torch.where(w == 0, torch.where(diff > 0, math.inf, 0.0), diff / w.abs().clamp(min=1e-300))
         ok = not bool((torch.isnan(g) != torch.isnan(w)).any()) and bool((diff <= tol.abs + tol.rel * w.abs()).all())
         return self._add(quantity, _finite(diff.max()), _finite(rel.max()), tol, ok, step=step, num=g.numel())
 
@@ -151,6 +152,8 @@ class Comparison:
             r = Result(quantity, 0.0, 0.0, tol, True)
             self.results.append(r)
         r.max_abs, r.max_rel = max(r.max_abs, max_abs), max(r.max_rel, max_rel)
+        if r.ok:  # the bound shown: the failing step's, else the last (the loosest: bounds grow with steps)
+            r.tolerance = tol
         r.num_values += num
         if note and not r.note:
             r.note = note if ok else f"step {step}: {note}"

@@ -12,7 +12,7 @@ from moetrain.verify.shrink import Change
 
 
 def _num(v: float) -> str:
-    return "-" if math.isinf(v) else f"{v:.3e}"
+    return "inf" if math.isinf(v) else f"{v:.3e}"
 
 
 def _status(r: Result) -> str:

@@ -2,8 +2,8 @@
 processes (torch.distributed.run, gloo on CPU), and what they leave: per-step records and
 checkpoints read back in one process at full size.
 
-    reference   world 1, steps 1..S+1, a checkpoint after S and after S+1
-    layout L    L's processes, steps 1..S+1, a checkpoint after S
+    reference   world 1, steps 1..S+1, a checkpoint after each
+    layout L    L's processes, steps 1..S+1, a checkpoint after each
     resharded   world 1 resumed from L's checkpoint after S, step S+1, a checkpoint after it
 """
 
