@@ -103,6 +103,12 @@ class JobConfig:
         check_muon(self.optim.name, tp=par.tp, etp=par.etp, grad_compression=self.dp.grad_compression,
                    zero_stage=par.zero_stage, offload_optimizer=self.zero.offload_optimizer,
                    offload_param=self.zero.offload_param)
+        if self.log.routing_trace == "full" or (m.is_moe and self.moe.routing_replay is not None):
+            field_, value = (("log.routing_trace", "full") if self.log.routing_trace == "full"
+                             else ("moe.routing_replay", self.moe.routing_replay))
+            require(par.tp == 1 and par.pp == 1 and m.head == "lm", field_, value,
+                    f"needs parallel.tp = 1, parallel.pp = 1 and model.head = 'lm' (got tp={par.tp}, pp={par.pp}, "
+                    f"head={m.head!r}): token ids are placed by whole sequences of the global batch")
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
         check_pipeline_reduction(pp=par.pp, grad_compression=self.dp.grad_compression)
         if m.head == "classifier":

@@ -89,6 +89,13 @@ class LogConfig:
     config.yaml, the per-expert load as JSON tables (expert_load/step<N>.json) and at the end the report's PNGs.
     The run id is kept in <run_dir>/mlflow_run_id for resumes. None = off (mlflow not imported)."""
 
+    routing_trace: str = "counts"
+    """Routing trace in <run_dir>/routing_trace (safetensors shards + index.json, docs/routing.md#routing-traces):
+    "counts" = on each log.every step, the routed copies per expert and MoE layer of each rank's tokens (4 bytes x
+    layers x experts per rank); "full" = every step, the top-k expert ids of every token with its place in the
+    global batch (2 bytes x tokens x top_k per step), what moe.routing_replay reads; "off" = none. "full" needs
+    parallel.tp = 1 and parallel.pp = 1 (each rank then routes whole sequences of the global batch)."""
+
     level: str = "info"
     """Python logging level of rank 0: "debug", "info" or "warning" (other ranks log warnings only)."""
 
@@ -101,6 +108,7 @@ class LogConfig:
         require_bool("log.progress_bar", self.progress_bar)
         require_bool("log.memory", self.memory)
         require_bool("log.comm_timing", self.comm_timing)
+        require_choice("log.routing_trace", self.routing_trace, ("counts", "full", "off"))
         require_choice("log.level", self.level, ("debug", "info", "warning"))
         require(self.wandb is None or isinstance(self.wandb, WandbConfig), "log.wandb", self.wandb,
                 "must be None or a mapping of project, entity, mode")

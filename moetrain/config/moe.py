@@ -158,6 +158,15 @@ class MoEConfig:
     default; every metrics record says when it is on (``force_balance``). "none" = off.
     Token-choice routers only."""
 
+    routing_replay: str | None = None
+    """A run folder (or its routing_trace folder) recorded with log.routing_trace = "full": in training, each
+    token goes to the expert ids recorded for it at the same step (R3 replay: the ids are fixed, the gate weights
+    are the current router's scores at those ids, differentiable, and the balance losses see the replayed
+    assignment). The trace must come from the same model geometry (MoE layer names, num_experts, top_k) and
+    tokens per step, and cover every step to train; checked, shard headers included, before training starts.
+    Any layout (dp, ep) may replay a trace of any other; parallel.tp and parallel.pp must be 1. Evaluation routes
+    by the router's own choice. None = off. Token-choice routers only."""
+
     num_expert_groups: int = 1
     """Two-level (group-limited) routing: the E experts form this many groups of consecutive ids;
     a token first picks its top_groups groups (by group_score), then its top_k experts inside
@@ -308,6 +317,13 @@ class MoEConfig:
         require_choice("moe.force_balance", self.force_balance, ("none", "round_robin", "random"))
         require(not (expert_choice and self.force_balance != "none"), "moe.force_balance", self.force_balance,
                 'must be "none" with moe.router "expert_choice" (experts pick tokens; it is balanced by construction)')
+        require(self.routing_replay is None or (isinstance(self.routing_replay, str) and self.routing_replay != ""),
+                "moe.routing_replay", self.routing_replay, "must be None or a non-empty path")
+        require(self.routing_replay is None or not expert_choice, "moe.routing_replay", self.routing_replay,
+                'must be None with moe.router "expert_choice" (token-choice routers only)')
+        require(self.routing_replay is None or self.force_balance == "none", "moe.routing_replay",
+                self.routing_replay, f'must be None with moe.force_balance ({self.force_balance!r}): both replace '
+                'the routing')
         require_int("moe.num_expert_groups", self.num_expert_groups, min_value=1)
         require(self.num_experts % self.num_expert_groups == 0, "moe.num_expert_groups", self.num_expert_groups,
                 f"must divide moe.num_experts ({self.num_experts})")

@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moetrain.train.metrics import read_metrics
+from moetrain.train.routing_trace import INDEX, TRACE_DIR, rank_loads, straggler_factors
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list]:
@@ -177,6 +178,39 @@ def plot_confusion(records, out: Path, class_names: list[str] | None) -> Path | 
     return _save(fig, out / "confusion.png")
 
 
+def plot_rank_load(run_dir: Path, out: Path) -> list[Path]:
+    """From the routing trace (log.routing_trace): one heat map per MoE layer, expert-parallel rank
+    (rows) x recorded step (columns), colour = the rank's received copies / the mean rank's (1 =
+    balanced; a bright row is a straggler), and ``routing_straggler.json``: per layer, the
+    straggler factor (max rank tokens / mean) at each recorded step, its mean and its max."""
+    if not (run_dir / TRACE_DIR / INDEX).is_file():
+        return []
+    steps, layers, load_SLP = rank_loads(run_dir)
+    if not steps:
+        return []
+    factor_SL = straggler_factors(load_SLP)
+    per_layer = {name: {"straggler_factor": [round(v, 5) for v in factor_SL[:, i].tolist()],
+                        "mean": round(float(factor_SL[:, i].mean()), 5), "max": round(float(factor_SL[:, i].max()), 5)}
+                 for i, name in enumerate(layers)}
+    summary = {"steps": steps, "layers": per_layer}
+    json_path = out / "routing_straggler.json"
+    json_path.write_text(json.dumps(summary, indent=1) + "\n")
+    rel_SLP = (load_SLP / load_SLP.mean(-1, keepdim=True).clamp(min=1e-12)).numpy()
+    num_ranks = rel_SLP.shape[2]
+    fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.4 * len(layers)), squeeze=False, sharex=True)
+    for i, name in enumerate(layers):
+        ax = axes[i][0]
+        im = ax.imshow(rel_SLP[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=max(2.0, float(rel_SLP.max())),
+                       interpolation="nearest", extent=(steps[0] - 0.5, steps[-1] + 0.5, num_ranks - 0.5, -0.5))
+        ax.set_ylabel(f"{name}\nep rank")
+        ax.set_title(f"straggler factor mean {per_layer[name]['mean']:.3f}, "
+                     f"max {per_layer[name]['max']:.3f}", fontsize=8)
+        fig.colorbar(im, ax=ax, label="load / mean")
+    axes[-1][0].set_xlabel("step")
+    fig.suptitle("Per-rank expert load (routing trace)")
+    return [_save(fig, out / "rank_load.png"), json_path]
+
+
 def _class_names(run_dir: Path) -> list[str] | None:
     """The class names a classifier run wrote (``RUN/classes.json``), if any."""
     try:
@@ -192,4 +226,4 @@ def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None =
     made = [plot_loss(records, out), plot_throughput(records, out), plot_expert_load(records, out),
             plot_expert_health(records, out), plot_dropped(records, out), plot_accuracy(records, out),
             plot_confusion(records, out, _class_names(Path(run_dir)))]
-    return [p for p in made if p is not None]
+    return [p for p in made if p is not None] + plot_rank_load(Path(run_dir), out)

@@ -53,6 +53,7 @@ from moetrain.train.optim import build_optimizer, build_scheduler, optimizer_set
 from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step_batch
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.train.rng_state import restore_rng_state, seed_rng_state
+from moetrain.train.routing_trace import RoutingHooks, build_routing_hooks
 from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
 from moetrain.train.trackers import build_trackers
 from moetrain.train.weight_average import WeightAverage
@@ -200,6 +201,11 @@ class Trainer:
             # An elastic restart (or a reshard by hand): same global batch, another accumulation.
             self.metrics.log(self.step, {"event": "world_size_changed", "world_size_before": resumed.saved_world_size,
                                          "world_size": self.world_size, "grad_accum": self.grad_accum})
+        # Routing trace and replay (log.routing_trace, moe.routing_replay): a trace that does not fit raises here.
+        self.routing = RoutingHooks([]) if not self.model_config.is_moe else build_routing_hooks(
+            self.cfg, self.model, run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
+            dp_rank=self.dp_rank, dp_size=self.dp_size, ep=self.dims.ep, grad_accum=self.grad_accum,
+            is_main=self.is_main, start_step=self.step)
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()
@@ -221,6 +227,7 @@ class Trainer:
         if track:
             averages = self.ema.tensors() if self.ema is not None else ()
             tracker = MemoryTracker(self.parallel_model, self.optimizer, averages)
+        self.routing.start_step(self.step + 1)
         with tracker if tracker is not None else contextlib.nullcontext():
             with self.phase(f"forward/backward of step {self.step + 1}"):
                 if self.pipeline is not None:  # the schedule runs the step's micro-batches
@@ -234,11 +241,13 @@ class Trainer:
                         batch = [x.to(self.device) for x in self.train_loader.next_batch()]
                         # No gradient reduction on the non-final micro-steps: gradients accumulate locally.
                         last_micro = micro == self.grad_accum - 1
+                        self.routing.before_micro(micro)
                         with contextlib.nullcontext() if last_micro else no_sync(self.parallel_model):
                             self.forward_backward(*batch)
                     finalize_grads(self.parallel_model, self.dims)
             with self.phase(f"optimizer step {self.step + 1}"):
                 good = self.optimizer_step()
+        self.routing.finish_step()
         if tracker is not None:
             self.memory_metrics = tracker.report().as_metrics()
         self._account_step(good)

@@ -73,6 +73,9 @@ class TopKRouter(nn.Module):
         if force_balance != "none" and top_k > num_experts:
             raise ValueError(f"moe.top_k ({top_k}) must be <= moe.num_experts ({num_experts}) to force a balance")
         self.force_balance = force_balance
+        # Expert ids of the tokens of the next training forwards, set and cleared by the routing
+        # replay (moetrain.train.routing_trace); None = the router chooses.
+        self.replay_idx_TK: torch.Tensor | None = None
         if num_experts % num_groups != 0 or not 1 <= top_groups <= num_groups:
             raise ValueError(f"num_groups ({num_groups}) must divide num_experts ({num_experts}) and "
                              f"top_groups ({top_groups}) must be in [1, num_groups]")
@@ -136,7 +139,14 @@ class TopKRouter(nn.Module):
         else:
             scores_TE = torch.sigmoid(logits_TE)
             probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
-        if self.training and self.force_balance != "none":
+        if self.training and self.replay_idx_TK is not None:
+            # R3 replay: the recorded ids, weighted by this router's current (differentiable) scores.
+            if self.replay_idx_TK.shape != (logits_TE.shape[0], self.top_k):
+                raise ValueError(f"moe.routing_replay: replayed ids {list(self.replay_idx_TK.shape)} do not fit "
+                                 f"this forward's {logits_TE.shape[0]} tokens x top_k {self.top_k}")
+            idx_TK = self.replay_idx_TK
+            weights_TK = scores_TE.gather(1, idx_TK)
+        elif self.training and self.force_balance != "none":
             # Benchmark routing: the router's choice is ignored, its scores still weight the
             # forced experts (so the gate gets gradients, as torchtitan's debug switch does).
             idx_TK = forced_assignment(logits_TE.shape[0], self.num_experts, self.top_k, mode=self.force_balance,

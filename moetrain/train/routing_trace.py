@@ -1,0 +1,356 @@
+"""Routing traces (``log.routing_trace``) and routing replay (``moe.routing_replay``).
+
+A trace lives in ``<run_dir>/routing_trace``: ``index.json`` (the model geometry, the layout that
+wrote it and the recorded steps) and one safetensors file per recorded step and rank,
+``step_{step:08d}.rank{rank:05d}.safetensors`` (no pickle). Each rank writes its own tokens, so
+recording needs no collective:
+
+* "counts" (on the ``log.every`` steps): ``counts.<layer>`` int32 [E], the routed copies of this
+  rank's tokens per expert (before capacity drops). Summed over the rank files of a step, they are
+  the global batch's counts (under tp the ranks hold sequence slices; under pp each rank has its
+  stage's layers).
+* "full" (every step): ``ids.<layer>`` int16 [T_rank, K], the top-k expert ids of every token this
+  rank routed, its micro-batches one after another, and ``blocks`` int64 [A, 2], for each
+  micro-batch the global offset and length of its tokens in the step's global batch (sequences in
+  the loader's order, ``micro * micro_batch + dp_rank * local_batch``, times seq_len). Replay at any
+  layout reassembles the global ``[T, K]`` ids from the blocks and hands each rank its own.
+
+The recorder reads the routers' output through forward hooks it registers itself (in training
+mode, and not in an activation-checkpointing recompute); the replay sets ``router.replay_idx_TK``
+before each micro-batch and clears it after the step.
+
+Shape legend: T tokens, E experts, K experts per token, A micro-batches per step, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moetrain.distributed.data_parallel.ddp import unwrap
+from moetrain.models.moe.layer import MoELayer
+from moetrain.utils.files import atomic_write_text
+from moetrain.utils.safetensors_io import DTYPES, ShardedWriter, TensorSpec, read_header
+
+TRACE_DIR = "routing_trace"
+INDEX = "index.json"
+FORMAT = 1
+
+
+def step_file(step: int, rank: int) -> str:
+    return f"step_{step:08d}.rank{rank:05d}.safetensors"
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoELayer]]:
+    return [(name, m) for name, m in unwrap(model).named_modules() if isinstance(m, MoELayer)]
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a trace must share with the run that replays it, and where this rank's tokens lie."""
+
+    num_experts: int
+    top_k: int
+    tokens_per_step: int
+    seq_len: int
+    micro_batch: int
+    """Sequences of one micro-batch over all data-parallel ranks."""
+    local_batch: int
+    """Sequences of one micro-batch on this rank."""
+    dp_rank: int
+
+    def block(self, micro: int) -> tuple[int, int]:
+        """(global token offset, token count) of this rank's micro-batch ``micro``."""
+        start = (micro * self.micro_batch + self.dp_rank * self.local_batch) * self.seq_len
+        return start, self.local_batch * self.seq_len
+
+
+class RoutingRecorder:
+    """Writes this rank's part of the trace; ``start_step`` / ``before_micro`` / ``finish_step``
+    are called by the trainer around each optimizer step."""
+
+    def __init__(self, model: nn.Module, *, mode: str, every: int, run_dir: Path, geometry: Geometry,
+                 num_micro: int, rank: int, world_size: int, ep: int, is_main: bool, start_step: int) -> None:
+        self.mode, self.every, self.geometry, self.num_micro = mode, every, geometry, num_micro
+        self.rank, self.is_main = rank, is_main
+        self.folder = run_dir / TRACE_DIR
+        self.layers = moe_layers(model)
+        self.active = False
+        self._counts: dict[str, torch.Tensor] = {}
+        self._ids: dict[str, list[torch.Tensor]] = {}
+        self._handles = [layer.router.register_forward_hook(self._hook(name)) for name, layer in self.layers]
+        # The layer names of every rank (pipeline stages hold different layers): one gather at setup.
+        names = [name for name, _ in self.layers]
+        every_names: list[list[str]] = [names]
+        if dist.is_initialized() and world_size > 1:
+            every_names = [[] for _ in range(world_size)]
+            dist.all_gather_object(every_names, names)
+        all_names = list(dict.fromkeys(n for rank_names in every_names for n in rank_names))
+        self.index: dict[str, Any] = {
+            "format": FORMAT, "mode": mode, "layers": all_names, "num_experts": geometry.num_experts,
+            "top_k": geometry.top_k, "tokens_per_step": geometry.tokens_per_step, "world_size": world_size,
+            "ep": ep, "steps": []}
+        if is_main:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            old = self.folder / INDEX
+            if old.is_file():  # a resumed run: keep the steps it had recorded before the resume point
+                prev = json.loads(old.read_text())
+                if all(prev.get(k) == self.index[k] for k in ("mode", "layers", "world_size")):
+                    self.index["steps"] = [s for s in prev.get("steps", []) if s <= start_step]
+        self._dirty = False
+
+    def _hook(self, name: str):
+        def hook(router: nn.Module, args, out) -> None:
+            # Evaluation forwards are not training steps; an activation-checkpointing recompute
+            # (a graph task is executing) routes the same tokens a second time.
+            if not (self.active and router.training) or torch._C._current_graph_task_id() != -1:
+                return
+            idx_TK = out.idx_TK.detach()
+            if self.mode == "counts":
+                self._counts[name] += torch.bincount(idx_TK.reshape(-1), minlength=self.geometry.num_experts)
+            else:
+                self._ids[name].append(idx_TK.to("cpu", torch.int16))
+        return hook
+
+    def start_step(self, step: int) -> None:
+        """``step``: the 1-based number of the step about to run."""
+        self.step = step
+        self.active = self.mode == "full" or step % self.every == 0
+        if not self.active:
+            return
+        for name, layer in self.layers:
+            if self.mode == "counts":
+                self._counts[name] = torch.zeros(self.geometry.num_experts, dtype=torch.int64,
+                                                 device=layer.tokens_per_expert.device)
+            else:
+                self._ids[name] = []
+
+    def finish_step(self) -> None:
+        if not self.active:
+            return
+        self.active = False
+        tensors: dict[str, torch.Tensor] = {}
+        if self.mode == "counts":
+            tensors = {f"counts.{n}": c.to("cpu", torch.int32) for n, c in self._counts.items()}  # host sync
+        else:
+            starts = [self.geometry.block(m) for m in range(self.num_micro)]
+            tensors["blocks"] = torch.tensor(starts, dtype=torch.int64)
+            expect = sum(length for _, length in starts)
+            for n, parts in self._ids.items():
+                ids_TK = torch.cat(parts) if parts else torch.empty(0, self.geometry.top_k, dtype=torch.int16)
+                if ids_TK.shape[0] != expect:
+                    raise RuntimeError(f"routing trace: layer {n} routed {ids_TK.shape[0]} tokens in step "
+                                       f"{self.step}, not the {expect} of this rank's micro-batches")
+                tensors[f"ids.{n}"] = ids_TK
+        specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
+        name = step_file(self.step, self.rank)
+        with ShardedWriter(self.folder, specs, metadata={"step": str(self.step)}, weights=name) as w:
+            for k, v in tensors.items():
+                w.write(k, v)
+            w.close()
+        if self.is_main:
+            self.index["steps"].append(self.step)
+            atomic_write_text(self.folder / INDEX, json.dumps(self.index) + "\n")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def trace_folder(path: str | os.PathLike) -> Path:
+    """The trace folder of a run folder or the trace folder itself."""
+    p = Path(path)
+    return p / TRACE_DIR if (p / TRACE_DIR / INDEX).is_file() else p
+
+
+def read_index(path: str | os.PathLike) -> tuple[Path, dict]:
+    folder = trace_folder(path)
+    index_path = folder / INDEX
+    try:
+        index = json.loads(index_path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"routing trace {str(index_path)!r}: cannot read its index ({e})") from e
+    required = ("format", "mode", "layers", "num_experts", "top_k", "tokens_per_step", "world_size", "steps")
+    missing = [k for k in required if k not in index]
+    if missing or index["format"] != FORMAT:
+        raise ValueError(f"routing trace {str(index_path)!r}: not a format-{FORMAT} index (missing {missing})")
+    return folder, index
+
+
+class RoutingReplay:
+    """Feeds the recorded ids of each step to the routers (``moe.routing_replay``)."""
+
+    def __init__(self, path: str | os.PathLike, model: nn.Module, *, geometry: Geometry, first_step: int,
+                 last_step: int) -> None:
+        self.folder, self.index = read_index(path)
+        self.geometry = geometry
+        self.layers = moe_layers(model)
+        check_trace(self.folder, self.index, layer_names=[n for n, _ in self.layers], geometry=geometry,
+                    steps=range(first_step, last_step + 1))
+        self._ids: dict[str, torch.Tensor] = {}
+
+    def start_step(self, step: int) -> None:
+        self._ids = load_step_ids(self.folder, self.index, step, [n for n, _ in self.layers],
+                                  num_tokens=self.geometry.tokens_per_step, num_experts=self.geometry.num_experts)
+
+    def before_micro(self, micro: int) -> None:
+        start, length = self.geometry.block(micro)
+        for name, layer in self.layers:
+            ids_TK = self._ids[name][start:start + length]
+            layer.router.replay_idx_TK = ids_TK.to(layer.tokens_per_expert.device)
+
+    def finish_step(self) -> None:
+        for _, layer in self.layers:
+            layer.router.replay_idx_TK = None
+        self._ids = {}
+
+
+def check_trace(folder: Path, index: dict, *, layer_names: list[str], geometry: Geometry, steps: range) -> None:
+    """Every mismatch between a trace and the run replaying it, as one ValueError naming the file."""
+    where = str(folder / INDEX)
+    problems = []
+    if index["mode"] != "full":
+        problems.append(f'mode {index["mode"]!r} (replay needs log.routing_trace = "full")')
+    if sorted(index["layers"]) != sorted(layer_names):
+        problems.append(f"MoE layers {index['layers']} != this model's {layer_names}")
+    for key, ours in (("num_experts", geometry.num_experts), ("top_k", geometry.top_k),
+                      ("tokens_per_step", geometry.tokens_per_step)):
+        if index[key] != ours:
+            problems.append(f"{key} {index[key]} != this run's {ours}")
+    missing = [s for s in steps if s not in set(index["steps"])]
+    if missing:
+        problems.append(f"steps {missing[:5]}{'...' if len(missing) > 5 else ''} not recorded")
+    if problems:
+        raise ValueError(f"moe.routing_replay: trace {where!r} does not fit this run: {'; '.join(problems)}")
+    for step in steps:
+        for rank in range(index["world_size"]):
+            _check_file(folder / step_file(step, rank), index)
+
+
+def _check_file(path: Path, index: dict) -> None:
+    try:
+        tensors, _ = read_header(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"moe.routing_replay: trace file {str(path)!r} is missing or corrupt ({e})") from e
+    bad = []
+    if "blocks" not in tensors or tensors["blocks"].dtype != torch.int64 or len(tensors["blocks"].shape) != 2:
+        bad.append("no int64 [A, 2] 'blocks'")
+    for name in index["layers"]:
+        info = tensors.get(f"ids.{name}")
+        if info is None or info.dtype != torch.int16 or len(info.shape) != 2 or info.shape[1] != index["top_k"]:
+            bad.append(f"no int16 [T, {index['top_k']}] 'ids.{name}'")
+    if bad:
+        raise ValueError(f"moe.routing_replay: trace file {str(path)!r} is corrupt: {'; '.join(bad)}")
+
+
+def _read(info, path: Path) -> torch.Tensor:
+    with open(path, "rb") as f:
+        f.seek(info.start)
+        buf = bytearray(f.read(info.end - info.start))
+    if len(buf) != info.end - info.start:
+        raise ValueError(f"moe.routing_replay: trace file {str(path)!r} is truncated")
+    if not buf:
+        return torch.empty(info.shape, dtype=info.dtype)
+    assert info.dtype in DTYPES.values()
+    return torch.frombuffer(buf, dtype=info.dtype).reshape(info.shape)
+
+
+def load_step_ids(folder: Path, index: dict, step: int, layer_names: list[str], *, num_tokens: int,
+                  num_experts: int) -> dict[str, torch.Tensor]:
+    """The global ``[T, K]`` int64 ids of each layer at ``step``, from every rank file of the trace."""
+    out = {n: torch.full((num_tokens, index["top_k"]), -1, dtype=torch.int64) for n in layer_names}
+    for rank in range(index["world_size"]):
+        path = folder / step_file(step, rank)
+        tensors, _ = read_header(path)
+        blocks_A2 = _read(tensors["blocks"], path)
+        for name in layer_names:
+            ids_TK = _read(tensors[f"ids.{name}"], path).long()
+            if int(blocks_A2[:, 1].sum()) != ids_TK.shape[0] or int((blocks_A2[:, 0] + blocks_A2[:, 1]).max()) > \
+                    num_tokens or int(blocks_A2.min()) < 0:
+                raise ValueError(f"moe.routing_replay: trace file {str(path)!r}: its blocks do not place its "
+                                 f"{ids_TK.shape[0]} tokens inside the {num_tokens} of a step")
+            if ids_TK.numel() and (int(ids_TK.min()) < 0 or int(ids_TK.max()) >= num_experts):
+                raise ValueError(f"moe.routing_replay: trace file {str(path)!r}: expert ids of {name} outside "
+                                 f"[0, {num_experts})")
+            offset = 0
+            for start, length in blocks_A2.tolist():
+                out[name][start:start + length] = ids_TK[offset:offset + length]
+                offset += length
+    for name, ids_TK in out.items():
+        if bool((ids_TK < 0).any()):
+            raise ValueError(f"moe.routing_replay: trace {str(folder)!r} step {step}: layer {name} has tokens that "
+                             "no rank file covers")
+    return out
+
+
+class RoutingHooks:
+    """The recorder and the replay of a run (either may be absent), called around each step."""
+
+    def __init__(self, parts: list) -> None:
+        self.parts = parts
+
+    def start_step(self, step: int) -> None:
+        for p in self.parts:
+            p.start_step(step)
+
+    def before_micro(self, micro: int) -> None:
+        for p in self.parts:
+            if isinstance(p, RoutingReplay):
+                p.before_micro(micro)
+
+    def finish_step(self) -> None:
+        for p in self.parts:
+            p.finish_step()
+
+
+def build_routing_hooks(cfg, model: nn.Module, *, run_dir: Path, rank: int, world_size: int, dp_rank: int,
+                        dp_size: int, ep: int, grad_accum: int, is_main: bool, start_step: int) -> RoutingHooks:
+    """``cfg``: the JobConfig. Replay is built first: a trace that does not fit raises before anything runs."""
+    m = cfg.moe
+    micro_batch = cfg.train.global_batch_size // grad_accum
+    geometry = Geometry(num_experts=m.num_experts, top_k=m.top_k,
+                        tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len, seq_len=cfg.data.seq_len,
+                        micro_batch=micro_batch, local_batch=micro_batch // dp_size, dp_rank=dp_rank)
+    parts: list = []
+    if m.routing_replay is not None:
+        parts.append(RoutingReplay(m.routing_replay, model, geometry=geometry, first_step=start_step + 1,
+                                   last_step=cfg.train.steps))
+    if cfg.log.routing_trace != "off":
+        parts.append(RoutingRecorder(model, mode=cfg.log.routing_trace, every=cfg.log.every, run_dir=run_dir,
+                                     geometry=geometry, num_micro=grad_accum, rank=rank, world_size=world_size,
+                                     ep=ep, is_main=is_main, start_step=start_step))
+    return RoutingHooks(parts)
+
+
+def rank_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Tensor]:
+    """``(steps, layers, load_SLP)`` of a trace: the routed copies the experts of each expert-parallel
+    rank received at each recorded step, per MoE layer, over the global batch (the experts of rank p
+    are ``p * E/ep ... (p + 1) * E/ep - 1``, the order the expert-parallel sharding uses). P = the
+    trace's ep degree."""
+    folder, index = read_index(path)
+    layers, steps, ep = index["layers"], sorted(index["steps"]), max(int(index.get("ep", 1)), 1)
+    num_experts = index["num_experts"]
+    load_SLE = torch.zeros(len(steps), len(layers), num_experts, dtype=torch.float64)
+    for s, step in enumerate(steps):
+        for rank in range(index["world_size"]):
+            file = folder / step_file(step, rank)
+            tensors, _ = read_header(file)
+            for i, name in enumerate(layers):
+                if (info := tensors.get(f"counts.{name}")) is not None:
+                    load_SLE[s, i] += _read(info, file).double()
+                elif (info := tensors.get(f"ids.{name}")) is not None:
+                    load_SLE[s, i] += torch.bincount(_read(info, file).long().reshape(-1), minlength=num_experts)
+    return steps, layers, load_SLE.view(len(steps), len(layers), ep, num_experts // ep).sum(-1)
+
+
+def straggler_factors(load_SLP: torch.Tensor) -> torch.Tensor:
+    """``[S, L]`` max rank load / mean rank load: how much longer the hottest rank's experts run
+    than a balanced split would (1 = balanced)."""
+    return load_SLP.amax(-1) / load_SLP.mean(-1).clamp(min=1e-12)

@@ -1,0 +1,108 @@
+"""The routing-trace recorder on a tiny stack of MoE layers, its per-rank loads and straggler factor
+(worked by hand), and the report's heat map; replay through the router (R3: ids fixed, gate weights
+the router's own differentiable scores). End to end: tests/integration/test_routing_trace.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from moetrain.config.moe import MoEConfig
+from moetrain.models.moe.layer import MoELayer
+from moetrain.models.moe.router import TopKRouter
+from moetrain.train.report import plot_rank_load
+from moetrain.train.routing_trace import (
+    INDEX,
+    TRACE_DIR,
+    Geometry,
+    RoutingRecorder,
+    _read,
+    rank_loads,
+    step_file,
+    straggler_factors,
+)
+from moetrain.utils.safetensors_io import read_header
+
+E, K, D = 4, 2, 16
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*(MoELayer(D, MoEConfig(num_experts=E, top_k=K, expert_hidden_dim=16)) for _ in range(2)))
+
+
+def _geometry(tokens: int) -> Geometry:
+    return Geometry(num_experts=E, top_k=K, tokens_per_step=tokens, seq_len=tokens, micro_batch=1, local_batch=1,
+                    dp_rank=0)
+
+
+def test_counts_on_log_steps_only_and_not_in_eval(tmp_path):
+    model = _model()
+    rec = RoutingRecorder(model, mode="counts", every=2, run_dir=tmp_path, geometry=_geometry(8), num_micro=1,
+                          rank=0, world_size=1, ep=2, is_main=True, start_step=0)
+    expected = {}
+    for step in range(1, 5):
+        x = torch.randn(8, D)
+        rec.start_step(step)
+        model.train()
+        [layer(x) for layer in model]
+        model.eval()
+        [layer(x) for layer in model]  # an evaluation forward: not a training step's routing
+        rec.finish_step()
+        expected[step] = [torch.bincount(layer.router(x).idx_TK.reshape(-1), minlength=E) for layer in model]
+    index = json.loads((tmp_path / TRACE_DIR / INDEX).read_text())
+    assert index["steps"] == [2, 4] and index["layers"] == ["0", "1"]
+    assert not (tmp_path / TRACE_DIR / step_file(1, 0)).exists()
+    path = tmp_path / TRACE_DIR / step_file(4, 0)
+    tensors, _ = read_header(path)
+    for i in range(2):
+        assert torch.equal(_read(tensors[f"counts.{i}"], path).long(), expected[4][i])
+    rec.remove()
+
+
+def test_rank_loads_and_straggler_factor_worked_by_hand(tmp_path):
+    folder = tmp_path / TRACE_DIR
+    folder.mkdir()
+    from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
+
+    # Two ranks' counts at one step, E = 4 over ep = 2: rank 0 hosts experts 0-1, rank 1 experts 2-3.
+    per_rank = [torch.tensor([5, 1, 1, 1], dtype=torch.int32), torch.tensor([3, 1, 0, 0], dtype=torch.int32)]
+    for rank, counts in enumerate(per_rank):
+        with ShardedWriter(folder, [TensorSpec("counts.L", (E,), torch.int32)], metadata={},
+                           weights=step_file(3, rank)) as w:
+            w.write("counts.L", counts)
+            w.close()
+    (folder / INDEX).write_text(json.dumps({"format": 1, "mode": "counts", "layers": ["L"], "num_experts": E,
+                                            "top_k": K, "tokens_per_step": 6, "world_size": 2, "ep": 2,
+                                            "steps": [3]}))
+    steps, layers, load_SLP = rank_loads(tmp_path)
+    # global counts [8, 2, 1, 1]: rank 0 gets 10 copies, rank 1 gets 2; mean 6, factor 10 / 6.
+    assert steps == [3] and layers == ["L"] and load_SLP.tolist() == [[[10.0, 2.0]]]
+    assert straggler_factors(load_SLP).tolist() == [[pytest.approx(10 / 6)]]
+    made = plot_rank_load(tmp_path, tmp_path)
+    assert [p.name for p in made] == ["rank_load.png", "routing_straggler.json"]
+    assert json.loads(made[1].read_text())["layers"]["L"]["max"] == round(10 / 6, 5)
+
+
+def test_replay_fixes_ids_and_keeps_gate_gradients():
+    torch.manual_seed(0)
+    router = TopKRouter(D, E, top_k=K)
+    x = torch.randn(6, D)
+    ids = torch.tensor([[3, 2], [0, 1], [1, 3], [2, 0], [3, 1], [0, 2]])
+    router.replay_idx_TK = ids
+    out = router(x)
+    assert torch.equal(out.idx_TK, ids)
+    probs = torch.softmax(x @ router.gate.weight.T, dim=-1)
+    ref = probs.gather(1, ids)
+    torch.testing.assert_close(out.weights_TK, ref / ref.sum(-1, keepdim=True))
+    out.weights_TK[:, 0].sum().backward()
+    assert router.gate.weight.grad is not None and router.gate.weight.grad.abs().sum() > 0
+    router.eval()  # evaluation routes by the router's own choice
+    assert not torch.equal(router(x).idx_TK, ids)
+    router.train()
+    router.replay_idx_TK = ids[:5]
+    with pytest.raises(ValueError, match="replayed ids"):
+        router(x)
