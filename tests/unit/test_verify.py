@@ -120,3 +120,26 @@ def test_the_command_refuses_a_bad_layout_before_running_anything(capsys, tmp_pa
     assert main(["verify", "--config", "tiny", "--layouts", "ep=3", "--work", str(tmp_path / "w")]) == 2
     assert "layout dp=3,ep=3: parallel.ep (3) must divide moe.num_experts (8)" in capsys.readouterr().err
     assert not (tmp_path / "w").exists()
+
+
+def test_the_command_prints_the_table_writes_json_and_exits_1_naming_the_first_failure(monkeypatch, capsys,
+                                                                                        tmp_path):
+    from moetrain.cli import main
+    from moetrain.verify import driver
+
+    def fake_run(plan, *, work=None, say=print, checks=driver.CHECKS):
+        out = Comparison()
+        out.values("[dp=2,ep=2] loss", 1.0, 1.0, EXACT, step=1)
+        out.values("[dp=2,ep=2] grad_norm", 2.0, 1.0, EXACT, step=2)
+        out.values("[dp=2,ep=2] aux_loss", 2.0, 1.0, EXACT, step=1)
+        return out
+
+    monkeypatch.setattr(driver, "run_verification", fake_run)
+    code = main(["verify", "--config", "tiny", "--layouts", "ep=2", "--json", str(tmp_path / "v.json")])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "model.num_layers: 4 -> 2" in out and "moe.router_noise_std" in out  # the changes and exclusions
+    assert out.strip().splitlines()[-1].startswith("verify: FAIL: [dp=2,ep=2] aux_loss")  # step 1 before step 2
+    doc = json.loads((tmp_path / "v.json").read_text())
+    assert not doc["passed"] and doc["layouts"] == ["dp=2,ep=2"]
+    assert [r["status"] for r in doc["results"]] == ["PASS", "FAIL", "FAIL"]
