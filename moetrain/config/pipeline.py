@@ -18,22 +18,21 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 def check_pipeline_model(model: ModelConfig, *, pp: int, virtual_stages: int = 1) -> None:
     """Stages hold contiguous runs of blocks, the first stage also the embedding and the last the
-    final norm and a language-model head: every stage needs a block, and the embedding and the
-    head cannot share one weight (they live on different ranks, and nothing here all-reduces a
-    tied gradient between the first and the last stage as Megatron does); for that reason the multi-token
-    modules, which read the embedding after the last block, cannot be cut into stages either."""
+    final norm and a language-model head: every stage needs a block. (A tied head and the
+    multi-token modules use the embedding on the last stage: it holds a copy kept in step with the
+    first stage's, ``moetrain.distributed.pipeline.stages``.)"""
     if pp == 1:
         return
-    require(not model.tie_embeddings, "model.tie_embeddings", model.tie_embeddings,
-            f"must be false with parallel.pp ({pp}) > 1: the embedding lives on the first stage and the head on "
-            "the last")
     require(model.head == "lm", "model.head", model.head, f"must be 'lm' with parallel.pp ({pp}) > 1")
-    require(model.mtp_depth == 0, "model.mtp_depth", model.mtp_depth,
-            f"must be 0 with parallel.pp ({pp}) > 1: the multi-token modules on the last stage need the token "
-            "embedding, which lives on the first stage (the same reason as model.tie_embeddings)")
     num_stages = pp * virtual_stages
     require(num_stages <= model.num_layers, "parallel.pp * parallel.pp_virtual_stages", num_stages,
             f"must be <= model.num_layers ({model.num_layers}): every stage holds at least one block")
+
+
+def shares_embedding(model: ModelConfig) -> bool:
+    """Whether the last stage needs the token embedding too: for the multi-token modules' inputs,
+    or as the tied head's weight."""
+    return model.mtp_depth > 0 or (model.head == "lm" and model.tie_embeddings)
 
 
 def check_pipeline_reduction(*, pp: int, grad_compression: str) -> None:

@@ -20,7 +20,8 @@ the embedding first: the import swaps ``eh_proj``'s halves. Self-speculative dec
 (``moetrain.train.generation``) runs the modules as a draft model.
 
 Nothing here knows about parallelism: expert parallelism finds the modules' MoE layers like any
-other; tensor and pipeline parallelism refuse ``mtp_depth`` by name (``ModelConfig``).
+other; under pipeline parallelism the modules sit on the last stage with a copy of the embedding
+(``moetrain.distributed.pipeline.stages``); tensor parallelism refuses ``mtp_depth`` by name (``ModelConfig``).
 
 Shape legend: B batch, S sequence, D model dim, V vocabulary.
 """

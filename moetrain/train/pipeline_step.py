@@ -17,7 +17,13 @@ run every micro-batch and count it into their step buffers, which the balancer's
 reads once per step as without pipelining.
 
 The returned sums are the same on every rank: the lm loss exists on the last stage, the aux loss
-in pieces on every stage, and one all-reduce over the pp group adds them up.
+in pieces on every stage, and one all-reduce over the pp group adds them up. With
+``model.mtp_depth`` the last stage adds ``mtp_loss_weight * mean_k L_k`` to the objective (through
+its aux-loss scaler, so with the same ``1 / M``) and ``mtp_sums`` holds each depth's sum.
+
+The shared embedding (a tied head, the multi-token modules): the last stage's copy of
+``tok_embeddings`` gets its gradient summed with the first stage's over ``embedding_group``
+after the data-parallel reduction, so both hold the one-process gradient and step alike.
 
 Shape legend: M micro-batches, B micro-batch size, S sequence, V vocabulary.
 """
@@ -31,13 +37,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from moetrain.config.pipeline import shares_embedding
 from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.data_parallel.finalize import finalize_grads
-from moetrain.distributed.data_parallel.grads import clip_pipeline_grad_norm_
+from moetrain.distributed.data_parallel.grads import clip_to_norm_, global_grad_norm
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.distributed.pipeline.stages import PipelineModel, build_schedule, forward_only
+from moetrain.distributed.pipeline.schedule import build_schedule, forward_only
+from moetrain.distributed.pipeline.stages import PipelineModel
 from moetrain.models.transformer import IGNORE_INDEX
 from moetrain.train.precision import autocast_context
+from moetrain.utils.tensors import local_tensor
 
 
 class PipelineStep:
@@ -59,6 +68,10 @@ class PipelineStep:
                                        pp_group=self.pp_group, device=device, loss_fn=self._loss)
         self._step_seconds = 0.0
         self._steps = 0
+        self.embedding_group = embedding_group(dims, self.pp_group) if shares_embedding(pm.config) else None
+        """First and last stage ranks of this pipeline (None: nothing shared)."""
+        self.mtp_sums = torch.zeros(pm.config.mtp_depth, dtype=torch.float64, device=device)
+        """Each multi-token depth's loss summed over the last step's micro-batches, on every rank."""
 
     def _loss(self, logits_BSV: torch.Tensor, labels_BS: torch.Tensor) -> torch.Tensor:
         # Cross-entropy in fp32, as Transformer.forward computes it.
@@ -81,8 +94,10 @@ class PipelineStep:
             chunk.aux_grad_scale = loss_scale / M
         self._raw_losses = {}
         kwargs = {}
-        if self.pm.config.document_separator is not None:
+        if self.pm.config.document_separator is not None or self.pm.config.mtp_depth > 0:
             kwargs["tokens_BS"] = input_ids_BS
+        if self.pm.config.mtp_depth > 0:
+            kwargs["labels_BS"] = labels_BS
         args = (input_ids_BS,) if self.holds_first else ()
         target = labels_BS if self.holds_last else None
         t0 = time.perf_counter()
@@ -90,21 +105,45 @@ class PipelineStep:
             losses: list[torch.Tensor] = []
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **kwargs)
         finalize_grads(self.pm, self.dims)
+        self._sum_shared_embedding_grad()
         self._step_seconds += time.perf_counter() - t0
         self._steps += 1
-        sums = torch.zeros(2, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(2 + self.pm.config.mtp_depth, dtype=torch.float64, device=self.device)
         if losses:  # the rank holding the last stage: one loss per micro-batch
             sums[0] = torch.stack([self._raw_losses[id(w)] for w in losses]).double().sum()
         self._raw_losses = {}
         for chunk in self.pm.chunks:
             sums[1] += chunk.pop_aux_sum()
+            sums[2:] += chunk.pop_mtp_sum()
         dist.all_reduce(sums, group=self.pp_group)
+        self.mtp_sums = sums[2:]
         return sums[0].float(), sums[1].float()
 
+    @torch.no_grad()
+    def _sum_shared_embedding_grad(self) -> None:
+        """Megatron's embedding all-reduce: the first stage's and the last stage's copy of
+        ``tok_embeddings`` each hold the gradient of their own uses; their sum is the whole
+        model's. Both ranks shard the copy alike (same dp/tp position), so the local shards add."""
+        if self.embedding_group is None or self.pm.tok_embeddings is None:
+            return
+        grad = self.pm.tok_embeddings.weight.grad
+        assert grad is not None, "both stages use the shared embedding in every training step"
+        dist.all_reduce(local_tensor(grad), group=self.embedding_group)
+
+    @torch.no_grad()
     def clip_grad_norm_(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip by the norm of the whole model's gradient (every stage's, dp/ep shards counted
-        once); returns the norm before clipping. Collective."""
-        return clip_pipeline_grad_norm_(params, max_norm, self.pp_group)
+        """Clip by the norm of the whole model's gradient (every stage's, dp/ep shards and the
+        shared embedding counted once); returns the norm before clipping. Collective."""
+        params = [p for p in params if p.grad is not None]
+        embedding = self.pm.tok_embeddings
+        copy = embedding.weight if self.pm.holds_embedding_copy and embedding is not None else None
+        # Each stage's squared norm (summed over its dp/ep shards), summed over the pp group.
+        sq = global_grad_norm([p for p in params if p is not copy]).pow(2)
+        if dist.get_world_size(self.pp_group) > 1:
+            dist.all_reduce(sq, group=self.pp_group)
+        norm = sq.sqrt()
+        clip_to_norm_(params, norm, max_norm)
+        return norm
 
     @torch.no_grad()
     def evaluate(self, batches) -> dict:
@@ -153,21 +192,36 @@ class PipelineStep:
 def merge_layer_metrics(per_stage: list[tuple[list[str], dict]]) -> dict:
     """The balancer metrics of several stages as one model's: each stage's per-layer lists
     (``expert_share``, ``load_cv``, ...) joined in model layer order (layers named
-    ``layers.<i>....``); entries that are not per-layer lists are taken from the first stage
-    that has them."""
-    order: list[tuple[int, int, int]] = []  # (layer index, stage, position in the stage)
+    ``layers.<i>....``, then the multi-token modules' ``mtp.<k>....``); entries that are not
+    per-layer lists are taken from the first stage that has them."""
+    order: list[tuple[str, int, int, int]] = []  # ("layers" or "mtp", index, stage, position in the stage)
     for s, (names, _) in enumerate(per_stage):
-        order += [(int(name.split(".")[1]), s, j) for j, name in enumerate(names)]
+        order += [(name.split(".")[0], int(name.split(".")[1]), s, j) for j, name in enumerate(names)]
     order.sort()
     out: dict = {}
     keys = dict.fromkeys(k for _, m in per_stage for k in m)
     for key in keys:
         per_layer = all(isinstance(m.get(key), list) and len(m[key]) == len(n) for n, m in per_stage if m)
         if per_layer:
-            out[key] = [per_stage[s][1][key][j] for _, s, j in order]
+            out[key] = [per_stage[s][1][key][j] for _, _, s, j in order]
         else:
             out[key] = next(m[key] for _, m in per_stage if key in m)
     return out
+
+
+def embedding_group(dims: ParallelDims, pp_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The first and the last stage's rank of this rank's pipeline (Megatron's embedding group): the
+    pp group itself at pp = 2. Collective over the world (every pipeline's group is created)."""
+    pp = dist.get_world_size(pp_group)
+    if pp == 2:
+        return pp_group
+    mine = None
+    for ranks in dims.pp_group_ranks():
+        group = dist.new_group([ranks[0], ranks[-1]])
+        if dist.get_rank() in ranks:
+            mine = group
+    assert mine is not None, "every rank is in one pipeline"
+    return mine
 
 
 def build_pipeline(model, dims: ParallelDims, cfg, *, grad_accum: int, device: torch.device

@@ -8,7 +8,7 @@ import torch
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.config.parallel import ParallelConfig
-from moetrain.config.pipeline import check_microbatches
+from moetrain.config.pipeline import check_microbatches, check_pipeline_model
 from moetrain.distributed.pipeline.stages import (
     build_pipeline_model,
     layer_costs,
@@ -95,9 +95,30 @@ def test_stages_chained_equal_the_whole_model():
     torch.testing.assert_close(x, full(ids).logits, rtol=0, atol=0)
 
 
-def test_pipeline_rejects_tied_embeddings_and_classifier_heads():
-    with pytest.raises(ValueError, match=r"model.tie_embeddings \(True\) must be false with parallel.pp \(2\)"):
-        build_pipeline_model(tiny(tie_embeddings=True), pp_rank=0, pp=2)
+def test_last_stage_holds_a_copy_of_the_shared_embedding():
+    """A tied head and the multi-token modules: the last stage holds an embedding named as the first
+    stage's, equal to it when both are built on the meta device and initialised by name, and the
+    chained stages give the whole model's logits."""
+    full = tiny(tie_embeddings=True, mtp_depth=1)
+    with torch.device("meta"):
+        metas = [tiny(tie_embeddings=True, mtp_depth=1) for _ in (0, 1)]
+    parts = [build_pipeline_model(m, pp_rank=r, pp=2, device=torch.device("cpu")) for r, m in enumerate(metas)]
+    first, last = parts
+    assert not first.holds_embedding_copy and last.holds_embedding_copy
+    assert first.mtp is None and last.mtp is not None and "mtp.0.eh_proj.weight" in dict(last.named_parameters())
+    for pm in parts:
+        torch.testing.assert_close(dict(pm.named_parameters())["tok_embeddings.weight"], full.tok_embeddings.weight,
+                                   rtol=0, atol=0)
+    assert last.output is not None and last.tok_embeddings is not None
+    assert last.output.weight is last.tok_embeddings.weight  # tied again after materialising
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    logits = last.chunks[0](first.chunks[0](ids))
+    torch.testing.assert_close(logits, full(ids).logits, rtol=0, atol=0)
+
+
+def test_pipeline_rejects_classifier_heads():
+    with pytest.raises(ValueError, match=r"model.head \('classifier'\) must be 'lm' with parallel.pp \(2\)"):
+        check_pipeline_model(ModelConfig(head="classifier", num_classes=3), pp=2)
 
 
 def test_microbatch_rules_name_the_fields():

@@ -12,7 +12,15 @@ model, keeps the blocks of its stages and drops the rest. What stays is
 Stages and ranks. ``num_stages = pp * pp_virtual_stages`` contiguous runs of blocks
 (:func:`split_stages`); rank ``r`` of the pp group holds stages ``r, r + pp, r + 2 pp, ...``
 (the "loop" placement interleaved 1F1B needs). The first stage also holds the embedding, the
-last the final norm and head, so ``model.tie_embeddings`` cannot be used with pp > 1.
+last the final norm, the head and the multi-token modules (``model.mtp_depth``).
+
+The shared embedding. The multi-token modules read the token embedding, and a tied head
+(``model.tie_embeddings``) is the embedding; both live on the last stage. As in Megatron-LM,
+the last stage then holds a copy of ``tok_embeddings`` under the same name: initialised by name,
+so equal to the first stage's, its gradient summed with the first stage's over the two ranks
+(``embedding_groups``) before clipping and the step, so the two copies stay bitwise equal. The
+gradient norm counts it once (``PipelineStep.clip_grad_norm_``), and a checkpoint holds it once
+(both ranks write the same entry; DCP keeps one) and gives it to both on loading.
 
 The MoE auxiliary loss. The schedule back-propagates only the last stage's loss, but every
 stage's MoE layers add a load-balancing term to the objective. Each chunk attaches the sum of its
@@ -37,13 +45,11 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
+from moetrain.config.pipeline import check_pipeline_model, check_pipeline_reduction, shares_embedding
 from moetrain.config.zero import check_offload
 from moetrain.distributed.comm.timer import CommTimer, timed_exchange
 from moetrain.distributed.parallel_dims import ParallelDims
@@ -51,10 +57,8 @@ from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.attention import attention_mask, rope_rows, rope_table_for
 from moetrain.models.init import init_parameters
 from moetrain.models.moe.layer import MoELayer
+from moetrain.models.mtp import mtp_losses
 from moetrain.models.transformer import Transformer
-
-if TYPE_CHECKING:
-    from torch.distributed.pipelining.stage import _PipelineStageBase
 
 PP_SPLITS = ("layers", "params", "flops")
 
@@ -166,11 +170,14 @@ class PipelineChunk(nn.Module):
         super().__init__()
         self.config, self.stage_id = model.config, stage_id
         self.is_first, self.is_last = stage_id == 0, stage_id == num_stages - 1
-        self.tok_embeddings = model.tok_embeddings if self.is_first else None
-        self.embedding_dropout = model.embedding_dropout if self.is_first else None
+        embeds = self.is_first or (self.is_last and shares_embedding(model.config))
+        # Registered first, so a tied head's weight is named tok_embeddings.weight, as in the model.
+        self.tok_embeddings = model.tok_embeddings if embeds else None
+        self.embedding_dropout = model.embedding_dropout if embeds else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if self.is_last else None
         self.output = model.output if self.is_last else None
+        self.mtp = model.mtp if self.is_last else None
         self.register_buffer("rope_cos_SA", model.rope_cos_SA, persistent=False)
         self.register_buffer("rope_sin_SA", model.rope_sin_SA, persistent=False)
         self.aux_grad_scale = 1.0
@@ -179,6 +186,8 @@ class PipelineChunk(nn.Module):
         """Forward and backward compute spans of this stage (host clocks on CPU, events on a GPU)."""
         self.aux_sum = torch.zeros((), dtype=torch.float64, device=model.rope_cos_SA.device)
         """This stage's aux losses, summed over the micro-batches since the last ``pop_aux_sum``."""
+        self.mtp_sum = torch.zeros(model.config.mtp_depth, dtype=torch.float64, device=model.rope_cos_SA.device)
+        """The last stage's cross-entropy of each multi-token depth, summed like ``aux_sum``."""
         self.recording = True
         """Off while the schedule infers shapes (see ``muted``)."""
         self.sequence_shards = 1
@@ -202,7 +211,10 @@ class PipelineChunk(nn.Module):
             for m, on in zip(layers, tracked, strict=True):
                 m.track_routing_stats = on
 
-    def forward(self, x: torch.Tensor, tokens_BS: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, tokens_BS: torch.Tensor | None = None,
+                labels_BS: torch.Tensor | None = None) -> torch.Tensor:
+        """``labels_BS`` (the next-token labels, given to every stage while training): the last
+        stage adds the multi-token losses, which need them and ``tokens_BS``, to the objective."""
         if self.config.document_separator is not None and tokens_BS is None:
             raise ValueError("model.document_separator masks attention by document: every pipeline stage "
                              "needs the token ids (tokens_BS)")
@@ -218,31 +230,74 @@ class PipelineChunk(nn.Module):
             tokens_BS, causal=self.config.causal, document_separator=self.config.document_separator,
             padding_mask_BS=None)
         kind = f"stage{self.stage_id}"
-        return timed_exchange(lambda h: self._blocks(h, S, mask_B1SK), h_BSD, self.timer, kind=f"{kind}_forward",
-                              backward_kind=f"{kind}_backward")
+        mtp = None
+        if self.is_last and self.config.mtp_depth > 0 and labels_BS is not None:
+            if tokens_BS is None:
+                raise ValueError("model.mtp_depth > 0: the last pipeline stage needs the token ids (tokens_BS)")
+            mtp = (tokens_BS, labels_BS)
+        return timed_exchange(lambda h: self._blocks(h, S, mask_B1SK, mtp), h_BSD, self.timer,
+                              kind=f"{kind}_forward", backward_kind=f"{kind}_backward")
 
-    def _blocks(self, h_BSD: torch.Tensor, S: int, mask_B1SK: torch.Tensor | None) -> torch.Tensor:
+    def _blocks(self, h_BSD: torch.Tensor, S: int, mask_B1SK: torch.Tensor | None,
+                mtp: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         cos_SP, sin_SP = rope_rows(self.config, self.rope_cos_SA, self.rope_sin_SA, 0, S)
         aux_losses = []
         for layer in self.layers.values():
             h_BSD, aux = layer(h_BSD, cos_SP, sin_SP, mask_B1SK)
             if aux is not None:
                 aux_losses.append(aux.loss.float())
-        if aux_losses:
-            aux = torch.stack(aux_losses).sum()
-            if self.training and self.recording:
-                with torch.no_grad():
-                    self.aux_sum += aux.detach().double()
-            if aux.requires_grad and torch.is_grad_enabled():
-                h_BSD = AuxLossScaler.apply(h_BSD, aux, self.aux_grad_scale)
         if self.is_last:
             assert self.output is not None and self.norm is not None
-            return self.output(self.norm(h_BSD))
+            h_BSD = self.norm(h_BSD)
+            out = self.output(h_BSD)
+            if mtp is not None:
+                out = self._add_mtp_loss(out, h_BSD, *mtp, cos_SP, sin_SP, aux_losses)
+            else:
+                out = self._add_aux_loss(out, aux_losses)
+            return out
         # p2p sends need contiguous tensors.
-        return h_BSD.contiguous()
+        return self._add_aux_loss(h_BSD, aux_losses).contiguous()
+
+    def _add_aux_loss(self, h: torch.Tensor, aux_losses: list[torch.Tensor],
+                      extra: torch.Tensor | None = None) -> torch.Tensor:
+        """``h`` with this stage's aux losses (and ``extra``, the weighted multi-token loss)
+        attached for the backward (``AuxLossScaler``); the aux losses recorded."""
+        if not aux_losses and extra is None:
+            return h
+        total = torch.stack(aux_losses).sum() if aux_losses else torch.zeros((), device=h.device)
+        if aux_losses and self.training and self.recording:
+            with torch.no_grad():
+                self.aux_sum += total.detach().double()
+        if extra is not None:
+            total = total + extra
+        if total.requires_grad and torch.is_grad_enabled():
+            h = AuxLossScaler.apply(h, total, self.aux_grad_scale)
+        return h
+
+    def _add_mtp_loss(self, logits_BSV: torch.Tensor, h_BSD: torch.Tensor, tokens_BS: torch.Tensor,
+                      labels_BS: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor,
+                      aux_losses: list[torch.Tensor]) -> torch.Tensor:
+        """The logits with ``model.mtp_loss_weight * mean_k L_k`` and the modules' MoE aux losses
+        attached (the same objective as ``Transformer.forward``'s); each depth's loss recorded."""
+        assert self.mtp is not None and self.tok_embeddings is not None and self.embedding_dropout is not None
+        assert self.output is not None
+        cfg, embedding, dropout = self.config, self.tok_embeddings, self.embedding_dropout
+        per_depth, moe_aux = mtp_losses(
+            self.mtp, h_BSD, tokens_BS, labels_BS, embed=lambda ids: dropout(embedding(ids)), output=self.output,
+            cos_SP=cos_SP, sin_SP=sin_SP, mask_fn=lambda ids: attention_mask(
+                ids, causal=cfg.causal, document_separator=cfg.document_separator, padding_mask_BS=None))
+        if self.training and self.recording:
+            with torch.no_grad():
+                self.mtp_sum += per_depth.detach().double()
+        aux_losses = aux_losses + [a.loss.float() for a in moe_aux]
+        return self._add_aux_loss(logits_BSV, aux_losses, cfg.mtp_loss_weight * per_depth.mean())
 
     def pop_aux_sum(self) -> torch.Tensor:
         out, self.aux_sum = self.aux_sum, torch.zeros_like(self.aux_sum)
+        return out
+
+    def pop_mtp_sum(self) -> torch.Tensor:
+        out, self.mtp_sum = self.mtp_sum, torch.zeros_like(self.mtp_sum)
         return out
 
 
@@ -258,9 +313,11 @@ class PipelineModel(nn.Module):
         self.chunks = [PipelineChunk(model, stage_layers[s], stage_id=s, num_stages=self.num_stages)
                        for s in stage_ids]
         first, last = self.chunks[0], self.chunks[-1]
-        self.tok_embeddings = first.tok_embeddings
+        self.tok_embeddings = first.tok_embeddings if first.is_first else last.tok_embeddings
         self.layers = nn.ModuleDict({k: v for c in self.chunks for k, v in c.layers.items()})
-        self.norm, self.output = last.norm, last.output
+        self.norm, self.output, self.mtp = last.norm, last.output, last.mtp
+        self.holds_embedding_copy = last.is_last and not first.is_first and last.tok_embeddings is not None
+        """This rank's ``tok_embeddings`` is the last stage's copy of the first stage's."""
 
     def train(self, mode: bool = True) -> PipelineModel:
         super().train(mode)
@@ -287,6 +344,11 @@ def build_pipeline_model(model: Transformer, *, pp_rank: int, pp: int, virtual_s
         for chunk in pm.chunks:  # the kept modules only: the dropped blocks stay on meta
             chunk.to_empty(device=device)
             chunk.aux_sum = torch.zeros((), dtype=torch.float64, device=device)
+            chunk.mtp_sum = torch.zeros(cfg.mtp_depth, dtype=torch.float64, device=device)
+            if chunk.is_last and cfg.head == "lm" and cfg.tie_embeddings:
+                # to_empty gives the two holders of the tied weight two new tensors: tie them again.
+                assert chunk.tok_embeddings is not None and chunk.output is not None
+                chunk.output.weight = chunk.tok_embeddings.weight
             chunk.timer = CommTimer(enabled=True, device=torch.device(device))
         # The chunks keep the whole model's parameter names, so they get the whole model's draws.
         init_parameters(pm, cfg, seed)
@@ -341,79 +403,3 @@ def parallelize_pipeline(pm: PipelineModel, dims: ParallelDims, *, activation_ch
                                 mixed_precision=mixed_precision, offload_params=offload_params,
                                 offload_optimizer=offload_optimizer, pin_memory=pin_memory,
                                 hsdp_replicate=hsdp_replicate)
-
-
-def build_schedule(pm: PipelineModel, *, schedule: str, num_microbatches: int, pp_group: dist.ProcessGroup,
-                   device: torch.device, loss_fn, stage_modules: list[nn.Module] | None = None):
-    """The ``torch.distributed.pipelining`` schedule running ``pm``'s chunks (or their wrapped
-    ``stage_modules``) over ``pp_group``; gradients are not divided by the micro-batch count
-    (the loss function and the aux-loss scale do it, see the module docstring)."""
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
-
-    class MutedInferenceStage(PipelineStage):
-        """A stage whose shape-inference forward and backward (the only callers of these two
-        methods) run with its chunk ``muted``."""
-
-        def __init__(self, module: nn.Module, chunk: PipelineChunk, *args, **kwargs) -> None:
-            super().__init__(module, *args, **kwargs)
-            self._chunk = chunk
-
-        def _compute_outputs(self, *args, **kwargs):
-            with self._chunk.muted():
-                return super()._compute_outputs(*args, **kwargs)
-
-        def _compute_input_grads(self, *args, **kwargs):
-            with self._chunk.muted():
-                return super()._compute_input_grads(*args, **kwargs)
-
-    pp = dist.get_world_size(pp_group)
-    check_microbatches(schedule, num_microbatches=num_microbatches, pp=pp)
-    modules = stage_modules if stage_modules is not None else pm.chunks
-    # Annotated with the base class: the schedules take an (invariant) list of it.
-    stages: list[_PipelineStageBase] = [MutedInferenceStage(m, c, s, pm.num_stages, device, group=pp_group)
-                                        for m, c, s in zip(modules, pm.chunks, pm.stage_ids, strict=True)]
-    if schedule == "interleaved_1f1b":
-        return ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
-    if len(stages) != 1:
-        raise ValueError(f"parallel.pp_schedule ({schedule!r}) runs one stage per rank, this rank holds {len(stages)}")
-    single = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    return single(stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
-
-
-@torch.no_grad()
-def forward_only(pm: PipelineModel, input_ids_BS: torch.Tensor, pp_group: dist.ProcessGroup,
-                 tokens_BS: torch.Tensor | None = None) -> torch.Tensor | None:
-    """The last stage's logits of one batch, stage after stage (for evaluation: no schedule, no
-    backward). Returns the logits on the rank holding the last stage, None elsewhere. Every rank
-    of ``pp_group`` calls it with a batch of the same shape."""
-    pp = dist.get_world_size(pp_group)
-    held = dict(zip(pm.stage_ids, pm.chunks, strict=True))
-    out = None
-    for s in range(pm.num_stages):
-        if s not in held:
-            continue
-        x = input_ids_BS
-        if s > 0:
-            # 1. header (dtype code, then the shape: B, this rank's S / tp positions, D), 2. the
-            #    hidden state of the previous stage.
-            header = torch.empty(4, dtype=torch.int64, device=input_ids_BS.device)
-            dist.recv(header, group=pp_group, group_src=(s - 1) % pp)
-            dtype = _DTYPES[int(header[0])]
-            x = torch.empty(*header[1:].tolist(), dtype=dtype, device=input_ids_BS.device)
-            dist.recv(x, group=pp_group, group_src=(s - 1) % pp)
-        y = held[s](x, tokens_BS)
-        if s == pm.num_stages - 1:
-            out = y
-            continue
-        header = torch.tensor([_DTYPES.index(y.dtype), *y.shape], dtype=torch.int64, device=y.device)
-        dist.send(header, group=pp_group, group_dst=(s + 1) % pp)
-        dist.send(y.contiguous(), group=pp_group, group_dst=(s + 1) % pp)
-    return out
-
-
-_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]

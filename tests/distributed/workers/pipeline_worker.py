@@ -57,6 +57,10 @@ class PPCase:
     """Install the between-step balancing (``install_balancing``) on the optimizer, and record
     every MoE layer's selection bias after every step."""
     prev_step_routed: tuple[int, ...] | None = None
+    model: dict = field(default_factory=dict)
+    """Extra ``ModelConfig`` fields (``mtp_depth``, ``tie_embeddings``, ...)."""
+    meta: bool = False
+    """Build the ranks' model on the meta device (the kept stages initialised by name)."""
     """With ``moe.aux_loss_type="global_batch"``: the routed counts preset in every MoE layer's
     ``prev_step_routed_E`` (the first step's f_e, instead of the uniform one that gives no gradient)."""
 
@@ -65,8 +69,8 @@ class PPCase:
                **self.moe}
         if self.empty_experts_from_layer is not None:
             moe["expert_bias"] = True
-        return (ModelConfig(vocab_size=VOCAB, dim=16, num_layers=self.num_layers, num_heads=2, max_seq_len=SEQ),
-                MoEConfig(**moe))
+        return (ModelConfig(vocab_size=VOCAB, dim=16, num_layers=self.num_layers, num_heads=2, max_seq_len=SEQ,
+                            **self.model), MoEConfig(**moe))
 
 
 def build_model(case: PPCase, *, meta: bool = False) -> Transformer:
@@ -106,14 +110,17 @@ def run_reference(case: PPCase, dp: int) -> dict:
     if case.balancing:
         install_balancing(opt, model)
     M, B = case.micro_batches, case.micro_batch_size
-    out = {"loss": [], "aux": [], "norm": [], "grads": [], "expert_bias": [], "dropped": 0}
+    out = {"loss": [], "aux": [], "mtp": [], "norm": [], "grads": [], "expert_bias": [], "dropped": 0}
     for ids_DXS, labels_DXS in make_batches(case, dp):
         loss_sum = aux_sum = 0.0
+        mtp_sum = torch.zeros(model.config.mtp_depth, dtype=torch.float64)
         for m in range(M):
             ids = ids_DXS[:, m * B:(m + 1) * B].reshape(-1, SEQ)
             labels = labels_DXS[:, m * B:(m + 1) * B].reshape(-1, SEQ)
             o = model(ids, labels)
-            ((o.loss + o.aux_loss) / M).backward()
+            (o.total_loss / M).backward()
+            if o.mtp_losses is not None:
+                mtp_sum += o.mtp_losses.detach().double()
             loss_sum += o.loss.item()
             out["dropped"] += sum(int(a.num_dropped) for a in o.moe_aux)
             aux_sum += o.aux_loss.item()
@@ -121,6 +128,7 @@ def run_reference(case: PPCase, dp: int) -> dict:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case.max_grad_norm or float("inf"))
         out["loss"].append(loss_sum)
         out["aux"].append(aux_sum)
+        out["mtp"].append(mtp_sum.tolist())
         out["norm"].append(float(norm))
         opt.step()
         opt.zero_grad()
@@ -145,6 +153,7 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
     """One rank of ``case``; a ``dims``-less pp-only world when ``world == case.pp``."""
     dims = ParallelDims(world_size=world, ep=case.ep, pp=case.pp, tp=case.tp, etp=case.etp)
     dims.build_mesh("cpu")
+    meta = meta or case.meta
     pm = build_pipeline_model(build_model(case, meta=meta), pp_rank=dims.pp_rank, pp=case.pp,
                               virtual_stages=case.virtual_stages, split=case.split, seq_len=SEQ,
                               device=torch.device("cpu"), seed=0)
@@ -158,8 +167,8 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         opt = wrap_optimizer(opt, dims, zero_stage=1)
     if case.balancing:
         install_balancing(opt, pm, dims)
-    out = {"loss": [], "aux": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids, "dp_rank": dims.dp_rank,
-           "expert_bias": []}
+    out = {"loss": [], "aux": [], "mtp": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids,
+           "dp_rank": dims.dp_rank, "expert_bias": []}
     for ids_DXS, labels_DXS in make_batches(case, dims.dp):
         loss, aux = step.forward_backward(ids_DXS[dims.dp_rank], labels_DXS[dims.dp_rank])
         out["grad_layouts_match"] = out.get("grad_layouts_match", True) and all(
@@ -169,6 +178,7 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         norm = step.clip_grad_norm_(list(pm.parameters()), case.max_grad_norm)
         out["loss"].append(float(loss))
         out["aux"].append(float(aux))
+        out["mtp"].append(step.mtp_sums.tolist())
         out["norm"].append(float(norm))
         opt.step()
         opt.zero_grad()
