@@ -2,8 +2,8 @@
 gloo ranks, against one plain process with the same global batch and weights (zero_parity.py):
 the loss and global gradient norm of every step within 1e-5 relative, every parameter after the
 steps within 1e-4 (the multi-token modules' and the shared embedding/head included). Then the
-trainer at ep = 2, ZeRO-1 logs mtp_loss_1 and mtp_loss_2. (Tensor and pipeline parallelism refuse
-model.mtp_depth by name: tests/unit/test_mtp.py.)"""
+trainer at ep = 2, ZeRO-1 logs mtp_loss_1 and mtp_loss_2. (Pipeline parallelism:
+test_mtp_pipeline.py; tensor parallelism refuses model.mtp_depth by name: tests/unit/test_mtp.py.)"""
 
 import math
 import random

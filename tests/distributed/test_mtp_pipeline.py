@@ -10,10 +10,21 @@ embedding's gradient of the one process must agree, the copies bitwise with each
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.distributed.workers.pipeline_worker import PPCase, run_cases, run_reference
+from moetrain.train.checkpoint.state import load_checkpoint
+from tests.distributed.workers.pipeline_worker import (
+    SEQ,
+    PPCase,
+    build_model,
+    make_batches,
+    run_cases,
+    run_reference,
+)
 from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -31,9 +42,12 @@ WORLD4 = [PPCase("mtp1_ep2_zero2", steps=2, ep=2, zero_stage=2, model={"mtp_dept
 
 
 @pytest.fixture(scope="module")
-def world2():
-    out = run_ranks(run_cases, 2, WORLD2, timeout_s=150)
-    return {c.name: (c, [o[c.name] for o in out]) for c in WORLD2}
+def world2(tmp_path_factory):
+    # The tied case also saves a checkpoint before its last step (test_checkpoint_holds_one_embedding).
+    cases = [dataclasses.replace(c, save_to=str(tmp_path_factory.mktemp("ckpt"))) if c.name == "tied_gpipe" else c
+             for c in WORLD2]
+    out = run_ranks(run_cases, 2, cases, timeout_s=150)
+    return {c.name: (c, [o[c.name] for o in out]) for c in cases}
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +108,22 @@ def test_pp2_dp2_shared_embedding_matches_one_process(world4, name):
     case, ranks = world4[name]
     check_case(case, ranks, dp=2)
 
+
+def test_checkpoint_holds_one_embedding_and_resumes_in_one_process(world2):
+    """The two copies are saved as one entry, which one process loads (model and AdamW state):
+    its last step then gives every parameter of the pipelined run."""
+    case, ranks = world2["tied_gpipe"]
+    model = build_model(case)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    last = case.steps - 1
+    assert load_checkpoint(Path(case.save_to) / f"step_{last:09d}", model=model, optimizer=opt).step == last
+    ids_DXS, labels_DXS = make_batches(case, 1)[last]
+    M, B = case.micro_batches, case.micro_batch_size
+    for m in range(M):
+        out = model(ids_DXS[:, m * B:(m + 1) * B].reshape(-1, SEQ), labels_DXS[:, m * B:(m + 1) * B].reshape(-1, SEQ))
+        (out.total_loss / M).backward()
+    opt.step()
+    for r in ranks:
+        for name, p in r["params"].items():
+            torch.testing.assert_close(dict(model.named_parameters())[name].detach(), p, atol=2e-6, rtol=1e-5,
+                                       msg=name)

@@ -25,7 +25,7 @@ from moetrain.config import job
 
 ROOT = Path(__file__).resolve().parents[2]
 
-UNTIE = "--model.tie_embeddings=false"  # tiny ties its embeddings, which pp refuses first
+UNTIE = "--model.tie_embeddings=false"  # tiny ties its embeddings; these cases test other rules
 CLASSIFIER = ("--model.head=classifier", "--model.num_classes=3", "--data.corpus=r8")
 
 # (nproc, overrides on top of --config tiny (ep=2, 8 experts, global batch 16 of micro 8), the error)
@@ -40,6 +40,8 @@ RULES = {
                        "--moe.expert_hidden_dim=255"],
                    "moe.expert_hidden_dim (255) must be a multiple of parallel.etp"),
     "seq-len": (2, ["--data.seq_len=512"], "data.seq_len (512) must be <= model.max_seq_len (256)"),
+    "mtp-seq-len": (2, ["--data.seq_len=16", "--model.mtp_depth=16"],
+                    "model.mtp_depth (16) must be < data.seq_len (16)"),
     "vocab": (2, ["--model.vocab_size=1000"], "model.vocab_size (1000) must be >= the tokenizer vocabulary (4096"),
     "seq-len-tp": (2, ["--parallel.ep=1", "--parallel.tp=2", "--data.seq_len=255"],
                    "data.seq_len (255) must be a multiple of parallel.tp (2)"),
@@ -68,7 +70,6 @@ RULES = {
     "checkpointing-dense": (2, ["--model.moe_every=0", "--parallel.ep=1", "--train.activation_checkpointing=moe"],
                             "train.activation_checkpointing ('moe') cannot be \"moe\" for a dense model"),
     # check_pipeline_model, check_pipeline_reduction, check_microbatches (JobConfig.grad_accum_steps)
-    "pp-tied-embeddings": (4, ["--parallel.pp=2"], "model.tie_embeddings (True) must be false with parallel.pp (2)"),
     "pp-classifier": (2, ["--parallel.pp=2", "--parallel.ep=1", UNTIE, *CLASSIFIER],
                       "model.head ('classifier') must be 'lm' with parallel.pp (2) > 1"),
     "pp-stages": (2, ["--parallel.pp=2", "--parallel.ep=1", UNTIE, "--parallel.pp_schedule=interleaved_1f1b",

@@ -61,6 +61,8 @@ class PPCase:
     """Extra ``ModelConfig`` fields (``mtp_depth``, ``tie_embeddings``, ...)."""
     meta: bool = False
     """Build the ranks' model on the meta device (the kept stages initialised by name)."""
+    save_to: str = ""
+    """Save a checkpoint (model and optimizer) into this folder before the last step."""
     """With ``moe.aux_loss_type="global_batch"``: the routed counts preset in every MoE layer's
     ``prev_step_routed_E`` (the first step's f_e, instead of the uniform one that gives no gradient)."""
 
@@ -169,7 +171,11 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         install_balancing(opt, pm, dims)
     out = {"loss": [], "aux": [], "mtp": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids,
            "dp_rank": dims.dp_rank, "expert_bias": []}
-    for ids_DXS, labels_DXS in make_batches(case, dims.dp):
+    for i, (ids_DXS, labels_DXS) in enumerate(make_batches(case, dims.dp)):
+        if case.save_to and i == case.steps - 1:
+            from moetrain.train.checkpoint.state import save_checkpoint
+
+            save_checkpoint(case.save_to, i, model=pm, optimizer=opt, trainer_state={"step": i})
         loss, aux = step.forward_backward(ids_DXS[dims.dp_rank], labels_DXS[dims.dp_rank])
         out["grad_layouts_match"] = out.get("grad_layouts_match", True) and all(
             _layout(p.grad) == _layout(p) for p in pm.parameters() if p.grad is not None)
