@@ -38,7 +38,10 @@ WORLD2 = [PPCase("mtp2_1f1b_clip", steps=2, model=MTP2, max_grad_norm=0.5),
                  model={"mtp_depth": 1, "tie_embeddings": True}),
           PPCase("tied_gpipe", steps=2, schedule="gpipe", model={"tie_embeddings": True})]
 WORLD4 = [PPCase("mtp1_ep2_zero2", steps=2, ep=2, zero_stage=2, model={"mtp_depth": 1}),
-          PPCase("mtp2_dp2_zero1", steps=2, zero_stage=1, model=MTP2, max_grad_norm=0.5)]
+          PPCase("mtp2_dp2_zero1", steps=2, zero_stage=1, model=MTP2, max_grad_norm=0.5),
+          # The tied head and the embedding row-wise over tp in both stages (dp = 1: the check pairs
+          # the first and last stage's ranks of each tp position).
+          PPCase("tied_tp2", steps=2, tp=2, model={"tie_embeddings": True}, max_grad_norm=0.5)]
 
 
 @pytest.fixture(scope="module")
@@ -104,9 +107,9 @@ def test_pp2_shared_embedding_matches_one_process(world2, name):
 
 
 @pytest.mark.parametrize("name", [c.name for c in WORLD4])
-def test_pp2_dp2_shared_embedding_matches_one_process(world4, name):
+def test_pp2_x2_shared_embedding_matches_one_process(world4, name):
     case, ranks = world4[name]
-    check_case(case, ranks, dp=2)
+    check_case(case, ranks, dp=2 // case.tp)
 
 
 def test_checkpoint_holds_one_embedding_and_resumes_in_one_process(world2):
