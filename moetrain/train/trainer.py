@@ -235,6 +235,8 @@ class Trainer:
                     loss, aux = self.pipeline.forward_backward(input_ids, labels, loss_scale=self.scaler.scale)
                     self._step_sums.add("loss", loss)
                     self._step_sums.add("aux", aux)
+                    if self.model_config.mtp_depth > 0:  # each depth's loss summed over the micro-batches
+                        self._step_sums.add("mtp", self.pipeline.mtp_sums.float())
                 else:
                     for micro in range(self.grad_accum):
                         # (input_ids, labels) of a language model; a classifier's batch adds the padding mask.

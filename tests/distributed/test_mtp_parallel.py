@@ -2,8 +2,8 @@
 gloo ranks, against one plain process with the same global batch and weights (zero_parity.py):
 the loss and global gradient norm of every step within 1e-5 relative, every parameter after the
 steps within 1e-4 (the multi-token modules' and the shared embedding/head included). Then the
-trainer at ep = 2, ZeRO-1 logs mtp_loss_1 and mtp_loss_2. (Pipeline parallelism:
-test_mtp_pipeline.py; tensor parallelism refuses model.mtp_depth by name: tests/unit/test_mtp.py.)"""
+trainer at ep = 2, ZeRO-1 and at pp = 2 logs mtp_loss_1 and mtp_loss_2. (Pipeline parallelism's
+parity: test_mtp_pipeline.py; tensor parallelism refuses model.mtp_depth by name: tests/unit/test_mtp.py.)"""
 
 import math
 import random
@@ -31,11 +31,14 @@ def test_mtp_under_ep_and_zero(tmp_path):
     refs = {mb: run_reference(Run("ref", 0, steps=4, micro_batches=mb, model=MTP)) for mb in (1, 2)}
     for run in runs:
         assert_matches(run, results, refs[run.micro_batches], rtol=1e-5, param_rtol=1e-4)
-    records = [r for r in results[0]["trainer"] if "loss" in r]
-    assert len(records) == 2
-    for r in records:
-        assert all(math.isfinite(r[f"mtp_loss_{k}"]) and r[f"mtp_loss_{k}"] > 0 for k in (1, 2))
-        assert "mtp_loss_3" not in r
+    pipelined = run_ranks(_worker, 2, [], tmp_path / "pp", data, ["--model.mtp_depth=2", "--parallel.pp=2"],
+                          timeout_s=120)
+    for trainer_records in (results[0]["trainer"], pipelined[0]["trainer"]):
+        records = [r for r in trainer_records if "loss" in r]
+        assert len(records) == 2
+        for r in records:
+            assert all(math.isfinite(r[f"mtp_loss_{k}"]) and r[f"mtp_loss_{k}"] > 0 for k in (1, 2))
+            assert "mtp_loss_3" not in r
 
 
 def _worker(rank, world_size, runs, run_dir, data, overrides):
