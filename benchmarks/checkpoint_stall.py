@@ -102,7 +102,8 @@ def _run(args: argparse.Namespace, *, async_save: bool) -> dict:
             "checkpoint_MB": sum(f.stat().st_size for f in ckpt.iterdir()) / 1e6, "saves": saves,
             "stall_per_checkpoint_s": (sum(timer.saves) + timer.polls) / saves,
             "save_call_s": [round(s, 3) for s in timer.saves],
-            "end_wait_s": timer.final_wait, "median_step_s": statistics.median(timer.steps), "steps_s": sum(timer.steps), "wall_s": wall}
+            "end_wait_s": timer.final_wait, "median_step_s": statistics.median(timer.steps),
+            "steps_s": sum(timer.steps), "wall_s": wall}
 
 
 def main() -> None:
