@@ -103,9 +103,12 @@ class JobConfig:
         check_muon(self.optim.name, tp=par.tp, etp=par.etp, grad_compression=self.dp.grad_compression,
                    zero_stage=par.zero_stage, offload_optimizer=self.zero.offload_optimizer,
                    offload_param=self.zero.offload_param)
-        if self.log.routing_trace == "full" or (m.is_moe and self.moe.routing_replay is not None):
-            field_, value = (("log.routing_trace", "full") if self.log.routing_trace == "full"
-                             else ("moe.routing_replay", self.moe.routing_replay))
+        placed = [("log.routing_trace", "full")] if self.log.routing_trace == "full" else []
+        if m.is_moe and self.moe.routing_replay is not None:
+            placed.append(("moe.routing_replay", self.moe.routing_replay))
+        if m.is_moe and self.moe.force_skew != "none":
+            placed.append(("moe.force_skew", self.moe.force_skew))
+        for field_, value in placed:
             require(par.tp == 1 and par.pp == 1 and m.head == "lm", field_, value,
                     f"needs parallel.tp = 1, parallel.pp = 1 and model.head = 'lm' (got tp={par.tp}, pp={par.pp}, "
                     f"head={m.head!r}): token ids are placed by whole sequences of the global batch")

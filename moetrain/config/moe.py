@@ -158,6 +158,17 @@ class MoEConfig:
     default; every metrics record says when it is on (``force_balance``). "none" = off.
     Token-choice routers only."""
 
+    force_skew: str = "none"
+    """Benchmark switch beside force_balance: a forced, skewed routing in training mode, the same for any layout
+    (drawn per step and MoE layer over the global batch's tokens, from a generator seeded by the step and the
+    layer: not from the run's RNG). "zipf:S": expert e is drawn with weight (e + 1)^-S (S > 0; 1.2 is heavily
+    skewed); "hot:K:FRACTION": experts 0..K-1 share the weight FRACTION (in (0, 1)), the others the rest;
+    "drift:S:PERIOD": zipf:S whose hottest expert moves up one id every PERIOD steps; "trace:PATH": the expert
+    ids of a recorded full trace (as moe.routing_replay). Each token takes top_k distinct experts (weighted
+    sampling without replacement, so a hot expert's share is capped at 1 / top_k of the copies). The gate
+    weights are the router's scores at the forced experts, as with force_balance; every metrics record says
+    when it is on (``force_skew``). Needs parallel.tp = 1, parallel.pp = 1. "none" = off. Token-choice only."""
+
     routing_replay: str | None = None
     """A run folder (or its routing_trace folder) recorded with log.routing_trace = "full": in training, each
     token goes to the expert ids recorded for it at the same step (R3 replay: the ids are fixed, the gate weights
@@ -317,6 +328,11 @@ class MoEConfig:
         require_choice("moe.force_balance", self.force_balance, ("none", "round_robin", "random"))
         require(not (expert_choice and self.force_balance != "none"), "moe.force_balance", self.force_balance,
                 'must be "none" with moe.router "expert_choice" (experts pick tokens; it is balanced by construction)')
+        parse_force_skew(self.force_skew, num_experts=self.num_experts)
+        require(self.force_skew == "none" or (not expert_choice and self.force_balance == "none"
+                                              and self.routing_replay is None), "moe.force_skew", self.force_skew,
+                'must be "none" with moe.router "expert_choice", moe.force_balance or moe.routing_replay (each '
+                'replaces the routing)')
         require(self.routing_replay is None or (isinstance(self.routing_replay, str) and self.routing_replay != ""),
                 "moe.routing_replay", self.routing_replay, "must be None or a non-empty path")
         require(self.routing_replay is None or not expert_choice, "moe.routing_replay", self.routing_replay,
@@ -385,3 +401,33 @@ class MoEConfig:
 def _require_finite_non_negative(field: str, value) -> None:
     require_non_negative(field, value)
     require(math.isfinite(value), field, value, "must be finite")
+
+
+def parse_force_skew(text: str, *, num_experts: int) -> tuple[str, tuple]:
+    """``moe.force_skew`` as ``(kind, params)``; ValueError naming the field and the rule."""
+    rule = 'must be "none", "zipf:S", "hot:K:FRACTION", "drift:S:PERIOD" or "trace:PATH"'
+    require(isinstance(text, str), "moe.force_skew", text, rule)
+    kind, _, rest = text.partition(":")
+    if text == "none":
+        return "none", ()
+    if kind == "trace":
+        require(rest != "", "moe.force_skew", text, "trace:PATH needs a path")
+        return kind, (rest,)
+    parts = rest.split(":")
+    try:
+        if kind == "zipf" and len(parts) == 1:
+            params: tuple = (float(parts[0]),)
+            ok = math.isfinite(params[0]) and params[0] > 0
+        elif kind == "hot" and len(parts) == 2:
+            params = (int(parts[0]), float(parts[1]))
+            ok = 1 <= params[0] < num_experts and 0 < params[1] < 1
+        elif kind == "drift" and len(parts) == 2:
+            params = (float(parts[0]), int(parts[1]))
+            ok = math.isfinite(params[0]) and params[0] > 0 and params[1] >= 1
+        else:
+            ok = False
+    except ValueError:
+        ok = False
+    require(ok, "moe.force_skew", text, rule + f" with S > 0, 1 <= K < num_experts ({num_experts}), "
+            "0 < FRACTION < 1, PERIOD >= 1")
+    return kind, params

@@ -125,10 +125,14 @@ class ProgressBar:
 def run_tags(moe: MoEConfig | None) -> dict:
     """Settings that make a run's throughput and losses incomparable with an ordinary run's, for
     every metrics record (``MetricsLogger(tags=...)``): ``force_balance`` (its mode) when
-    ``moe.force_balance`` overrides the routing. Empty for an ordinary run or a dense model."""
+    ``moe.force_balance`` overrides the routing, ``force_skew`` (its spec) with ``moe.force_skew``.
+    Empty for an ordinary run or a dense model."""
+    tags = {}
     if moe is not None and moe.force_balance != "none":
-        return {"force_balance": moe.force_balance}
-    return {}
+        tags["force_balance"] = moe.force_balance
+    if moe is not None and moe.force_skew != "none":
+        tags["force_skew"] = moe.force_skew
+    return tags
 
 
 PER_EXPERT_KEYS = ("expert_share", "expert_bias", "expert_lr_scale")

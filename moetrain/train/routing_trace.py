@@ -34,8 +34,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moetrain.config.moe import parse_force_skew
 from moetrain.distributed.data_parallel.ddp import unwrap
 from moetrain.models.moe.layer import MoELayer
+from moetrain.models.moe.skew import skew_seed, skew_weights, skewed_assignment
 from moetrain.utils.files import atomic_write_text
 from moetrain.utils.safetensors_io import DTYPES, ShardedWriter, TensorSpec, read_header
 
@@ -290,6 +292,22 @@ def load_step_ids(folder: Path, index: dict, step: int, layer_names: list[str], 
     return out
 
 
+class ForcedSkew(RoutingReplay):
+    """``moe.force_skew`` (zipf, hot, drift): ids drawn for the whole global batch of each step and
+    MoE layer from a generator seeded by (step, layer), then handed out like a replayed trace."""
+
+    def __init__(self, kind: str, params: tuple, model: nn.Module, *, geometry: Geometry) -> None:
+        self.kind, self.params, self.geometry = kind, params, geometry
+        self.layers = moe_layers(model)
+        self._ids = {}
+
+    def start_step(self, step: int) -> None:
+        g = self.geometry
+        w_E = skew_weights(self.kind, self.params, step=step, num_experts=g.num_experts)
+        self._ids = {name: skewed_assignment(w_E, num_tokens=g.tokens_per_step, top_k=g.top_k,
+                                             seed=skew_seed(step, i)) for i, (name, _) in enumerate(self.layers)}
+
+
 class RoutingHooks:
     """The recorder and the replay of a run (either may be absent), called around each step."""
 
@@ -319,9 +337,13 @@ def build_routing_hooks(cfg, model: nn.Module, *, run_dir: Path, rank: int, worl
                         tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len, seq_len=cfg.data.seq_len,
                         micro_batch=micro_batch, local_batch=micro_batch // dp_size, dp_rank=dp_rank)
     parts: list = []
-    if m.routing_replay is not None:
-        parts.append(RoutingReplay(m.routing_replay, model, geometry=geometry, first_step=start_step + 1,
+    kind, params = parse_force_skew(m.force_skew, num_experts=m.num_experts)
+    replay = m.routing_replay if kind != "trace" else params[0]
+    if replay is not None:
+        parts.append(RoutingReplay(replay, model, geometry=geometry, first_step=start_step + 1,
                                    last_step=cfg.train.steps))
+    elif kind != "none":
+        parts.append(ForcedSkew(kind, params, model, geometry=geometry))
     if cfg.log.routing_trace != "off":
         parts.append(RoutingRecorder(model, mode=cfg.log.routing_trace, every=cfg.log.every, run_dir=run_dir,
                                      geometry=geometry, num_micro=grad_accum, rank=rank, world_size=world_size,
