@@ -108,6 +108,9 @@ class JobConfig:
             placed.append(("moe.routing_replay", self.moe.routing_replay))
         if m.is_moe and self.moe.force_skew != "none":
             placed.append(("moe.force_skew", self.moe.force_skew))
+        require(not (m.is_moe and self.moe.is_expert_choice and self.log.routing_trace == "full"),
+                "log.routing_trace", self.log.routing_trace,
+                'must be "counts" or "off" with moe.router "expert_choice" (experts pick tokens: no top-k per token)')
         for field_, value in placed:
             require(par.tp == 1 and par.pp == 1 and m.head == "lm", field_, value,
                     f"needs parallel.tp = 1, parallel.pp = 1 and model.head = 'lm' (got tp={par.tp}, pp={par.pp}, "

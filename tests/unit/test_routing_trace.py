@@ -106,3 +106,17 @@ def test_replay_fixes_ids_and_keeps_gate_gradients():
     router.replay_idx_TK = ids[:5]
     with pytest.raises(ValueError, match="replayed ids"):
         router(x)
+
+
+def test_config_rules_name_the_field():
+    from moetrain.config.loader import load_config
+
+    base = ["--moe.num_experts=4", "--moe.top_k=2"]
+    for extra, field in ((["--log.routing_trace=full", "--parallel.tp=2"], "log.routing_trace"),
+                         (["--moe.routing_replay=runs/x", "--parallel.pp=2"], "moe.routing_replay"),
+                         (["--moe.force_skew=zipf:1", "--parallel.tp=2"], "moe.force_skew"),
+                         (["--log.routing_trace=full", "--moe.router=expert_choice", "--moe.capacity_factor=1"],
+                          "log.routing_trace"),
+                         (["--log.routing_trace=sometimes"], "log.routing_trace")):
+        with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+            load_config(None, base + extra)
