@@ -47,7 +47,7 @@ TRAINING_FIELDS = {
             "force_balance", "aux_loss_type", "dynamic_capacity", "dynamic_capacity_base", "dynamic_capacity_scale",
             "dynamic_capacity_shift", "balance_interval", "expert_lr_scale_max", "collapse_threshold",
             "collapse_warmup_steps", "collapse_consecutive_checks", "collapse_aux_increase", "collapse_aux_max",
-            "unused_expert_steps", "router_init_std"},
+            "unused_expert_steps", "router_init_std", "routing_replay", "force_skew"},
 }
 """model/moe fields a run from a Hugging Face checkpoint may set: they change how it trains, not
 what its weights mean."""
