@@ -21,8 +21,12 @@ def add_parsers(sub) -> None:
     sp.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
     sp.add_argument("--layouts", default="auto",
                     help='layouts to verify, ";"-separated, e.g. "ep=2,dp=2; pp=2,ep=2; zero=3,ep=2" '
-                         "(keys dp, ep, tp, pp, etp, zero), or auto: the job's own layout folded to at most "
-                         "4 processes and the other ZeRO family")
+                         "(keys dp, ep, tp, pp, etp, zero), or auto: the two layouts moetrain plan ranks best "
+                         "for the job at --nproc processes, folded to at most 4 processes (one with ep > 1 "
+                         "for an MoE job)")
+    sp.add_argument("--nproc", type=int, default=None,
+                    help="the job's real world size, for --layouts auto (default: the fewest processes its "
+                         "parallel degrees need, at least 2)")
     sp.add_argument("--steps", type=int, default=3, help="training steps compared per layout (default 3)")
     sp.add_argument("--shrink", choices=("auto", "none"), default="auto",
                     help="auto: make the job CPU-sized, keeping everything that changes the math (default)")
@@ -44,8 +48,10 @@ def run_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     # A DeepSpeed config's batch sizes are per process: read at one, as the shrunk job's reference runs.
     cfg = load_config(args.config, overrides, deepspeed=args.deepspeed, world_size=1 if args.deepspeed else None)
     layouts = None if args.layouts.strip() == "auto" else parse_layouts(args.layouts)
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc ({args.nproc}) must be >= 1")
     plan = plan_verification(cfg, layouts=layouts, steps=args.steps, shrink=args.shrink == "auto",
-                             cpu=not torch.cuda.is_available())
+                             cpu=not torch.cuda.is_available(), nproc=args.nproc)
     print(f"layouts: {', '.join(f'{lay.name} ({lay.world} processes)' for lay in plan.layouts)}")
     print("job changes for verification:")
     for change in plan.changes:

@@ -40,11 +40,12 @@ class Plan:
 
 
 def plan_verification(cfg: JobConfig, *, layouts: list[Layout] | None, steps: int, shrink: bool,
-                      cpu: bool) -> Plan:
-    """What will run: the layouts (``None``: ``auto_layouts``), the shrunk job and its changes."""
+                      cpu: bool, nproc: int | None = None) -> Plan:
+    """What will run: the layouts (``None``: ``auto_layouts`` for the job at ``nproc`` processes), the
+    shrunk job and its changes."""
     if steps < 1:
         raise ValueError(f"--steps ({steps}) must be >= 1")
-    chosen = layouts if layouts is not None else auto_layouts(cfg)
+    chosen = layouts if layouts is not None else auto_layouts(cfg, nproc=nproc)
     if shrink:
         job, changes = shrink_job(cfg, pps=[lay.pp for lay in chosen], cpu=cpu)
     else:

@@ -8,7 +8,7 @@ the dp * tp ranks of a stage (``ep=2`` alone is 2 processes, ``pp=2,ep=2`` is 4)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moetrain.config.job import JobConfig
 
@@ -74,23 +74,55 @@ def parse_layouts(text: str) -> list[Layout]:
     return out
 
 
-def auto_layouts(cfg: JobConfig) -> list[Layout]:
-    """The job's own layout folded down to at most ``MAX_PROCESSES`` processes (each degree capped
-    at 2), then the other ZeRO family: ZeRO-3 beside a ZeRO 0-2 job, plain data parallelism beside a
-    ZeRO-3 one; at ep = 2 for an MoE job."""
+def job_world(cfg: JobConfig) -> int:
+    """The processes the job declares: pp * tp * dp, with dp = -1 read as the fewest data-parallel
+    ranks that hold its ep * etp expert ranks folded over a stage's dp * tp ranks."""
+    par = cfg.parallel
+    dp = par.dp if par.dp > 0 else max(1, -(-par.ep * par.etp // par.tp))
+    return par.pp * par.tp * dp
+
+
+def fold(layout: Layout) -> Layout:
+    """``layout`` at CPU size: each degree capped at 2 (dp at least the ranks that hold the expert
+    ranks), then tp and etp dropped while it needs more than ``MAX_PROCESSES`` processes."""
+    capped = {k: min(getattr(layout, k), 2) for k in ("ep", "tp", "pp", "etp")}
+    dp = max(min(layout.dp, 2), capped["ep"] * capped["etp"] // capped["tp"], 1)
+    out = Layout(**capped, zero=layout.zero, dp=dp)
+    while out.world > MAX_PROCESSES:
+        out = Layout(**{**out.__dict__, "tp": 1, "etp": 1, "dp": max(1, out.ep)})
+    return out
+
+
+AUTO_LAYOUTS = 2
+"""Layouts an ``auto`` verification runs (each costs a training run per check)."""
+
+
+def auto_layouts(cfg: JobConfig, *, nproc: int | None = None) -> list[Layout]:
+    """What ``--layouts auto`` verifies: the choices ``moetrain plan`` ranks best for the job at its real
+    size (``nproc``, default ``job_world``, at least 2), in rank order, each folded to CPU size (``fold``; the job's
+    tp, pp and etp with the choice's ZeRO stage and ep), the first ``AUTO_LAYOUTS`` distinct ones of
+    more than one process; for an MoE job the best choice with ep > 1 takes the last place when none
+    of them has it, so the expert-parallel exchange is always verified."""
+    from moetrain.plan.planner import make_plan
+
     par = cfg.parallel
     moe = cfg.model.is_moe
-    ep = min(par.ep, 2) if moe else 1
-    own = Layout(ep=ep, tp=min(par.tp, 2), pp=min(par.pp, 2), etp=min(par.etp, 2) if moe else 1,
-                 zero=par.zero_stage, dp=1)
-    own = Layout(**{**own.__dict__, "dp": max(1, own.ep * own.etp // own.tp)})
-    while own.world > MAX_PROCESSES:
-        own = Layout(**{**own.__dict__, "tp": 1, "etp": 1, "dp": max(1, own.ep)})
-    layouts = [own] if own.world > 1 else []
-    other = Layout(ep=2 if moe else 1, dp=2, zero=0 if par.zero_stage == 3 else 3)
-    if other not in layouts:
-        layouts.append(other)
-    return layouts
+    world = nproc or max(2, job_world(cfg))
+    plan = make_plan(replace(cfg, parallel=replace(par, dp=-1)), nproc=world)
+    folded: list[Layout] = []
+    for row in plan.ranked:
+        layout = fold(Layout(dp=world // (par.tp * par.pp), ep=row.choice.ep if moe else 1, tp=par.tp, pp=par.pp,
+                             etp=par.etp if moe else 1, zero=row.choice.zero_stage))
+        if layout.world > 1 and layout not in folded:
+            folded.append(layout)
+    if not folded:
+        raise ValueError(f"--layouts auto: moetrain plan finds no valid layout of more than one process for the "
+                         f"job at {world} processes; name the layouts with --layouts")
+    chosen = folded[:AUTO_LAYOUTS]
+    with_ep = [lay for lay in folded if lay.ep > 1]
+    if moe and with_ep and not any(lay.ep > 1 for lay in chosen):
+        chosen[-1] = with_ep[0]
+    return chosen
 
 
 def micro_batch_sizes(layouts: list[Layout], *, global_batch: int, grad_accum: int) -> dict[Layout, int]:

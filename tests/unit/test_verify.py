@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from moetrain.config.loader import load_config
+from moetrain.plan.planner import make_plan
 from moetrain.verify.checks import EXACT, Comparison, Precision, Tolerance, counts_from_shares
-from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes, parse_layouts
+from moetrain.verify.layouts import Layout, auto_layouts, fold, micro_batch_sizes, parse_layouts
 from moetrain.verify.report import last_line, table, write_json
 from moetrain.verify.shrink import shrink_job
 
@@ -40,9 +42,28 @@ def test_every_layout_runs_the_micro_batches_one_process_runs():
         micro_batch_sizes([Layout(dp=3)], global_batch=8, grad_accum=2)
 
 
-def test_auto_folds_the_job_and_adds_the_other_zero_family():
-    assert auto_layouts(load_config("hybrid-dp-ep-pp")) == [Layout(dp=2, ep=2, pp=2), Layout(dp=2, ep=2, zero=3)]
-    assert auto_layouts(load_config("deepseek-v3")) == [Layout(dp=2, ep=2, zero=3), Layout(dp=2, ep=2)]
+def test_auto_takes_the_layouts_the_planner_ranks_best_folded():
+    cfg = load_config("mixtral-8x7b")
+    ranked = make_plan(replace(cfg, parallel=replace(cfg.parallel, dp=-1)), nproc=64).ranked
+    lays = auto_layouts(cfg, nproc=64)
+    distinct: list[tuple[int, int]] = []  # the ranked (ep, stage) choices as they fold, first two distinct
+    for r in ranked:
+        if (key := (min(r.choice.ep, 2), r.choice.zero_stage)) not in distinct:
+            distinct.append(key)
+    assert [(lay.ep, lay.zero) for lay in lays] == distinct[:2]
+    assert lays == [Layout(dp=2, ep=2), Layout(dp=2, ep=2, zero=1)]
+    # The job's pp is kept; at 4 processes the planner prefers ep = 1 second: still one layout has ep > 1.
+    assert auto_layouts(load_config("hybrid-dp-ep-pp")) == [Layout(dp=2, ep=2, pp=2), Layout(dp=2, pp=2)]
+    tiny = auto_layouts(load_config("tiny"))
+    assert any(lay.ep > 1 for lay in tiny) and all(1 < lay.world <= 4 for lay in tiny) and len(tiny) == 2
+    dense = auto_layouts(load_config("tiny-dense"))  # a 1-process job is planned at 2
+    assert [lay.dp for lay in dense] == [2, 2] and all(lay.ep == 1 for lay in dense)
+
+
+def test_fold_caps_each_degree_and_the_processes():
+    assert fold(Layout(dp=64, ep=64, tp=8, pp=4, zero=1)) == Layout(dp=2, ep=2, pp=2, zero=1)
+    assert fold(Layout(dp=8, ep=8, tp=2, etp=2)) == Layout(dp=2, ep=2, tp=2, etp=2)
+    assert fold(Layout(dp=16)) == Layout(dp=2)
 
 
 def test_shrink_keeps_the_math_and_says_what_changed():
