@@ -45,6 +45,8 @@ RULES = {
     "vocab": (2, ["--model.vocab_size=1000"], "model.vocab_size (1000) must be >= the tokenizer vocabulary (4096"),
     "seq-len-tp": (2, ["--parallel.ep=1", "--parallel.tp=2", "--data.seq_len=255"],
                    "data.seq_len (255) must be a multiple of parallel.tp (2)"),
+    "trace-tp": (2, ["--log.routing_trace=full", "--parallel.ep=1", "--parallel.tp=2"],
+                 "log.routing_trace ('full') needs parallel.tp = 1, parallel.pp = 1 and model.head = 'lm'"),
     "batch-dp": (3, ["--parallel.ep=1", "--parallel.dp=3"], "train.global_batch_size (16) must be divisible"),
     "offload-param": (2, ["--zero.offload_param=cpu", "--parallel.zero_stage=2"],
                       "zero.offload_param ('cpu') needs parallel.zero_stage = 3 (is 2)"),
