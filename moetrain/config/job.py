@@ -15,7 +15,7 @@ from moetrain.config.log import LogConfig
 from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.config.moe import MoEConfig
 from moetrain.config.optim import OptimConfig, check_muon
-from moetrain.config.parallel import ParallelConfig
+from moetrain.config.parallel import ParallelConfig, check_rebalancing
 from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
 from moetrain.config.train import TrainConfig
 from moetrain.config.zero import ZeroConfig, check_offload
@@ -115,6 +115,8 @@ class JobConfig:
             require(par.tp == 1 and par.pp == 1 and m.head == "lm", field_, value,
                     f"needs parallel.tp = 1, parallel.pp = 1 and model.head = 'lm' (got tp={par.tp}, pp={par.pp}, "
                     f"head={m.head!r}): token ids are placed by whole sequences of the global batch")
+        check_rebalancing(par, num_experts=self.moe.num_experts, rebalance_every=self.moe.rebalance_every if m.is_moe
+                          else 0, expert_choice=self.moe.is_expert_choice)
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
         check_pipeline_reduction(pp=par.pp, grad_compression=self.dp.grad_compression)
         if m.head == "classifier":

@@ -272,6 +272,13 @@ class MoEConfig:
     collapse_aux_max: float = 0.1
     """Ceiling of the aux_loss_coef raised by collapse alarms."""
 
+    rebalance_every: int = 0
+    """Expert rebalancing: every this many optimizer steps, re-plan which hot experts the spare
+    slots of each ep rank replicate (parallel.expert_slots_per_rank) from the routed load since the
+    last plan, so that every rank serves about the same number of token copies. The math does not
+    change (same routing, drops, losses and weights as without it; replicas are kept identical to
+    their home expert). 0 = off. See docs/routing.md, "Expert rebalancing"."""
+
     unused_expert_steps: int = 100
     """Report an expert as unused (metric unused_experts) once it received no token for this many
     consecutive optimizer steps."""
@@ -279,6 +286,7 @@ class MoEConfig:
     def __post_init__(self) -> None:
         require_int("moe.num_experts", self.num_experts, min_value=1)
         require_int("moe.top_k", self.top_k, min_value=1)
+        require_int("moe.rebalance_every", self.rebalance_every, min_value=0)
         require(self.top_k <= self.num_experts, "moe.top_k", self.top_k,
                 f"must be <= moe.num_experts ({self.num_experts})")
         require_int("moe.expert_hidden_dim", self.expert_hidden_dim, min_value=1)

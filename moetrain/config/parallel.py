@@ -81,6 +81,14 @@ class ParallelConfig:
     hsdp_replicate consecutive ranks (a node) and are replicated across the hsdp_replicate groups
     (an all-reduce of the shards crosses nodes instead of every all-gather). 1 = plain FSDP."""
 
+    expert_slots_per_rank: int = 0
+    """Expert slots on each ep rank with expert rebalancing (moe.rebalance_every > 0): its
+    moe.num_experts / ep home experts plus spare slots, each holding a replica of a hot expert of
+    another rank that takes a share of that expert's tokens (docs/routing.md, "Expert
+    rebalancing"). Must be > num_experts / ep then (one spare slot per rank is usually enough);
+    0 = no spare slots (rebalancing off). Each spare slot costs one expert's weights and gradient
+    in memory and one expert's weights out and gradient back over ep per step."""
+
     backend: str = "auto"
     """torch.distributed backend: "auto" (nccl with CUDA, else gloo), "gloo" or "nccl"."""
 
@@ -116,3 +124,34 @@ class ParallelConfig:
         require(self.hsdp_replicate == 1 or self.zero_stage >= 2, "parallel.hsdp_replicate", self.hsdp_replicate,
                 f"needs parallel.zero_stage >= 2 (is {self.zero_stage}): stages 0/1 replicate the parameters anyway")
         require_choice("parallel.backend", self.backend, ("auto", "gloo", "nccl"))
+        require(isinstance(self.expert_slots_per_rank, int) and not isinstance(self.expert_slots_per_rank, bool)
+                and self.expert_slots_per_rank >= 0, "parallel.expert_slots_per_rank", self.expert_slots_per_rank,
+                "must be an int >= 0")
+
+
+def check_rebalancing(par: ParallelConfig, *, num_experts: int, rebalance_every: int,
+                      expert_choice: bool) -> None:
+    """The layouts expert rebalancing (parallel.expert_slots_per_rank, moe.rebalance_every) runs
+    under; ValueError naming the field otherwise."""
+    slots = par.expert_slots_per_rank
+    if slots == 0 and rebalance_every == 0:
+        return
+    require(slots > 0, "moe.rebalance_every", rebalance_every,
+            "needs parallel.expert_slots_per_rank > moe.num_experts / parallel.ep (spare slots for the replicas)")
+    require(rebalance_every > 0, "parallel.expert_slots_per_rank", slots,
+            "needs moe.rebalance_every > 0: the spare slots hold replicas planned from the routed load")
+    require(par.ep > 1, "parallel.expert_slots_per_rank", slots,
+            f"needs parallel.ep > 1 (is {par.ep}): replicas share a hot expert's tokens across ep ranks")
+    home = num_experts // par.ep
+    require(slots > home, "parallel.expert_slots_per_rank", slots,
+            f"must be > moe.num_experts / parallel.ep ({home} home experts per rank): the rest are spare slots")
+    unsupported = {"parallel.tp": (par.tp, 1), "parallel.etp": (par.etp, 1), "parallel.pp": (par.pp, 1),
+                   "parallel.ep_hierarchical": (par.ep_hierarchical, False)}
+    for name, (value, wanted) in unsupported.items():
+        require(value == wanted, name, value, f"must be {wanted} with expert rebalancing (parallel."
+                f"expert_slots_per_rank {slots}): replicas run on the flat all-to-all of one pipeline stage")
+    require(par.zero_stage <= 1, "parallel.zero_stage", par.zero_stage,
+            "must be 0 or 1 with expert rebalancing: FSDP2-sharded experts (ZeRO-2/3) have no whole home "
+            "weight to copy into a replica")
+    require(not expert_choice, "moe.rebalance_every", rebalance_every,
+            "needs a token-choice router: expert choice is balanced by construction")

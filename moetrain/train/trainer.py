@@ -38,6 +38,7 @@ from moetrain.distributed.data_parallel.ddp import no_sync, wrap_optimizer, zero
 from moetrain.distributed.data_parallel.finalize import finalize_grads
 from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.distributed.expert_parallel.apply import collect_comm_stats
+from moetrain.distributed.expert_parallel.rebalance import Rebalancer, rebalance_settings
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing, parallelize
 from moetrain.train.balancing import install_balancing
@@ -180,6 +181,7 @@ class Trainer:
         self.skips = SkipCounter(max_consecutive=self.cfg.train.max_consecutive_skips)
         self.interrupted = False
         resumed = self.checkpointer.resume()
+        self.rebalancer = Rebalancer(self.model, self.dims, run_dir=self.run_dir, **rebalance_settings(self.cfg))
         self.resumed_from = resumed.path if resumed is not None else None
         if resumed is not None:
             self.step = resumed.step
@@ -247,8 +249,10 @@ class Trainer:
                         with contextlib.nullcontext() if last_micro else no_sync(self.parallel_model):
                             self.forward_backward(*batch)
                     finalize_grads(self.parallel_model, self.dims)
+                    self.rebalancer.sum_replica_grads()
             with self.phase(f"optimizer step {self.step + 1}"):
                 good = self.optimizer_step()
+                self.rebalancer.after_step(self.step + 1)
         self.routing.finish_step()
         if tracker is not None:
             self.memory_metrics = tracker.report().as_metrics()
