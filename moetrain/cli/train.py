@@ -111,7 +111,7 @@ def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
     if trainer.interrupted:  # 128 + 15 tells the launcher the run did not finish
         return 143, trainer.world_size
     if trainer.is_main:
-        pngs = write_report(trainer.run_dir)
+        pngs = write_report(trainer.run_dir) if cfg.log.report else []
         print()
         if "test_accuracy" in final:  # a classifier's last eval covers the test split
             print(f"final test accuracy {final['test_accuracy']:.4f} (macro-F1 {final['test_macro_f1']:.4f}; val "
@@ -124,8 +124,8 @@ def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
             print("--- sample ---")
             print(sample)
             print("--------------")
-        print(f"run directory: {trainer.run_dir}  (config.yaml, metrics.jsonl, tensorboard/, report/: "
-              f"{', '.join(p.name for p in pngs)})")
+        drawn = ", ".join(p.name for p in pngs) if cfg.log.report else "not drawn, log.report is false"
+        print(f"run directory: {trainer.run_dir}  (config.yaml, metrics.jsonl, tensorboard/, report/: {drawn})")
     return 0, trainer.world_size
 
 

@@ -66,6 +66,11 @@ class LogConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar on rank 0."""
 
+    report: bool = True
+    """At the end of the run, rank 0 draws the report's PNGs (loss, throughput, expert load, ...) into
+    <run_dir>/report, and hands them to log.wandb / log.mlflow. false: none are drawn (about a second of CPU
+    per run, most of a few-step run); `moetrain report RUN_DIR` draws them later from metrics.jsonl."""
+
     memory: bool = True
     """Measure each rank's peak bytes of parameters, gradients, optimizer states and activations on
     the log steps (a tensor-allocation tracker; it slows the step it watches) and log them as mem/*."""
@@ -106,6 +111,7 @@ class LogConfig:
         require_bool("log.tensorboard", self.tensorboard)
         require_bool("log.jsonl", self.jsonl)
         require_bool("log.progress_bar", self.progress_bar)
+        require_bool("log.report", self.report)
         require_bool("log.memory", self.memory)
         require_bool("log.comm_timing", self.comm_timing)
         require_choice("log.routing_trace", self.routing_trace, ("counts", "full", "off"))

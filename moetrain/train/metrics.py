@@ -151,13 +151,15 @@ class MetricsLogger:
     ``keep_until_step``: a resumed run's file keeps the records of steps up to this one and
     drops those the stopped run wrote after it, so it reads like the file of a run that never
     stopped. None starts an empty file. ``tags`` (``run_tags``) go into every record, after the
-    step, so a benchmark-mode run cannot be mistaken for an ordinary one.
+    step, so a benchmark-mode run cannot be mistaken for an ordinary one. ``report`` (log.report):
+    whether ``close`` draws the report's PNGs for the trackers.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, enabled: bool = True, tensorboard: bool = True,
                  keep_until_step: int | None = None, tags: dict | None = None,
-                 trackers: Sequence[Tracker] = ()) -> None:
+                 trackers: Sequence[Tracker] = (), report: bool = True) -> None:
         self.enabled = enabled
+        self.report = report
         self.tags = dict(tags or {})
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)
@@ -195,7 +197,7 @@ class MetricsLogger:
             if self.trackers:
                 from moetrain.train.report import write_report  # the report reads this module's records
 
-                files = [self.run_dir / "config.yaml", *write_report(self.run_dir)]
+                files = [self.run_dir / "config.yaml", *(write_report(self.run_dir) if self.report else [])]
                 for tracker in self.trackers:
                     tracker.log_files([f for f in files if f.exists()])
         for tracker in self.trackers:

@@ -198,7 +198,7 @@ class Trainer:
         self.metrics = MetricsLogger(self.run_dir, enabled=self.is_main and lc.jsonl, tensorboard=lc.tensorboard,
                                      keep_until_step=self.step if resumed is not None else None,
                                      tags=run_tags(self.cfg.moe if self.model_config.is_moe else None),
-                                     trackers=trackers)
+                                     trackers=trackers, report=lc.report)
         if resumed is not None and resumed.saved_world_size != self.world_size:
             # An elastic restart (or a reshard by hand): same global batch, another accumulation.
             self.metrics.log(self.step, {"event": "world_size_changed", "world_size_before": resumed.saved_world_size,

@@ -25,6 +25,7 @@ from moetrain.config.job import JobConfig
 from moetrain.config.loader import save_config
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares
+from moetrain.verify.launcher import Launcher
 from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes
 from moetrain.verify.runs import Run, RunFailed, read_checkpoint, train
 from moetrain.verify.shrink import GRAD_ACCUM, Change, shrink_job, unshrunk_job
@@ -79,15 +80,21 @@ class _Context:
     ref_records: dict[int, dict]
     ref_state: dict[int, dict[str, torch.Tensor]]
     precision: Precision
+    launcher: Launcher
 
 
 def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str], None] = print,
-                     checks: tuple[str, ...] = CHECKS) -> Comparison:
+                     checks: tuple[str, ...] = CHECKS, launcher: Launcher | None = None) -> Comparison:
     """Run the reference and every layout of ``plan`` and compare them, step by step. ``checks``
-    leaves out the reshard or the export (the per-step comparison always runs)."""
+    names the comparisons: without ``"steps"`` the layouts' runs are those an earlier verification
+    of the same plan left in ``work`` (re-checking its reshard or export without training again).
+    ``launcher``: the process server the runs are forked from (default: one started here)."""
     bad = sorted(set(checks) - set(CHECKS))
     if bad:
         raise ValueError(f"checks ({bad}) must be among {CHECKS}")
+    if launcher is None:
+        with Launcher() as own:
+            return run_verification(plan, work=work, say=say, checks=checks, launcher=own)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="moetrain-verify-"))
     work.mkdir(parents=True, exist_ok=True)
     config = work / "job.yaml"
@@ -100,10 +107,11 @@ def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str
     common = [f"--train.steps={S + 1}", "--checkpoint.resume=auto", "--checkpoint.async_save=false",
               "--checkpoint.every=1", f"--checkpoint.keep_last={S + 1}"]
     ref_overrides = [*Layout().overrides(micro_batch=micro[Layout()]), *common]
-    ref = _reference(work, config, S, ref_overrides, say)
+    ref = _reference(work, config, S, ref_overrides, say, launcher)
     ctx = _Context(work, config, common, ref_overrides, ref.records(),
                    {s: read_checkpoint(ref.checkpoint(s)) for s in range(1, S + 2)},
-                   Precision(plan.cfg.train.dtype, plan.cfg.moe.dispatch_dtype if plan.cfg.model.is_moe else "none"))
+                   Precision(plan.cfg.train.dtype, plan.cfg.moe.dispatch_dtype if plan.cfg.model.is_moe else "none"),
+                   launcher)
     out = Comparison()
     for i, lay in enumerate(plan.layouts):
         try:
@@ -117,21 +125,28 @@ def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str
 def _verify_layout(out: Comparison, plan: Plan, ctx: _Context, i: int, lay: Layout, micro: int,
                    checks: tuple[str, ...], say: Callable[[str], None]) -> None:
     S, work, tag = plan.steps, ctx.work, f"[{lay.name}]"
-    for stale in [work / f"layout{i}{suffix}" for suffix in ("", "-resumed", "-hf", "-hf-back")]:
-        shutil.rmtree(stale, ignore_errors=True)  # a run folder left by an earlier verify would resume
-    # S + 1 steps like the reference: the learning-rate schedule is a function of train.steps.
-    say(f"layout {lay.name}: {lay.world} processes, {S + 1} steps")
-    run = train(f"layout{i}", ctx.config, work, nproc=lay.world,
-                overrides=[*lay.overrides(micro_batch=micro), *ctx.common])
-    records = run.records()
-    for step in range(1, S + 2):
-        compare_step(out, tag, records.get(step), ctx.ref_records.get(step), plan, ctx.precision, step=step)
-        compare_state(out, tag, read_checkpoint(run.checkpoint(step)), ctx.ref_state[step], plan, ctx.precision,
-                      step=step)
+    stale = ["-resumed", "-hf", "-hf-back"] + ([""] if "steps" in checks else [])
+    for path in [work / f"layout{i}{suffix}" for suffix in stale]:
+        shutil.rmtree(path, ignore_errors=True)  # a run folder left by an earlier verify would resume
+    overrides = [*lay.overrides(micro_batch=micro), *ctx.common]
+    if "steps" in checks:
+        # S + 1 steps like the reference: the learning-rate schedule is a function of train.steps.
+        say(f"layout {lay.name}: {lay.world} processes, {S + 1} steps")
+        run = train(f"layout{i}", ctx.config, work, nproc=lay.world, overrides=overrides, launcher=ctx.launcher)
+        records = run.records()
+        for step in range(1, S + 2):
+            compare_step(out, tag, records.get(step), ctx.ref_records.get(step), plan, ctx.precision, step=step)
+            compare_state(out, tag, read_checkpoint(run.checkpoint(step)), ctx.ref_state[step], plan,
+                          ctx.precision, step=step)
+    else:
+        run = Run(f"layout{i}", work / f"layout{i}", work / f"layout{i}.log")
+        if not run.checkpoint(S).is_dir():
+            raise RunFailed(f"layout {lay.name}: no run of an earlier verification in {run.run_dir} to re-check")
     if "reshard" in checks:
         say(f"layout {lay.name}: its step-{S} checkpoint resharded to world 1 for step {S + 1}")
         resumed = train(f"layout{i}-resumed", ctx.config, work, nproc=1,
-                        overrides=[*ctx.ref_overrides, f"--checkpoint.resume={run.checkpoint(S)}"])
+                        overrides=[*ctx.ref_overrides, f"--checkpoint.resume={run.checkpoint(S)}"],
+                        launcher=ctx.launcher)
         compare_step(out, f"{tag} resharded", resumed.records().get(S + 1), ctx.ref_records.get(S + 1), plan,
                      ctx.precision, step=S + 1)
         compare_state(out, f"{tag} resharded", read_checkpoint(resumed.checkpoint(S + 1)), ctx.ref_state[S + 1],
@@ -141,7 +156,8 @@ def _verify_layout(out: Comparison, plan: Plan, ctx: _Context, i: int, lay: Layo
                        step=S)
 
 
-def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None]) -> Run:
+def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None],
+               launcher: Launcher) -> Run:
     """The world-1 run, or the one a previous verification left in ``work`` for the same job and
     steps (``reference.json`` records them): re-verifying other layouts does not run it again."""
     marker = work / "reference.json"
@@ -154,7 +170,7 @@ def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: 
     if ref.run_dir.exists():
         shutil.rmtree(ref.run_dir)  # a stale reference would resume instead of training
     say(f"reference: world 1, {steps + 1} steps ({ref.run_dir})")
-    ref = train("reference", config, work, nproc=1, overrides=overrides)
+    ref = train("reference", config, work, nproc=1, overrides=overrides, launcher=launcher)
     marker.write_text(json.dumps(key), encoding="utf-8")
     return ref
 

@@ -1,6 +1,6 @@
 """The training runs ``moetrain verify`` compares, each a real ``moetrain train`` in its own
-processes (torch.distributed.run, gloo on CPU), and what they leave: per-step records and
-checkpoints read back in one process at full size.
+processes (forked by ``launcher.Launcher`` with the environment torchrun gives a rank; gloo on
+CPU), and what they leave: per-step records and checkpoints read back in one process at full size.
 
     reference   world 1, steps 1..S+1, a checkpoint after each
     layout L    L's processes, steps 1..S+1, a checkpoint after each
@@ -9,9 +9,6 @@ checkpoints read back in one process at full size.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +20,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from moetrain.train.checkpoint.files import step_dir_name
 from moetrain.train.checkpoint.index import SafeReader, saved_like
 from moetrain.train.metrics import read_metrics
+from moetrain.verify.launcher import Launcher
 
 
 class RunFailed(RuntimeError):
@@ -43,22 +41,17 @@ class Run:
         return {r["step"]: r for r in read_metrics(self.run_dir) if "loss" in r and isinstance(r.get("step"), int)}
 
 
-def train(name: str, config: Path, work: Path, *, nproc: int, overrides: list[str], timeout_s: float = 900.0) -> Run:
-    """``moetrain train --config CONFIG --nproc NPROC OVERRIDES`` into ``work/name``; its output
-    goes to ``work/name.log``. Raises ``RunFailed`` with the log's end when it fails."""
+def train(name: str, config: Path, work: Path, *, nproc: int, overrides: list[str], launcher: Launcher,
+          timeout_s: float = 900.0) -> Run:
+    """``moetrain train --config CONFIG OVERRIDES`` in ``nproc`` ranks into ``work/name``; its
+    output goes to ``work/name.log``. Raises ``RunFailed`` with the log's end when it fails."""
     run_dir, log = work / name, work / f"{name}.log"
-    argv = [sys.executable, "-m", "moetrain.cli", "train", "--config", str(config), f"--nproc={nproc}",
-            f"--log.run_dir={run_dir}", *overrides]
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")  # the ranks share the cores; more threads only contend
-    with open(log, "w") as out:
-        try:
-            code = subprocess.call(argv, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = -1
+    argv = ["train", "--config", str(config), f"--log.run_dir={run_dir}", *overrides]
+    log.write_text("", encoding="utf-8")
+    code = launcher.run(argv, nproc=nproc, log=log, timeout_s=timeout_s)
     if code != 0:
         tail = log.read_text(errors="replace")[-3000:]
-        raise RunFailed(f"run {name!r} ({' '.join(argv[3:])}) exited with {code}; end of {log}:\n{tail}")
+        raise RunFailed(f"run {name!r} (nproc {nproc}: {' '.join(argv[3:])}) exited with {code}; end of {log}:\n{tail}")
     return Run(name, run_dir, log)
 
 

@@ -113,6 +113,7 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool) -> tuple[JobConfig,
         ("log.every", 1, "a record per step"),
         ("log.tensorboard", False, "only metrics.jsonl is read"),
         ("log.progress_bar", False, "quiet runs"),
+        ("log.report", False, "only metrics.jsonl and the checkpoints are read"),
         ("log.wandb", None, "no tracker for throwaway runs"),
         ("log.mlflow", None, "no tracker for throwaway runs"),
     ]
@@ -143,7 +144,8 @@ def unshrunk_job(cfg: JobConfig) -> tuple[JobConfig, list[Change]]:
     raw = config_to_dict(cfg)
     changes = []
     plan: list[tuple[str, object, str]] = [("log.every", 1, "a record per step"),
-                                           ("train.eval_every", 0, "verify compares training steps")]
+                                           ("train.eval_every", 0, "verify compares training steps"),
+                                           ("log.report", False, "only metrics.jsonl and the checkpoints are read")]
     plan += [(name, 0.0, f"random per rank by design: {why}") for name, why in RANDOM_PER_RANK.items()]
     for name, new, why in plan:
         section, field = name.split(".")

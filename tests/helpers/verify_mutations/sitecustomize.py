@@ -1,23 +1,43 @@
 """Test-only bug injection for ``moetrain verify``'s mutation suite (tests/integration/
-test_verify_mutations.py). Python imports ``sitecustomize`` at start-up from PYTHONPATH, so a
-process started with this folder on it and ``MOETRAIN_TEST_MUTATION=<name>`` in its environment
-gets one classic layout bug patched into moetrain as the module is imported. Nothing in moetrain
-reads the variable or knows this file: the hook cannot be reached from a config.
+test_verify_mutations.py). Python imports ``sitecustomize`` at start-up from PYTHONPATH: a process
+started with this folder on it and ``MOETRAIN_TEST_MUTATION`` in its environment (any value, even
+empty) gets every classic layout bug below wrapped around the moetrain function it corrupts, as
+that module is imported. Each wrapper acts only while ``MOETRAIN_TEST_MUTATION`` names its bug at
+the time of the call, so one armed process (verify's launcher, whose ranks are forked with each
+run's environment) serves every case. Nothing in moetrain reads the variable or knows this file:
+the hook cannot be reached from a config.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.abc
 import importlib.machinery
 import os
 import sys
+
+VARIABLE = "MOETRAIN_TEST_MUTATION"
+
+
+def _when(name: str, original):
+    """``mutated`` in place of ``original`` while the environment names bug ``name``."""
+
+    def wrap(mutated):
+        @functools.wraps(original)
+        def chosen(*args, **kwargs):
+            return (mutated if os.environ.get(VARIABLE) == name else original)(*args, **kwargs)
+
+        return chosen
+
+    return wrap
 
 
 def _expert_grad_scale(finalize) -> None:
     """Missing 1/ep: an expert shard's gradient averaged over its edp copies instead of (sum) / dp."""
     original = finalize.grad_reduction
 
+    @_when("expert_grad_scale", original)
     def grad_reduction(dims, axis):
         rule = original(dims, axis)
         return dataclasses.replace(rule, divisor=rule.size) if axis == "edp" else rule
@@ -31,6 +51,7 @@ def _aux_loss_group(layer) -> None:
 
     original = layer.load_balancing_loss
 
+    @_when("aux_loss_group", original)
     def load_balancing_loss(probs_TE, counts_E, *, top_k, num_tokens=None):
         world = dist.get_world_size() if dist.is_initialized() else 1
         local = None if num_tokens is None else num_tokens // world
@@ -47,6 +68,7 @@ def _grad_norm_replicated(grads) -> None:
 
     original = grads.global_grad_norm
 
+    @_when("grad_norm_replicated", original)
     def global_grad_norm(params):
         norm = original(params)
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -65,6 +87,7 @@ def _bias_local_counts(layer) -> None:
 
     record = layer.MoELayer._record_step_stats
 
+    @_when("bias_local_counts", record)
     def _record_step_stats(self, aux, routing, num_tokens):
         record(self, aux, routing, num_tokens)
         if torch._C._current_graph_task_id() != -1:  # a checkpointed forward run again: counted once
@@ -74,6 +97,7 @@ def _bias_local_counts(layer) -> None:
 
     update = router_module.TopKRouter.update_bias
 
+    @_when("bias_local_counts", update)
     def update_bias(self, num_routed_E, rate):
         local_E = self.__dict__.pop("_local_routed_E", num_routed_E)
         update(self, local_E, rate)
@@ -87,6 +111,7 @@ def _optimizer_old_layout(state) -> None:
     rank held them: its expert rows repeated over the whole stack."""
     original = state._read_state
 
+    @_when("optimizer_old_layout", original)
     def _read_state(*args, **kwargs):
         loaded, groups = original(*args, **kwargs)
         for name, entry in loaded["optim"]["state"].items():
@@ -108,6 +133,7 @@ def _export_skips_expert(convert) -> None:
 
     original = convert._export_jobs
 
+    @_when("export_skips_expert", original)
     def _export_jobs(entries, src, dtype_of):
         jobs = original(entries, src, dtype_of)
         last = {f"{e.hf}.{e.num_experts - 1}." for e in entries if isinstance(e, Experts)}
@@ -128,28 +154,34 @@ MUTATIONS = {
 
 
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    def __init__(self, module: str, patch) -> None:
-        self.module, self.patch = module, patch
+    """Runs each listed module's patches right after the module's own code."""
+
+    def __init__(self, patches: dict[str, list]) -> None:
+        self.patches = patches
 
     def find_spec(self, name, path, target=None):
-        if name != self.module:
+        if name not in self.patches:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
             return spec
         run = spec.loader.exec_module
-        patch = self.patch
+        patches = self.patches[name]
 
         def exec_module(module):
             run(module)
-            patch(module)
+            for patch in patches:
+                patch(module)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-_name = os.environ.get("MOETRAIN_TEST_MUTATION")
-if _name:
-    if _name not in MUTATIONS:
-        raise SystemExit(f"MOETRAIN_TEST_MUTATION ({_name!r}) must be one of {', '.join(MUTATIONS)}")
-    sys.meta_path.insert(0, _PatchAfterImport(*MUTATIONS[_name]))
+if VARIABLE in os.environ:
+    _name = os.environ[VARIABLE]
+    if _name and _name not in MUTATIONS:
+        raise SystemExit(f"{VARIABLE} ({_name!r}) must be one of {', '.join(MUTATIONS)}")
+    _patches: dict[str, list] = {}
+    for _module, _patch in MUTATIONS.values():
+        _patches.setdefault(_module, []).append(_patch)
+    sys.meta_path.insert(0, _PatchAfterImport(_patches))
