@@ -93,7 +93,10 @@ class JobConfig:
         check_sequence_split(self.data.seq_len, tp=par.tp)
         require(m.mtp_depth < self.data.seq_len, "model.mtp_depth", m.mtp_depth,
                 f"must be < data.seq_len ({self.data.seq_len}): depth k scores the tokens k + 1 places ahead")
-        if tp_errors := tensor_parallel_errors(m, par.tp):
+        require(par.tp == 1 or m.mtp_depth < self.data.seq_len // par.tp, "model.mtp_depth", m.mtp_depth,
+                f"must be < data.seq_len / parallel.tp ({self.data.seq_len // par.tp}): depth k pads its last "
+                "k positions, which must leave every tp rank a scored one")
+        if tp_errors := tensor_parallel_errors(m, par.tp, moe=self.moe):
             raise ValueError("; ".join(tp_errors))
         if par.dp != -1:
             self.train.grad_accum_steps(par.dp)

@@ -7,6 +7,7 @@ from dataclasses import MISSING, dataclass, fields, replace
 
 from moetrain.config._checks import is_int, require_bool, require_int
 from moetrain.config.base import require, require_choice, require_positive
+from moetrain.config.moe import MoEConfig
 from moetrain.config.rope import RopeScaling, rope_scaling_from
 
 
@@ -346,12 +347,14 @@ class ModelConfig:
 
 
 
-def tensor_parallel_errors(model: ModelConfig, tp: int) -> list[str]:
+def tensor_parallel_errors(model: ModelConfig, tp: int, *, moe: MoEConfig | None = None) -> list[str]:
     """What tensor parallelism over ``tp`` ranks cannot split in ``model``, one message each (none
     at tp = 1): the classifier head pools along the sharded sequence, latent attention's
     projections read the whole input outside the column-wise layers, heads and key/value heads
     split evenly, a norm across all heads cannot see them, the dense blocks' FFNs split their
-    hidden dim (the shared experts stay whole)."""
+    hidden dim (the shared experts stay whole). With ``moe`` (the model's MoE settings): the
+    multi-token modules' padded positions leave the tp ranks unequal token counts, which a
+    capacity factor cannot share out."""
     if tp == 1:
         return []
     errors = []
@@ -368,9 +371,10 @@ def tensor_parallel_errors(model: ModelConfig, tp: int) -> list[str]:
         if model.qk_norm == "full":
             errors.append("model.qk_norm ('full') normalises across all heads, which parallel.tp splits: use 'head' "
                           "or 'none'")
-    if model.mtp_depth > 0:
-        errors.append(f"model.mtp_depth ({model.mtp_depth}) must be 0 with parallel.tp > 1: the multi-token modules "
-                      "are not split by tensor parallelism")
+    if model.mtp_depth > 0 and model.is_moe and moe is not None and moe.capacity_factor is not None:
+        errors.append(f"moe.capacity_factor ({moe.capacity_factor}) must be null with model.mtp_depth > 0 and "
+                      "parallel.tp > 1: depth k pads its last k positions, which leaves the tp ranks unequal token "
+                      "counts, and capacity is shared out over equal ones")
     hidden = model.resolved_dense_hidden_dim
     if len(model.moe_layer_ids) < model.num_layers and hidden % tp:
         errors.append(f"parallel.tp ({tp}) must divide the dense FFN hidden dim ({hidden}, model.dense_hidden_dim)")

@@ -16,6 +16,14 @@ and for the model: the token embedding row-wise (vocabulary shards, reduce-scatt
 the final norm sequence-parallel, the LM head column-wise with the logits all-gathered (every tp
 rank computes the same loss).
 
+The multi-token modules (``model.mtp_depth``) keep every depth at the S positions
+(``MTPModule.keep_length``: the last k padded, unscored and not routed), so their sequence splits
+like the trunk's: their three norms sequence-parallel, ``eh_proj`` kept whole on the local
+positions (a plain parameter, as the router), their block split as a trunk block. The MoE layer's
+token mask is cut to the rank's positions with its input; a rank then routes fewer tokens than its
+peers, which the masked path's aux losses allow for and a capacity does not
+(``tensor_parallel_errors``).
+
 Why the MoE layer takes local tokens. Its input is sharded along the sequence already, so the
 tp ranks hold different tokens, exactly like data-parallel ranks: routing, the all-to-all and
 the experts need no tensor-parallel collective, and ``ep`` can borrow the tp ranks (parallel
@@ -34,7 +42,9 @@ folding). What it asks for:
 
 Not covered (rejected with the field named): multi-head latent attention (its latent projections
 read the gathered input outside the column-wise layers), ``model.qk_norm="full"`` (a norm across
-all heads), the classifier head (pools along the sharded sequence), LoRA adapters. The
+all heads), the classifier head (pools along the sharded sequence), LoRA adapters, a capacity
+factor with multi-token modules (their padded positions leave the tp ranks unequal token counts,
+over which a capacity cannot be shared out as one process would). The
 sequence-wise balance loss sums each sequence's counts and scores over the tp ranks
 (``MoELayer.sequence_group``).
 
@@ -42,6 +52,8 @@ Shape legend: B batch, S sequence, D model dim, H query heads, G key/value heads
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -60,6 +72,7 @@ from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.attention import Attention
 from moetrain.models.feedforward import FeedForward
 from moetrain.models.moe.layer import MoELayer
+from moetrain.models.mtp import MTPModule
 from moetrain.models.transformer import TransformerBlock
 
 
@@ -70,7 +83,7 @@ def check_tensor_parallel(model: nn.Module, tp: int) -> None:
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):
         raise TypeError(f"tensor parallelism splits a Transformer or its pipeline stages, not {type(model).__name__}")
-    errors = tensor_parallel_errors(config, tp)
+    errors = tensor_parallel_errors(config, tp, moe=getattr(model, "moe_config", None))
     if tp > 1 and any("lora_" in name.rsplit(".", 1)[-1] for name, _ in model.named_modules()):
         errors.append("LoRA adapters (finetune.lora_rank > 0) are not split by parallel.tp")
     if errors:
@@ -123,10 +136,15 @@ def _gather_sequence(mesh):
 
 
 def _local_sequence(mesh):
-    """Forward pre-hook of the MoE layer: its first input as this rank's local sequence shard."""
+    """Forward pre-hook of the MoE layer: its first input as this rank's local sequence shard, and
+    its token mask (``[B, S]``, the same on every tp rank), if any, cut to the same positions."""
 
     def hook(_module: nn.Module, args):
-        return (_as_sequence_shard(args[0], mesh).to_local(), *args[1:])
+        x = _as_sequence_shard(args[0], mesh).to_local()
+        if len(args) > 1 and args[1] is not None:
+            token_mask_BS = args[1].chunk(mesh.size(), dim=1)[mesh.get_local_rank()]
+            return (x, token_mask_BS, *args[2:])
+        return (x, *args[1:])
 
     return hook
 
@@ -180,7 +198,13 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
         output.weight = embedding.weight
     if embedding is not None:
         embedding.weight.register_hook(_vocab_rows_of_grad)
-    for block in _blocks(model):
+    for module in _mtp_modules(model):
+        # hnorm and enorm hand eh_proj local tensors: it applies its whole weight to the rank's positions.
+        parallelize_module(module, mesh, {"hnorm": SequenceParallel(use_local_output=True),
+                                          "enorm": SequenceParallel(use_local_output=True),
+                                          "norm": SequenceParallel()})
+        module.keep_length = True
+    for block in _blocks(model) + [cast(TransformerBlock, m.block) for m in _mtp_modules(model)]:
         parallelize_module(block, mesh, _block_plan(block))
         attention, ffn = block.attention, block.feed_forward
         assert isinstance(attention, Attention), type(attention)  # check_tensor_parallel rejects MLA
@@ -195,7 +219,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
             # Each sequence's positions are spread over the tp ranks: the sequence-wise balance
             # loss sums its per-sequence counts and scores over them.
             ffn.sequence_group = dims.group("tp")
-    model.register_forward_pre_hook(_check_sequence_length(tp))
+    model.register_forward_pre_hook(_check_sequence_length(tp, len(_mtp_modules(model))))
     return model
 
 
@@ -211,6 +235,12 @@ def _blocks(model: nn.Module) -> list[TransformerBlock]:
     return blocks
 
 
+def _mtp_modules(model: nn.Module) -> list[MTPModule]:
+    """The multi-token modules of a ``Transformer`` or of the last pipeline stage (none elsewhere)."""
+    mtp = getattr(model, "mtp", None)
+    return [] if mtp is None else [cast(MTPModule, m) for m in mtp]
+
+
 def _vocab_rows_of_grad(grad: torch.Tensor) -> torch.Tensor:
     """The row-wise embedding's backward yields the whole ``[V, D]`` weight gradient, replicated on
     every tp rank; the weight is this rank's vocabulary rows (Shard(0)), and so must its gradient
@@ -221,12 +251,15 @@ def _vocab_rows_of_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad
 
 
-def _check_sequence_length(tp: int):
+def _check_sequence_length(tp: int, mtp_depth: int):
     def hook(_module: nn.Module, args):
         S = args[0].shape[1]
         if S % tp:
             raise ValueError(f"the sequence length ({S}, data.seq_len) must be a multiple of parallel.tp ({tp}): "
                              "sequence parallelism splits every sequence evenly over the tp ranks")
+        if mtp_depth >= S // tp:
+            raise ValueError(f"model.mtp_depth ({mtp_depth}) must be < the sequence length / parallel.tp ({S // tp}): "
+                             "the last tp rank's positions of the deepest depth would all be padding")
 
     return hook
 

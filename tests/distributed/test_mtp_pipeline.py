@@ -40,8 +40,9 @@ WORLD2 = [PPCase("mtp2_1f1b_clip", steps=2, model=MTP2, max_grad_norm=0.5),
 WORLD4 = [PPCase("mtp1_ep2_zero2", steps=2, ep=2, zero_stage=2, model={"mtp_depth": 1}),
           PPCase("mtp2_dp2_zero1", steps=2, zero_stage=1, model=MTP2, max_grad_norm=0.5),
           # The tied head and the embedding row-wise over tp in both stages (dp = 1: the check pairs
-          # the first and last stage's ranks of each tp position).
-          PPCase("tied_tp2", steps=2, tp=2, model={"tie_embeddings": True}, max_grad_norm=0.5)]
+          # the first and last stage's ranks of each tp position), and the module on the last stage split
+          # over tp as the trunk's blocks are (its depth padded to the whole sequence).
+          PPCase("mtp1_tied_tp2", steps=2, tp=2, model={"tie_embeddings": True, "mtp_depth": 1}, max_grad_norm=0.5)]
 
 
 @pytest.fixture(scope="module")

@@ -161,11 +161,62 @@ def test_config_rules():
         ModelConfig(mtp_depth=1, mtp_loss_weight=-0.1)
     with pytest.raises(ValueError, match="model.mtp_loss_weight.*acts only with model.mtp_depth"):
         ModelConfig(mtp_loss_weight=0.1)
-    assert any("model.mtp_depth" in e for e in tensor_parallel_errors(ModelConfig(mtp_depth=1), 2))
-    assert tensor_parallel_errors(ModelConfig(mtp_depth=1), 1) == []
+    # Tensor parallelism pads the depths (keep_length): a capacity cannot be shared over the tp ranks'
+    # unequal token counts, and every tp rank must keep a scored position of the deepest depth.
+    assert tensor_parallel_errors(ModelConfig(mtp_depth=1), 2, moe=MoEConfig()) == []
+    capacity = MoEConfig(capacity_factor=1.25)
+    assert any("moe.capacity_factor" in e for e in tensor_parallel_errors(ModelConfig(mtp_depth=1), 2, moe=capacity))
+    assert tensor_parallel_errors(ModelConfig(mtp_depth=1), 1, moe=capacity) == []
+    assert tensor_parallel_errors(ModelConfig(mtp_depth=0), 2, moe=capacity) == []
+    with pytest.raises(ValueError, match=r"moe.capacity_factor \(1.25\) must be null with model.mtp_depth"):
+        JobConfig(model=ModelConfig(mtp_depth=1, num_kv_heads=2), moe=capacity, parallel=ParallelConfig(tp=2))
+    with pytest.raises(ValueError, match=r"model.mtp_depth \(2\) must be < data.seq_len / parallel.tp \(2\)"):
+        JobConfig(model=ModelConfig(mtp_depth=2), data=DataConfig(seq_len=8), parallel=ParallelConfig(tp=4))
     with pytest.raises(ValueError, match=r"model.mtp_depth \(4\) must be < data.seq_len \(4\)"):
         JobConfig(model=ModelConfig(mtp_depth=4), data=DataConfig(seq_len=4))
     JobConfig(model=ModelConfig(mtp_depth=1), parallel=ParallelConfig(pp=2))  # the last stage holds the modules
     model = _model(mtp_depth=2)
     with pytest.raises(ValueError, match="sequence length"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("aux_loss_type", ["batch", "sequence"])
+def test_kept_length_changes_neither_losses_nor_routing(aux_loss_type):
+    """keep_length (what tensor parallelism sets): each depth runs at all S positions, the last k
+    padded; the per-depth losses, the gradients, and the modules' MoE routing counts, aux losses
+    and step statistics equal those of the S - k positions alone, the counts exactly."""
+    from moetrain.models.moe.layer import STAT_ENTROPY, STAT_ROUTED, STAT_TOKENS, MoELayer
+
+    tokens_BT = torch.randint(0, V, (3, S + 1), generator=torch.Generator().manual_seed(2))
+    runs = []
+    for keep_length in (False, True):
+        moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=16, num_shared_experts=1, aux_loss_coef=0.1,
+                        z_loss_coef=0.01, aux_loss_type=aux_loss_type)
+        cfg = ModelConfig(vocab_size=V, dim=D, num_layers=2, num_heads=4, max_seq_len=32, mtp_depth=2)
+        model = Transformer(cfg, moe=moe, seed=3)
+        mtp_layers = [m.block.feed_forward for m in model.mtp_modules()]
+        for module, layer in zip(model.mtp_modules(), mtp_layers, strict=True):
+            module.keep_length = keep_length
+            assert isinstance(layer, MoELayer)
+            layer.track_routing_stats = True
+        out = model(tokens_BT[:, :-1], tokens_BT[:, 1:])
+        out.total_loss.backward()
+        runs.append((model, out, mtp_layers))
+    (short, a, short_layers), (kept, b, kept_layers) = runs
+    assert torch.equal(a.loss, b.loss)  # the trunk is untouched
+    assert a.mtp_losses is not None and b.mtp_losses is not None
+    torch.testing.assert_close(b.mtp_losses, a.mtp_losses, rtol=1e-6, atol=0)
+    assert len(a.moe_aux) == len(b.moe_aux) == 4  # 2 trunk blocks + 2 depths
+    for x, y in zip(a.moe_aux[2:], b.moe_aux[2:], strict=True):
+        assert torch.equal(x.num_routed_per_expert, y.num_routed_per_expert) and x.num_routed == y.num_routed
+        for term in ("loss", "load_balancing", "z_loss"):
+            torch.testing.assert_close(getattr(y, term), getattr(x, term), rtol=1e-6, atol=0)
+    for k, (x, y) in enumerate(zip(short_layers, kept_layers, strict=True), start=1):
+        assert torch.equal(x.tokens_per_expert, y.tokens_per_expert)
+        assert torch.equal(x.step_routed_E, y.step_routed_E)
+        assert x.step_local_stats[STAT_TOKENS] == y.step_local_stats[STAT_TOKENS] == 3 * (S - k)
+        assert x.step_local_stats[STAT_ROUTED] == y.step_local_stats[STAT_ROUTED]
+        torch.testing.assert_close(y.step_local_stats[STAT_ENTROPY], x.step_local_stats[STAT_ENTROPY])
+    grads = {n: p.grad for n, p in kept.named_parameters()}
+    for name, p in short.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")

@@ -94,21 +94,28 @@ def sequence_load_balancing_loss(probs_BSE: torch.Tensor, idx_BSK: torch.Tensor,
 
 
 def masked_sequence_load_balancing_loss(probs_NE: torch.Tensor, idx_NK: torch.Tensor, sequence_ids_N: torch.Tensor,
-                                        num_sequences: int) -> torch.Tensor:
+                                        num_sequences: int, *, sequence_group=None) -> torch.Tensor:
     """:func:`sequence_load_balancing_loss` of sequences whose padded positions were removed: the N
     real tokens of ``num_sequences`` sequences, token n in sequence ``sequence_ids_N[n]``. Each
-    sequence's ``f_e`` and ``P_e`` are over its real tokens (every sequence has at least one)."""
+    sequence's ``f_e`` and ``P_e`` are over its real tokens (every sequence has at least one).
+    ``sequence_group``: as there, the ranks over which each sequence's positions are spread (its
+    real-token count, counts and score sums are summed over them)."""
     N, E = probs_NE.shape
     K = idx_NK.shape[-1]
     device = probs_NE.device
-    lengths_B = torch.bincount(sequence_ids_N, minlength=num_sequences).clamp(min=1).float()
+    lengths_B = torch.bincount(sequence_ids_N, minlength=num_sequences).float()
     counts_BE = torch.zeros(num_sequences * E, dtype=torch.float32, device=device)
     slots_NK = sequence_ids_N.unsqueeze(1) * E + idx_NK
     counts_BE.index_add_(0, slots_NK.reshape(-1), torch.ones(N * K, device=device))
-    f_BE = counts_BE.view(num_sequences, E) / (lengths_B.unsqueeze(1) * K)
-    P_BE = torch.zeros(num_sequences, E, dtype=torch.float32, device=device).index_add(
-        0, sequence_ids_N, probs_NE.float()) / lengths_B.unsqueeze(1)
-    return E * (f_BE * P_BE).sum(dim=-1).mean()
+    score_sum_BE = torch.zeros(num_sequences, E, dtype=torch.float32, device=device).index_add(
+        0, sequence_ids_N, probs_NE.float())
+    if sequence_group is not None:
+        lengths_B = all_reduce_counts(lengths_B, sequence_group)
+        counts_BE = all_reduce_counts(counts_BE, sequence_group)
+        score_sum_BE = dist_nn.all_reduce(score_sum_BE, group=sequence_group)
+    lengths_B1 = lengths_B.clamp(min=1).unsqueeze(1)
+    f_BE = counts_BE.view(num_sequences, E) / (lengths_B1 * K)
+    return E * (f_BE * (score_sum_BE / lengths_B1)).sum(dim=-1).mean()
 
 
 def routing_entropy(probs_TE: torch.Tensor) -> torch.Tensor:

@@ -283,7 +283,8 @@ class MoELayer(nn.Module):
             lb = self._global_batch_loss(routing.probs_TE) * token_share
         elif c.aux_loss_type == "sequence" and sequence_ids is not None:
             assert num_sequences is not None, "a token mask gives both sequence_ids and num_sequences"
-            lb = masked_sequence_load_balancing_loss(routing.probs_TE, routing.idx_TK, sequence_ids, num_sequences)
+            lb = masked_sequence_load_balancing_loss(routing.probs_TE, routing.idx_TK, sequence_ids, num_sequences,
+                                                     sequence_group=self.sequence_group)
         elif c.aux_loss_type == "sequence":
             seq_len = x.shape[-2] if x.dim() >= 3 else num_tokens
             B = num_tokens // seq_len

@@ -1,18 +1,21 @@
-"""Multi-token prediction on gloo ranks: the ZeRO parity harness (``zero_parity``) with
-``model.mtp_depth`` set, so the ranks' losses, gradient norms and final parameters (the modules'
-included) are compared with one plain process; then a short ``Trainer`` run at the same world
-size for the per-depth metrics it logs."""
+"""Multi-token prediction on gloo ranks: the ZeRO and tensor-parallel parity harnesses
+(``zero_parity``, ``tp_parity``) with ``model.mtp_depth`` set, so the ranks' losses, gradient norms
+and final parameters (the modules' included) are compared with one plain process; then a short
+``Trainer`` run at the same world size for the per-depth metrics it logs."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+from tests.distributed.workers.tp_parity import TpRun, tp_worker
 from tests.distributed.workers.zero_parity import Run, zero_worker
 
 
-def mtp_worker(rank: int, world_size: int, runs: list[Run], run_dir: Path, data: Path, overrides: list[str]) -> dict:
+def mtp_worker(rank: int, world_size: int, runs: list[Run], run_dir: Path, data: Path, overrides: list[str],
+               tp_runs: list[TpRun]) -> dict:
     out = zero_worker(rank, world_size, runs)
+    out.update(tp_worker(rank, world_size, tp_runs))
     from moetrain.config.loader import load_config
     from moetrain.train.trainer import Trainer
 

@@ -162,6 +162,8 @@ def _train(run: TpRun, model, train_model, opt, batches: torch.Tensor, rows: sli
             if s == 0 and m == 0:
                 out["logits"] = o.logits.detach().clone()
                 out["aux"] = o.aux_loss.item()
+                out["mtp"] = None if o.mtp_losses is None else o.mtp_losses.detach().clone()
+                out["routed"] = [a.num_routed_per_expert.clone() for a in o.moe_aux]  # global counts
         if s == 0:
             out["grads"] = {k: _full(p.grad).detach().clone() for k, p in model.named_parameters()}
             out["group_norms"] = _group_norms(model)
