@@ -23,7 +23,9 @@ class ClassifyConfig:
     close to a morpheme and a byte-level BPE would spend its merges rebuilding 3-byte characters);
     "bpe" = a byte-level BPE of ``data.vocab_size`` tokens trained on the train split (English);
     "bytes" = raw UTF-8 bytes. Cached under ``data.cache_dir``. (``data.tokenizer`` is the language
-    model's and is not read for a classifier.)"""
+    model's and is not read for a classifier.) A language model (``model.head = "lm"``) on a labelled
+    corpus pretrains on its train split with this tokenizer too, so that a classifier of the same data
+    starts from its export with the same token ids."""
 
     min_char_count: int = 2
     """With tokenizer "char": characters seen fewer times in the train split map to the unknown token, so

@@ -10,12 +10,18 @@ character tokeniser's ``<end>``; the byte tokeniser has none and keeps ``S`` byt
 
 Idempotent and safe on every rank at once like ``prepare_data``: the tokeniser and the encoded splits
 (``labelled/<key>.npz``, keyed by the examples' content, the tokeniser and S) are written atomically.
+
+``prepare_labelled_lm`` is the same data for pretraining a language model (``model.head = "lm"`` on a
+labelled corpus): the train split's texts as one token stream, tokenised by the very tokeniser a
+classifier with the same ``data`` and ``classify`` sections builds, so the classifier can start from
+the pretrained export (``checkpoint.init_from``) with the same token ids.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +32,11 @@ from moetrain.config.data import DataConfig
 from moetrain.data.cache import resolve_cache_dir
 from moetrain.data.char_tokenizer import CharTokenizer, train_char_tokenizer
 from moetrain.data.classify_loader import ClassificationLoader, EncodedSplit, eval_batches
+from moetrain.data.documents import document_separator
 from moetrain.data.labelled import Examples, LabelledSplits, load_splits
+from moetrain.data.prepare import PreparedData
 from moetrain.data.tokenizer import ByteTokenizer, Tokenizer, load_or_train_bpe
+from moetrain.data.tokens import encode_texts, open_token_file, token_dtype, write_token_file
 from moetrain.utils.files import atomic_path
 
 SPLITS = ("train", "val", "test")
@@ -150,6 +159,36 @@ def prepare_labelled(data: DataConfig, cfg: ClassifyConfig, *, download: bool = 
         split.pad_id, split.ends_with_end_token = pad_id, end_id is not None
     return PreparedLabelled(splits=encoded, classes=splits.classes, vocab_size=tokenizer.vocab_size,
                             tokenizer=tokenizer, seq_len=data.seq_len, length_stats=stats)
+
+
+def prepare_labelled_lm(data: DataConfig, cfg: ClassifyConfig, *, download: bool = True) -> PreparedData:
+    """Language-model data from a labelled corpus: training stream = the train split's texts (the
+    validation carve-out and the test split excluded), each followed by the end-of-text id (a newline
+    for the byte tokeniser); validation stream = the validation split's texts. The tokeniser is
+    ``build_classify_tokenizer``'s (trained on the train split, cached), so token ids agree with a
+    classifier's of the same ``data``/``classify`` sections. Packed into ``data.seq_len`` windows
+    like any corpus; ``data.document_mask`` keeps attention within each example. Cached under
+    ``labelled/lm-<key>-{train,val}.bin``."""
+    if data.tokenizer != "bpe":
+        warnings.warn(f"data.tokenizer ({data.tokenizer!r}) is ignored for a language model on the labelled corpus "
+                      f"{data.corpus!r}: classify.tokenizer ({cfg.tokenizer!r}) names its tokenizer, the "
+                      "classifier's", stacklevel=2)
+    splits = load_splits(data, cfg, download=download)
+    tokenizer = build_classify_tokenizer(splits, data, cfg)
+    key = _fingerprint(splits.train, splits.val, [tokenizer.key])[:24]
+    folder = resolve_cache_dir(data.cache_dir) / "labelled"
+    streams = {}
+    for name in ("train", "val"):
+        path = folder / f"lm-{key}-{name}.bin"
+        if not path.is_file():
+            tokens, _ = encode_texts(getattr(splits, name).texts, tokenizer, token_dtype(tokenizer.vocab_size))
+            write_token_file(path, [tokens], vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                             tokenizer=tokenizer.key)
+        streams[name] = open_token_file(path)[0]
+    separator = document_separator(data.document_mask, tokenizer.eos_id, what=f"corpus {data.corpus!r}")
+    return PreparedData(train_tokens=streams["train"], val_tokens=streams["val"], vocab_size=tokenizer.vocab_size,
+                        eos_id=tokenizer.eos_id, tokenizer=tokenizer, seq_len=data.seq_len,
+                        token_file=folder / f"lm-{key}-train.bin", document_separator=separator)
 
 
 def _write_cache(path: Path, encoded: dict[str, EncodedSplit], stats: dict) -> None:

@@ -9,7 +9,7 @@ import dataclasses
 from moetrain.config import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.data import prepare_data
-from moetrain.data.classify_data import prepare_labelled
+from moetrain.data.classify_data import prepare_labelled, prepare_labelled_lm
 from moetrain.data.registry import CORPORA
 from moetrain.distributed import runtime
 from moetrain.models.lora import apply_lora
@@ -22,16 +22,19 @@ def is_classifier(cfg: JobConfig) -> bool:
 
 def build_task_data(cfg: JobConfig, *, is_main: bool):
     """The prepared data of ``cfg``'s task: labelled splits (``PreparedLabelled``) for a classifier, token
-    streams (``PreparedData``) for a language model. Rank 0 fetches and tokenises (once, then cached);
+    streams (``PreparedData``) for a language model (on a labelled corpus: its train split's texts, see
+    ``prepare_labelled_lm``). Rank 0 fetches and tokenises (once, then cached);
     the others wait and read the cache."""
     corpus = CORPORA.get(cfg.data.corpus)
-    if not is_classifier(cfg) and corpus is not None and corpus.is_labelled:
-        raise ValueError(f"data.corpus ({cfg.data.corpus!r}) is a labelled corpus for classification: set "
-                         "model.head=classifier and model.num_classes")
+    # A language model on a labelled corpus pretrains on its train split's texts alone, tokenised as the
+    # classifier of the same data and classify sections will be (the pretrain-then-classify route).
+    pretrain = not is_classifier(cfg) and corpus is not None and corpus.is_labelled
 
     def prepare(download: bool):
         if is_classifier(cfg):
             return prepare_labelled(cfg.data, cfg.classify, download=download)
+        if pretrain:
+            return prepare_labelled_lm(cfg.data, cfg.classify, download=download)
         return prepare_data(cfg.data, download=download)
 
     data = prepare(True) if is_main else None
