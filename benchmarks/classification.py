@@ -23,6 +23,17 @@ Each trained row runs the exact command it prints (`moetrain train --config <shi
 * load_1m: the 1-minute load average (``os.getloadavg``) when the run ended: the machine is shared, and
   a load above the core count inflates wall_s.
 
+* cpu_s: the CPU seconds of every process the row ran (user + system, evaluation included): the
+  machine's load inflates wall_s but not this;
+* best_val_*: the test figures of the checkpoint with the best validation accuracy (the earliest of
+  equal ones), read by `moetrain eval RUN --checkpoint ...` where that is not the last step's; only
+  for configs that keep their checkpoints (``checkpoint.keep_last: 0``).
+
+The ``pretrained`` rows are the pretrain-then-classify route, each seed run whole: the language model
+(``thucnews-pretrain`` / ``r8-pretrain``: the MoE encoder on the train split's texts), `moetrain export`,
+then the classifier from that export with a fresh head (``thucnews-pretrained`` / ``r8-pretrained``);
+wall_s and cpu_s count all three.
+
 The dense configs have the same active parameters per token as the MoE ones (dense hidden dim =
 top_k * expert hidden dim) and train the same steps on the same batches. R52 and 20 Newsgroups run the
 R8 configs with the corpus and class count overridden.
@@ -33,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,11 +62,17 @@ def _reuters_like(corpus: str, num_classes: int) -> dict[str, tuple[str, int, tu
 
 
 ROWS = {  # task -> trained row name -> (shipped config, processes, overrides)
-    "thucnews": {"dense": ("thucnews-dense", 1, ()), "moe": ("thucnews", 1, ()), "moe_ep2": ("thucnews-ep2", 2, ())},
-    "r8": {"dense": ("r8-dense", 1, ()), "moe": ("r8", 1, ()), "moe_ep2": ("r8-ep2", 2, ())},
+    "thucnews": {"dense": ("thucnews-dense", 1, ()), "moe": ("thucnews", 1, ()), "moe_ep2": ("thucnews-ep2", 2, ()),
+                 "pretrained": ("thucnews-pretrained", 1, ())},
+    "r8": {"dense": ("r8-dense", 1, ()), "moe": ("r8", 1, ()), "moe_ep2": ("r8-ep2", 2, ()),
+           "pretrained": ("r8-pretrained", 1, ())},
     "r52": _reuters_like("r52", 52),
     "20newsgroups": _reuters_like("20newsgroups", 20),
 }
+
+
+PRETRAIN = {"thucnews-pretrained": "thucnews-pretrain", "r8-pretrained": "r8-pretrain"}
+"""A classifier config that starts from an export -> the language-model config whose run it exports."""
 
 
 def linear_row(task: str) -> dict:
@@ -68,7 +86,7 @@ def linear_row(task: str) -> dict:
 
     config, _, overrides = ROWS[task]["moe"]
     cfg = load_config(config, overrides)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     splits = load_splits(cfg.data, cfg.classify)
     chinese = task == "thucnews"
     vectorizer = TfidfVectorizer(analyzer="char" if chinese else "word", ngram_range=(1, 2) if chinese else (1, 1),
@@ -84,7 +102,8 @@ def linear_row(task: str) -> dict:
     return {"command": f"{features} + LinearSVC, C={c} (picked on validation from {list(LINEAR_C)})",
             "seeds": 1, "test_accuracy": float(accuracy_score(y_test, predicted)),
             "test_macro_f1": float(f1_score(y_test, predicted, average="macro")), "val_accuracy": float(val_accuracy),
-            "wall_s": time.perf_counter() - t0, "load_1m": os.getloadavg()[0], "eval_matches": True}
+            "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0, "load_1m": os.getloadavg()[0],
+            "eval_matches": True}
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -92,25 +111,65 @@ def _records(run_dir: Path) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _moetrain(*args: str, capture: bool = False) -> str:
+    done = subprocess.run([sys.executable, "-m", "moetrain.cli", *args], check=True, cwd=ROOT, text=True,
+                          stdout=subprocess.PIPE if capture else subprocess.DEVNULL)
+    return done.stdout or ""
+
+
+def _train(config: str, nproc: int, run_dir: Path, extra: list[str]) -> str:
+    """Train ``config`` into ``run_dir`` (after its language model and export for a pretrained config);
+    the commands as shown."""
+    procs = ["--nproc", str(nproc)] if nproc > 1 else []
+    shown = [" ".join(["moetrain", "train", "--config", config, *extra, *procs])]
+    if config in PRETRAIN:
+        lm_dir = run_dir.parent / f"{run_dir.name}-pretrain"
+        _moetrain("train", "--config", PRETRAIN[config], *extra, f"--log.run_dir={lm_dir}")
+        _moetrain("export", str(lm_dir), "--to", str(lm_dir / "export"))
+        shown = [" ".join(["moetrain", "train", "--config", PRETRAIN[config], *extra]),
+                 "moetrain export LM --to EXPORT", f"{shown[0]} --checkpoint.init_from=EXPORT"]
+        extra = [*extra, f"--checkpoint.init_from={lm_dir / 'export'}"]
+    _moetrain("train", "--config", config, *extra, *procs, f"--log.run_dir={run_dir}")
+    return "; ".join(shown)
+
+
+def _best_on_val(run_dir: Path, records: list[dict]) -> dict:
+    """The test figures of the kept checkpoint with the best validation accuracy (empty if not kept)."""
+    evals = [r for r in records if "val_accuracy" in r]
+    best = max(evals, key=lambda r: r["val_accuracy"])  # max keeps the first of equal ones: the earliest
+    if best is evals[-1]:
+        return {"best_val_step": best["step"], "best_val_test_accuracy": best["test_accuracy"],
+                "best_val_test_macro_f1": best["test_macro_f1"]}
+    checkpoint = run_dir / "checkpoints" / f"step_{best['step']:09d}"
+    if not checkpoint.is_dir():
+        return {}
+    _moetrain("eval", str(run_dir), "--checkpoint", str(checkpoint), "--split", "test", capture=True)
+    with open(run_dir / f"eval-test-step{best['step']}.json") as f:
+        result = json.load(f)
+    return {"best_val_step": best["step"], "best_val_test_accuracy": result["test_accuracy"],
+            "best_val_test_macro_f1": result["test_macro_f1"]}
+
+
 def run_row(config: str, nproc: int, run_dir: Path, extra: list[str]) -> dict:
     """Train one row's config and evaluate its checkpoint; the row's figures."""
-    command = [sys.executable, "-m", "moetrain.cli", "train", "--config", config, *extra]
-    if nproc > 1:
-        command += ["--nproc", str(nproc)]
-    shown = " ".join(["moetrain", *command[3:]])
-    t0 = time.perf_counter()
-    subprocess.run([*command, f"--log.run_dir={run_dir}"], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    t0, cpu0 = time.perf_counter(), _children_cpu_s()
+    shown = _train(config, nproc, run_dir, extra)
     wall = time.perf_counter() - t0
     load = os.getloadavg()[0]
     records = _records(run_dir)
     final = records[-1]
     rates = [r["samples_per_s"] for r in records if "samples_per_s" in r]
-    evaluated = subprocess.run([sys.executable, "-m", "moetrain.cli", "eval", str(run_dir)], check=True, cwd=ROOT,
-                               capture_output=True, text=True).stdout
+    evaluated = _moetrain("eval", str(run_dir), capture=True)
     printed = f"test accuracy {final['test_accuracy']:.4f}"
     return {"command": shown, "steps": final["step"], "test_accuracy": final["test_accuracy"],
             "test_macro_f1": final["test_macro_f1"], "val_accuracy": final["val_accuracy"],
             "samples_per_s": sum(rates) / len(rates), "wall_s": wall, "load_1m": load,
+            **_best_on_val(run_dir, records), "cpu_s": _children_cpu_s() - cpu0,
             "eval_matches": printed in evaluated}
 
 
@@ -121,8 +180,11 @@ def seeded_rows(config: str, nproc: int, overrides: tuple[str, ...], folder: Pat
             for seed in range(num_seeds)]
     row = {"command": runs[0]["command"].replace("--train.seed=0", "--train.seed=S"), "seeds": num_seeds,
            "steps": runs[0]["steps"], "eval_matches": all(r["eval_matches"] for r in runs)}
-    for key in ("test_accuracy", "test_macro_f1", "val_accuracy", "samples_per_s", "wall_s"):
-        values = [r[key] for r in runs]
+    for key in ("test_accuracy", "test_macro_f1", "val_accuracy", "samples_per_s", "wall_s", "cpu_s",
+                "best_val_test_accuracy", "best_val_test_macro_f1"):
+        values = [r[key] for r in runs if key in r]
+        if len(values) < len(runs):
+            continue
         row[key], row[f"{key}_min"], row[f"{key}_per_seed"] = statistics.fmean(values), min(values), values
     row["load_1m"] = max(r["load_1m"] for r in runs)
     return row
@@ -153,12 +215,13 @@ def main() -> int:
             if args.json:
                 print(json.dumps({"task": args.task, "row": name, **results[name]}), flush=True)
     if not args.json:
-        print(f"| {args.task} | seeds | test accuracy mean (min) | macro-F1 mean (min) | wall s | command |")
-        print("|---|---|---|---|---|---|")
+        print(f"| {args.task} | seeds | test accuracy mean (min) | macro-F1 mean (min) | wall s | CPU s | command |")
+        print("|---|---|---|---|---|---|---|")
         for name, r in results.items():
             acc = f"{r['test_accuracy']:.4f}" + (f" ({r['test_accuracy_min']:.4f})" if r["seeds"] > 1 else "")
             f1 = f"{r['test_macro_f1']:.4f}" + (f" ({r['test_macro_f1_min']:.4f})" if r["seeds"] > 1 else "")
-            print(f"| {name} | {r['seeds']} | {acc} | {f1} | {r['wall_s']:.0f} | `{r['command']}` |")
+            cpu = f"{r['cpu_s']:.0f}" if "cpu_s" in r else "-"
+            print(f"| {name} | {r['seeds']} | {acc} | {f1} | {r['wall_s']:.0f} | {cpu} | `{r['command']}` |")
     if not all(r["eval_matches"] for r in results.values()):
         print("moetrain eval printed another test accuracy than a run's final evaluation", file=sys.stderr)
         return 1

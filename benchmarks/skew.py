@@ -1,6 +1,6 @@
 """Skewed routing workloads (moe.force_skew) against forced balance, at ep=2 and ep=4, in one run.
 
-    python benchmarks/skew.py [--steps 8] [--json]
+    python benchmarks/skew.py [--steps 8] [--json] [--rebalance] [--ep 2 4]
 
 For each ep in (2, 4) (that many CPU gloo processes, dp = ep), each capacity setting (dropless, and
 moe.capacity_factor 1.25) and each routing (balanced = moe.force_balance round_robin, exactly T*K/E
@@ -15,7 +15,18 @@ experts top-2, 16 sequences of 64 tokens per step, fp32) for ``--steps`` steps a
   hot expert moves over the ranks);
 
 and prints each as a ratio to the balanced run of the same ep and capacity setting.
-migration_bytes is 0: no expert rebalancing (issue 33 part 4) exists yet.
+
+``--rebalance`` adds, for each ep, rows with expert rebalancing (settings "... rebalance":
+parallel.expert_slots_per_rank = E/ep + 1, one spare slot per rank, moe.rebalance_every 2) on
+zipf:1.2 (dropless and capacity 1.25) and on a recorded trace ("trace": the full routing trace of
+an unforced run of the same model, aux loss off, recorded first; its row without rebalancing too).
+Their max_over_mean_tokens is measured from the copies each ep rank's slots received (the
+rebalancer's ``rebalance.jsonl``, after capacity drops) over the steps after the first plan, and
+``max_over_mean_before`` over the steps before it (the home layout); migration_bytes is the
+replica traffic of one step over all ranks (each replica's weights out and gradient home), which
+a re-plan does not add to (homes and optimizer state never move), and migration_s the median
+seconds of rank 0's ``after_step`` on re-planning steps (plan + weight refresh). Without it,
+migration_bytes is 0.
 """
 
 from __future__ import annotations
@@ -39,7 +50,11 @@ MODEL = ["--model.dim=64", "--model.num_layers=2", "--model.num_heads=4", "--mod
          "--log.progress_bar=false", "--log.tensorboard=false", "--moe.aux_loss_coef=0"]
 
 
-def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float | None) -> dict:
+REBALANCE_EVERY = 2
+
+
+def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float | None,
+         extra: tuple[str, ...] = ()) -> dict:
     from moetrain.train.routing_trace import rank_loads, straggler_factors
 
     run_dir = ROOT / "runs" / f"bench-skew-{name}"
@@ -48,43 +63,97 @@ def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float 
     micro = 16 // ep
     subprocess.run([sys.executable, "-m", "moetrain.cli", "train", "--nproc", str(ep), *MODEL, *routing, *cap,
                     f"--parallel.ep={ep}", f"--train.micro_batch_size={micro}", f"--train.steps={steps}",
-                    f"--log.run_dir={run_dir}"], cwd=ROOT, check=True, capture_output=True)
+                    f"--log.run_dir={run_dir}", *extra], cwd=ROOT, check=True, capture_output=True)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     recs = [r for r in recs if "loss" in r and r["step"] > 2]
     _, _, load_SLP = rank_loads(run_dir)
-    return {"max_over_mean_tokens": float(straggler_factors(load_SLP).mean()),
-            "step_time_s": statistics.median(r["step_time_s"] for r in recs),
-            "peak_bytes": max(r["mem/peak_bytes"] for r in recs if "mem/peak_bytes" in r)}
+    out = {"max_over_mean_tokens": float(straggler_factors(load_SLP).mean()),
+           "step_time_s": statistics.median(r["step_time_s"] for r in recs),
+           "peak_bytes": max(r["mem/peak_bytes"] for r in recs if "mem/peak_bytes" in r), "run_dir": run_dir}
+    if (run_dir / "rebalance.jsonl").exists():
+        out.update(_rebalance_figures(run_dir / "rebalance.jsonl"))
+    return out
+
+
+def _rebalance_figures(path: Path) -> dict:
+    """Max/mean copies per rank before and after the first plan, replica bytes per step, and the
+    seconds of a re-planning step's after_step."""
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def straggler(rows: list[dict]) -> float:
+        ratios = [max(c) / (sum(c) / len(c)) for r in rows for c in r["rank_copies"] if sum(c) > 0]
+        return statistics.mean(ratios)
+
+    return {"max_over_mean_tokens": straggler([r for r in recs if r["step"] > REBALANCE_EVERY]),
+            "max_over_mean_before": straggler([r for r in recs if r["step"] <= REBALANCE_EVERY]),
+            "migration_bytes": statistics.median(r["replica_bytes"] for r in recs if r["step"] > 1),
+            "migration_s": statistics.median(r["after_step_s"] for r in recs if r["rebalanced"])}
+
+
+def _rebalance_runs(ep: int, steps: int) -> list[tuple[str, dict]]:
+    """(setting, figures) of the rebalanced runs at ``ep`` and the unrebalanced trace run."""
+    extra = (f"--parallel.expert_slots_per_rank={8 // ep + 1}", f"--moe.rebalance_every={REBALANCE_EVERY}")
+    recorded = _run(f"ep{ep}-record", ep=ep, steps=steps, routing=["--log.routing_trace=full"], capacity=None)
+    trace = [f"--moe.force_skew=trace:{recorded['run_dir']}"]
+    zipf = ["--moe.force_skew=zipf:1.2"]
+    return [
+        ("zipf:1.2 dropless rebalance", _run(f"ep{ep}-zipf-rebalance", ep=ep, steps=steps, routing=zipf,
+                                             capacity=None, extra=extra)),
+        ("zipf:1.2 capacity1.25 rebalance", _run(f"ep{ep}-zipf-cap-rebalance", ep=ep, steps=steps, routing=zipf,
+                                                 capacity=1.25, extra=extra)),
+        ("trace dropless", _run(f"ep{ep}-trace", ep=ep, steps=steps, routing=trace, capacity=None)),
+        ("trace dropless rebalance", _run(f"ep{ep}-trace-rebalance", ep=ep, steps=steps, routing=trace,
+                                          capacity=None, extra=extra)),
+    ]
+
+
+def _row(setting: str, ep: int, got: dict, base: dict) -> dict:
+    row = {"setting": setting, "ep": ep, "max_over_mean_tokens": round(got["max_over_mean_tokens"], 3),
+           "step_time_ratio_vs_balanced": round(got["step_time_s"] / base["step_time_s"], 3),
+           "peak_memory_ratio_vs_balanced": round(got["peak_bytes"] / base["peak_bytes"], 3),
+           "migration_bytes": int(got.get("migration_bytes", 0)), "step_time_s": round(got["step_time_s"], 4),
+           "peak_bytes": got["peak_bytes"]}
+    if "max_over_mean_before" in got:
+        row.update(max_over_mean_before=round(got["max_over_mean_before"], 3),
+                   migration_s=round(got["migration_s"], 4))
+    return row
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.add_argument("--rebalance", action="store_true", help="add the expert-rebalancing rows")
+    p.add_argument("--ep", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     a = p.parse_args()
     rows = []
-    for ep in (2, 4):
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if a.json:
+            print(json.dumps(row), flush=True)
+
+    for ep in a.ep:
         for cap_name, capacity in CAPACITY.items():
             base = _run(f"ep{ep}-{cap_name}-balanced", ep=ep, steps=a.steps,
                         routing=["--moe.force_balance=round_robin"], capacity=capacity)
+            if cap_name == "dropless":
+                dropless_base = base
             for skew in ("balanced", *SKEWS):
                 got = base if skew == "balanced" else _run(
                     f"ep{ep}-{cap_name}-{skew.replace(':', '_')}", ep=ep, steps=a.steps,
                     routing=[f"--moe.force_skew={skew}"], capacity=capacity)
-                rows.append({"setting": f"{skew} {cap_name}", "ep": ep,
-                             "max_over_mean_tokens": round(got["max_over_mean_tokens"], 3),
-                             "step_time_ratio_vs_balanced": round(got["step_time_s"] / base["step_time_s"], 3),
-                             "peak_memory_ratio_vs_balanced": round(got["peak_bytes"] / base["peak_bytes"], 3),
-                             "migration_bytes": 0, "step_time_s": round(got["step_time_s"], 4),
-                             "peak_bytes": got["peak_bytes"]})
-                if a.json:
-                    print(json.dumps(rows[-1]), flush=True)
+                emit(_row(f"{skew} {cap_name}", ep, got, base))
+        if a.rebalance:
+            for setting, got in _rebalance_runs(ep, a.steps):
+                emit(_row(setting, ep, got, dropless_base if "capacity" not in setting else base))
     if not a.json:
-        print("| setting | ep | max/mean rank tokens | step time vs balanced | peak memory vs balanced | step s |")
-        print("|---|---|---|---|---|---|")
+        print("| setting | ep | max/mean rank tokens | step time vs balanced | peak memory vs balanced | step s "
+              "| migration bytes |")
+        print("|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['setting']} | {r['ep']} | {r['max_over_mean_tokens']} | {r['step_time_ratio_vs_balanced']} "
-                  f"| {r['peak_memory_ratio_vs_balanced']} | {r['step_time_s']} |")
+                  f"| {r['peak_memory_ratio_vs_balanced']} | {r['step_time_s']} | {r['migration_bytes']} |")
 
 
 if __name__ == "__main__":

@@ -274,10 +274,11 @@ class MoEConfig:
 
     rebalance_every: int = 0
     """Expert rebalancing: every this many optimizer steps, re-plan which hot experts the spare
-    slots of each ep rank replicate (parallel.expert_slots_per_rank) from the routed load since the
-    last plan, so that every rank serves about the same number of token copies. The math does not
-    change (same routing, drops, losses and weights as without it; replicas are kept identical to
-    their home expert). 0 = off. See docs/routing.md, "Expert rebalancing"."""
+    slots of each ep rank replicate (parallel.expert_slots_per_rank) from the load since the last
+    plan (copies kept per expert), so that every rank serves about the same number of token
+    copies. The math does not change (same routing, drops, losses and weights as without it;
+    replicas are kept identical to their home expert). 0 = off. See docs/routing.md, "Expert
+    rebalancing"."""
 
     unused_expert_steps: int = 100
     """Report an expert as unused (metric unused_experts) once it received no token for this many

@@ -1,5 +1,5 @@
 """Expert rebalancing during training (``parallel.expert_slots_per_rank``, ``moe.rebalance_every``):
-replicas of hot experts in spare slots, planned from the routed load, kept identical to their
+replicas of hot experts in spare slots, planned from the experts' load, kept identical to their
 home experts.
 
 ``Rebalancer`` swaps every MoE layer's all-to-all dispatcher for a ``ReplicatedDispatcher``
@@ -179,7 +179,7 @@ class Rebalancer:
 
     def _replan(self) -> None:
         """A placement per layer from its global load since the last plan (one all-reduce)."""
-        load_YE = torch.stack([d.load_E.to(torch.float64).cpu() for _, d in self.layers])
+        load_YE = torch.stack([d.load_E.to(torch.float64) for _, d in self.layers])  # on the device: nccl
         if self.dims.dp_tp > 1:
             dist.all_reduce(load_YE, group=self.dims.group("dp_tp"))
         for (_, d), load_E in zip(self.layers, load_YE.tolist(), strict=True):
@@ -190,7 +190,8 @@ class Rebalancer:
         """Gather this step's received copies per rank and layer (ep group) and the replica bytes
         of every rank, and write them on rank 0."""
         d0 = self.layers[0][1]
-        mine = torch.tensor([d.recv_copies for _, d in self.layers] + [self.step_bytes], dtype=torch.int64)
+        mine = torch.tensor([d.recv_copies for _, d in self.layers] + [self.step_bytes], dtype=torch.int64,
+                            device=d0.load_E.device)
         every = [torch.zeros_like(mine) for _ in range(d0.ep_size)]
         dist.all_gather(every, mine, group=d0.ep_group)
         for _, d in self.layers:

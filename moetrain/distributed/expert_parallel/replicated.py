@@ -62,7 +62,8 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         self.bank: dict[str, torch.Tensor] = {}
         """Replica weights by the experts' parameter name, ``[R, ...]`` (R = S - L spare slots)."""
         self.load_E = torch.zeros(num_experts, dtype=torch.int64)
-        """Routed copies per logical expert of this rank's training forwards since the last plan."""
+        """Kept copies per logical expert (all routed ones when dropless) of this rank's training
+        forwards since the last plan."""
         self.recv_copies = 0
         """Copies this rank's slots received in training forwards since the last read (host int)."""
         self.set_placement(home_placement(num_experts, num_ranks=num_ranks, slots_per_rank=slots_per_rank))
@@ -81,7 +82,7 @@ class ReplicatedDispatcher(AllToAllDispatcher):
     def set_placement(self, placement: Placement) -> None:
         assert placement.num_experts == self.num_logical and placement.num_ranks == self.ep_size
         self.placement = placement
-        self._tables = placement.tables()
+        self._tables: tuple[torch.Tensor, torch.Tensor] = placement.tables(self.load_E.device)
 
     def attach(self, experts: GroupedExperts) -> None:
         """Allocate the replica bank for ``experts`` (filled by the rebalancer before use)."""
@@ -96,7 +97,9 @@ class ReplicatedDispatcher(AllToAllDispatcher):
                  num_kept_E: torch.Tensor | None, drop_policy: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(slot_TK, num_kept_S)``: each copy's global slot, and the copies this rank keeps per
         global slot (``num_kept_E`` None: dropless, all of them)."""
-        slot_EC, end_EC = (t.to(idx_TK.device) for t in self._tables)
+        if self._tables[0].device != idx_TK.device:
+            self._tables = (self._tables[0].to(idx_TK.device), self._tables[1].to(idx_TK.device))
+        slot_EC, end_EC = self._tables
         idx_N = idx_TK.reshape(-1)
         order_N = sort_by_expert(idx_TK, weights_TK, drop_policy=drop_policy if num_kept_E is not None else "position")
         expert_S = idx_N[order_N]
@@ -119,15 +122,16 @@ class ReplicatedDispatcher(AllToAllDispatcher):
               capacity_factor: float | Fraction | None, drop_policy: str, num_chunks: int = 1) -> Route:
         """Steps 1-2 over slots; the route's routed and kept counts are the logical experts'."""
         num_routed_E = count_per_expert(idx_TK.reshape(-1), self.num_logical)
-        # Training forwards only (no gradient: evaluation), and not the recompute of activation
-        # checkpointing inside backward, which would count a forward twice.
-        training = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
-        if training:
-            self.load_E = self.load_E.to(num_routed_E.device) + num_routed_E
         num_kept_E = None
         if capacity_factor is not None:
             num_kept_E, routed_W = self._logical_drops(num_routed_E, idx_TK, weights_TK,
                                                        capacity_factor=capacity_factor, drop_policy=drop_policy)
+        # The load the plan levels: the copies the experts compute (kept ones). Training forwards
+        # only (no gradient: evaluation), and not the recompute of activation checkpointing inside
+        # backward, which would count a forward twice.
+        training = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        if training:
+            self.load_E = self.load_E.to(num_routed_E.device) + (num_routed_E if num_kept_E is None else num_kept_E)
         slot_TK, num_kept_S = self.to_slots(idx_TK, weights_TK, num_routed_E=num_routed_E, num_kept_E=num_kept_E,
                                             drop_policy=drop_policy)
         if num_kept_E is not None:
@@ -166,6 +170,10 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         return _KeptCounts(num_kept_S, num_recv_PS, num_remote, routed_W)
 
     # ----- the experts over slots ------------------------------------------------------------------
+
+    def dispatch(self, *args, **kwargs):
+        raise NotImplementedError("ReplicatedDispatcher runs through run_experts only: its rows are grouped by "
+                                  "slot, and only run_experts runs the slots' experts (homes and replicas)")
 
     def run_experts(self, x_TD: torch.Tensor, idx_TK: torch.Tensor, weights_TK: torch.Tensor, experts: ExpertsFn,
                     **kwargs) -> RoutedOutput:

@@ -44,7 +44,7 @@ class RebalanceCase:
     slots_per_rank: int
     moe: dict = field(default_factory=dict)
     micro_batches: int = 1
-    steps: int = 4
+    steps: int = 3
     lora: bool = False
     """Adapters on the routed experts (rank 2), base expert weights frozen."""
 
