@@ -115,9 +115,9 @@ class JobConfig:
                 "log.routing_trace", self.log.routing_trace,
                 'must be "counts" or "off" with moe.router "expert_choice" (experts pick tokens: no top-k per token)')
         for field_, value in placed:
-            require(par.tp == 1 and par.pp == 1 and m.head == "lm", field_, value,
-                    f"needs parallel.tp = 1, parallel.pp = 1 and model.head = 'lm' (got tp={par.tp}, pp={par.pp}, "
-                    f"head={m.head!r}): token ids are placed by whole sequences of the global batch")
+            require(par.pp == 1 and m.head == "lm", field_, value,
+                    f"needs parallel.pp = 1 and model.head = 'lm' (got pp={par.pp}, head={m.head!r}): token ids are "
+                    "placed by the sequences of the global batch each rank's micro-batches hold")
         check_rebalancing(par, num_experts=self.moe.num_experts, rebalance_every=self.moe.rebalance_every if m.is_moe
                           else 0, expert_choice=self.moe.is_expert_choice)
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)

@@ -99,7 +99,7 @@ class LogConfig:
     "counts" = on each log.every step, the routed copies per expert and MoE layer of each rank's tokens (4 bytes x
     layers x experts per rank); "full" = every step, the top-k expert ids of every token with its place in the
     global batch (2 bytes x tokens x top_k per step), what moe.routing_replay reads; "off" = none. "full" needs
-    parallel.tp = 1 and parallel.pp = 1 (each rank then routes whole sequences of the global batch)."""
+    parallel.pp = 1 (under tp each rank records its sequence shard of every sequence it holds)."""
 
     level: str = "info"
     """Python logging level of rank 0: "debug", "info" or "warning" (other ranks log warnings only)."""

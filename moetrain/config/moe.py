@@ -167,7 +167,7 @@ class MoEConfig:
     ids of a recorded full trace (as moe.routing_replay). Each token takes top_k distinct experts (weighted
     sampling without replacement, so a hot expert's share is capped at 1 / top_k of the copies). The gate
     weights are the router's scores at the forced experts, as with force_balance; every metrics record says
-    when it is on (``force_skew``). Needs parallel.tp = 1, parallel.pp = 1. "none" = off. Token-choice only."""
+    when it is on (``force_skew``). Needs parallel.pp = 1. "none" = off. Token-choice only."""
 
     routing_replay: str | None = None
     """A run folder (or its routing_trace folder) recorded with log.routing_trace = "full": in training, each
@@ -175,7 +175,7 @@ class MoEConfig:
     are the current router's scores at those ids, differentiable, and the balance losses see the replayed
     assignment). The trace must come from the same model geometry (MoE layer names, num_experts, top_k) and
     tokens per step, and cover every step to train; checked, shard headers included, before training starts.
-    Any layout (dp, ep) may replay a trace of any other; parallel.tp and parallel.pp must be 1. Evaluation routes
+    Any layout (dp, ep, tp) may replay a trace of any other; parallel.pp must be 1. Evaluation routes
     by the router's own choice. None = off. Token-choice routers only."""
 
     num_expert_groups: int = 1

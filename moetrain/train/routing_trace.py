@@ -10,10 +10,13 @@ recording needs no collective:
   the global batch's counts (under tp the ranks hold sequence slices; under pp each rank has its
   stage's layers).
 * "full" (every step): ``ids.<layer>`` int16 [T_rank, K], the top-k expert ids of every token this
-  rank routed, its micro-batches one after another, and ``blocks`` int64 [A, 2], for each
-  micro-batch the global offset and length of its tokens in the step's global batch (sequences in
-  the loader's order, ``micro * micro_batch + dp_rank * local_batch``, times seq_len). Replay at any
-  layout reassembles the global ``[T, K]`` ids from the blocks and hands each rank its own.
+  rank routed, its micro-batches one after another, and ``blocks`` int64 [R, 2], the global offset
+  and length of each run of consecutive tokens in the step's global batch, in the order of the ids
+  (sequences in the loader's order, ``micro * micro_batch + dp_rank * local_batch``, times seq_len).
+  At tp = 1 a micro-batch is one run; under tensor (sequence) parallelism a rank routes positions
+  ``tp_rank * S/tp ... (tp_rank + 1) * S/tp - 1`` of each of its sequences: one run per sequence.
+  Replay at any layout reassembles the global ``[T, K]`` ids from the blocks and hands each rank
+  its own.
 
 The recorder reads the routers' output through forward hooks it registers itself (in training
 mode, and not in an activation-checkpointing recompute); the replay sets ``router.replay_idx_TK``
@@ -65,13 +68,24 @@ class Geometry:
     micro_batch: int
     """Sequences of one micro-batch over all data-parallel ranks."""
     local_batch: int
-    """Sequences of one micro-batch on this rank."""
+    """Sequences of one micro-batch on this rank (and on each rank of its tp group)."""
     dp_rank: int
+    tp: int = 1
+    tp_rank: int = 0
 
-    def block(self, micro: int) -> tuple[int, int]:
-        """(global token offset, token count) of this rank's micro-batch ``micro``."""
-        start = (micro * self.micro_batch + self.dp_rank * self.local_batch) * self.seq_len
-        return start, self.local_batch * self.seq_len
+    def runs(self, micro: int) -> list[tuple[int, int]]:
+        """(global token offset, token count) of each run of consecutive global tokens this rank
+        routes in micro-batch ``micro``, in the order its MoE layers see them: the local
+        ``[B, S/tp]`` positions flattened (the MoE layer under tp takes its sequence shard)."""
+        first = micro * self.micro_batch + self.dp_rank * self.local_batch
+        if self.tp == 1:  # whole sequences: one run
+            return [(first * self.seq_len, self.local_batch * self.seq_len)]
+        shard = self.seq_len // self.tp
+        return [((first + b) * self.seq_len + self.tp_rank * shard, shard) for b in range(self.local_batch)]
+
+    def positions(self, micro: int) -> torch.Tensor:
+        """``[T_rank]`` global token indices of micro-batch ``micro`` on this rank (see :meth:`runs`)."""
+        return torch.cat([torch.arange(start, start + length) for start, length in self.runs(micro)])
 
 
 class RoutingRecorder:
@@ -142,7 +156,7 @@ class RoutingRecorder:
         if self.mode == "counts":
             tensors = {f"counts.{n}": c.to("cpu", torch.int32) for n, c in self._counts.items()}  # host sync
         else:
-            starts = [self.geometry.block(m) for m in range(self.num_micro)]
+            starts = [run for m in range(self.num_micro) for run in self.geometry.runs(m)]
             tensors["blocks"] = torch.tensor(starts, dtype=torch.int64)
             expect = sum(length for _, length in starts)
             for n, parts in self._ids.items():
@@ -203,9 +217,9 @@ class RoutingReplay:
                                   num_tokens=self.geometry.tokens_per_step, num_experts=self.geometry.num_experts)
 
     def before_micro(self, micro: int) -> None:
-        start, length = self.geometry.block(micro)
+        positions_T = self.geometry.positions(micro)
         for name, layer in self.layers:
-            ids_TK = self._ids[name][start:start + length]
+            ids_TK = self._ids[name].index_select(0, positions_T)
             layer.router.replay_idx_TK = ids_TK.to(layer.tokens_per_expert.device)
 
     def finish_step(self) -> None:
@@ -329,13 +343,15 @@ class RoutingHooks:
 
 
 def build_routing_hooks(cfg, model: nn.Module, *, run_dir: Path, rank: int, world_size: int, dp_rank: int,
-                        dp_size: int, ep: int, grad_accum: int, is_main: bool, start_step: int) -> RoutingHooks:
+                        dp_size: int, ep: int, grad_accum: int, is_main: bool, start_step: int, tp: int = 1,
+                        tp_rank: int = 0) -> RoutingHooks:
     """``cfg``: the JobConfig. Replay is built first: a trace that does not fit raises before anything runs."""
     m = cfg.moe
     micro_batch = cfg.train.global_batch_size // grad_accum
     geometry = Geometry(num_experts=m.num_experts, top_k=m.top_k,
                         tokens_per_step=cfg.train.global_batch_size * cfg.data.seq_len, seq_len=cfg.data.seq_len,
-                        micro_batch=micro_batch, local_batch=micro_batch // dp_size, dp_rank=dp_rank)
+                        micro_batch=micro_batch, local_batch=micro_batch // dp_size, dp_rank=dp_rank, tp=tp,
+                        tp_rank=tp_rank)
     parts: list = []
     kind, params = parse_force_skew(m.force_skew, num_experts=m.num_experts)
     replay = m.routing_replay if kind != "trace" else params[0]
@@ -356,8 +372,16 @@ def rank_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Ten
     rank received at each recorded step, per MoE layer, over the global batch (the experts of rank p
     are ``p * E/ep ... (p + 1) * E/ep - 1``, the order the expert-parallel sharding uses). P = the
     trace's ep degree."""
+    steps, layers, load_SLE, index = expert_loads(path)
+    ep, num_experts = max(int(index.get("ep", 1)), 1), index["num_experts"]
+    return steps, layers, load_SLE.view(len(steps), len(layers), ep, num_experts // ep).sum(-1)
+
+
+def expert_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Tensor, dict]:
+    """``(steps, layers, load_SLE, index)``: the routed copies (before capacity drops) each expert
+    received at each recorded step, per MoE layer, over the global batch; from counts or ids."""
     folder, index = read_index(path)
-    layers, steps, ep = index["layers"], sorted(index["steps"]), max(int(index.get("ep", 1)), 1)
+    layers, steps = index["layers"], sorted(index["steps"])
     num_experts = index["num_experts"]
     load_SLE = torch.zeros(len(steps), len(layers), num_experts, dtype=torch.float64)
     for s, step in enumerate(steps):
@@ -369,7 +393,7 @@ def rank_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Ten
                     load_SLE[s, i] += _read(info, file).double()
                 elif (info := tensors.get(f"ids.{name}")) is not None:
                     load_SLE[s, i] += torch.bincount(_read(info, file).long().reshape(-1), minlength=num_experts)
-    return steps, layers, load_SLE.view(len(steps), len(layers), ep, num_experts // ep).sum(-1)
+    return steps, layers, load_SLE, index
 
 
 def straggler_factors(load_SLP: torch.Tensor) -> torch.Tensor:

@@ -207,7 +207,8 @@ class Trainer:
         self.routing = RoutingHooks([]) if not self.model_config.is_moe else build_routing_hooks(
             self.cfg, self.model, run_dir=self.run_dir, rank=self.rank, world_size=self.world_size,
             dp_rank=self.dp_rank, dp_size=self.dp_size, ep=self.dims.ep, grad_accum=self.grad_accum,
-            is_main=self.is_main, start_step=self.step)
+            is_main=self.is_main, start_step=self.step, tp=self.dims.tp,
+            tp_rank=self.dims.tp_rank if self.dims.tp > 1 else 0)
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()

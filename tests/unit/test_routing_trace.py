@@ -112,11 +112,27 @@ def test_config_rules_name_the_field():
     from moetrain.config.loader import load_config
 
     base = ["--moe.num_experts=4", "--moe.top_k=2"]
-    for extra, field in ((["--log.routing_trace=full", "--parallel.tp=2"], "log.routing_trace"),
+    for extra, field in ((["--log.routing_trace=full", "--parallel.pp=2"], "log.routing_trace"),
                          (["--moe.routing_replay=runs/x", "--parallel.pp=2"], "moe.routing_replay"),
-                         (["--moe.force_skew=zipf:1", "--parallel.tp=2"], "moe.force_skew"),
+                         (["--moe.force_skew=zipf:1", "--parallel.pp=2"], "moe.force_skew"),
                          (["--log.routing_trace=full", "--moe.router=expert_choice", "--moe.capacity_factor=1"],
                           "log.routing_trace"),
                          (["--log.routing_trace=sometimes"], "log.routing_trace")):
         with pytest.raises(ValueError, match=field.replace(".", r"\.")):
             load_config(None, base + extra)
+
+
+def test_runs_under_sequence_parallelism_worked_by_hand():
+    """seq_len 8, micro-batches of 4 sequences over dp = 2 (2 per rank), tp = 2: dp rank 1, tp rank 1
+    routes positions 4-7 of sequences 2 and 3 in micro 0 and of sequences 6 and 7 in micro 1; its
+    tokens of both micro-batches, the tp pair's and the dp pair's cover the step once."""
+    def geometry(dp_rank: int, tp_rank: int) -> Geometry:
+        return Geometry(num_experts=E, top_k=K, tokens_per_step=8 * 8, seq_len=8, micro_batch=4, local_batch=2,
+                        dp_rank=dp_rank, tp=2, tp_rank=tp_rank)
+
+    assert geometry(1, 1).runs(0) == [(20, 4), (28, 4)] and geometry(1, 1).runs(1) == [(52, 4), (60, 4)]
+    assert geometry(0, 0).positions(0).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    every = torch.cat([geometry(d, t).positions(m) for m in range(2) for d in range(2) for t in range(2)])
+    assert sorted(every.tolist()) == list(range(64))
+    one = Geometry(num_experts=E, top_k=K, tokens_per_step=64, seq_len=8, micro_batch=4, local_batch=2, dp_rank=1)
+    assert one.runs(1) == [(48, 16)]
