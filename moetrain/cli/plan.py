@@ -5,6 +5,13 @@ ZeRO stage x expert-parallel degree x offload x activation-checkpointing choice 
     moetrain plan --config tiny --nproc 2 --json
     moetrain plan --config deepseek-v3 --nproc 1024 --dry-run [--rank R]
     moetrain plan --config mixtral-8x7b --nproc 64 --nodes 8 --device-profile h100    (+ step time)
+    moetrain plan --config tiny --nproc 4 --parallel.ep=4 --skew zipf:1.2 --device-memory 1GiB [--dry-run]
+    moetrain plan --config tiny --nproc 4 --parallel.ep=4 --routing-trace runs/demo
+
+``--skew`` / ``--routing-trace`` plan the config's own layout under that routing skew (``plan.skew``):
+each rank's routed copies, the hottest rank's memory and the step time, dropless, under capacity
+factors and with spare expert slots, and the setting to use; with ``--dry-run`` the receive rows
+the plan assumed are checked against the trainer's own forced draw.
 
 ``--dry-run`` builds one rank for real on the meta device under a fake process group of world
 ``--nproc`` and prints its counted model-state bytes next to the planner's (``dry_run``).
@@ -54,7 +61,27 @@ def add_parsers(sub) -> None:
     p.add_argument("--calibrate", default=None, metavar="FILE",
                    help="measure this machine first (GEMM rates, gloo bandwidth at the ranks per node), write "
                         "FILE and use it as the device profile")
+    p.add_argument("--skew", default=None, metavar="SPEC",
+                   help="plan the config's layout under this routing skew (moe.force_skew's grammar: zipf:S, "
+                        "hot:K:FRACTION, drift:S:PERIOD, trace:PATH): per-rank copies, memory and step time "
+                        "dropless, under capacity factors and with spare expert slots (docs/step-time.md)")
+    p.add_argument("--routing-trace", default=None, metavar="RUN_DIR",
+                   help="as --skew, with the per-expert loads a run recorded (log.routing_trace)")
+    p.add_argument("--capacity-factors", default="1.0,1.25,1.5,2.0",
+                   help="with --skew/--routing-trace: the capacity factors to plan (comma-separated)")
+    p.add_argument("--spare-slots", default="1,2",
+                   help="with --skew/--routing-trace: spare expert slots per rank to plan (comma-separated)")
     p.set_defaults(func=run_plan, takes_overrides=True)
+
+
+def _numbers(text: str, flag: str, kind):
+    try:
+        values = tuple(kind(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{flag} ({text!r}) must be a comma-separated list of numbers > 0")
+    return values
 
 
 def run_plan(args: argparse.Namespace, overrides: list[str] | tuple[str, ...] = ()) -> int:
@@ -64,6 +91,8 @@ def run_plan(args: argparse.Namespace, overrides: list[str] | tuple[str, ...] = 
     cfg = load_config(args.config, list(overrides))
     if args.rank is not None and not args.dry_run:
         raise ValueError(f"--rank ({args.rank}) needs --dry-run")
+    if args.skew is not None or args.routing_trace is not None:
+        return _run_skew(args, cfg)
     if args.dry_run:
         return _run_dry_run(args, cfg)
     device_memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
@@ -101,3 +130,23 @@ def _run_dry_run(args, cfg) -> int:
     else:
         print(format_dry_run(result, name=args.config))
     return 0 if result.matches else 1
+
+
+def _run_skew(args, cfg) -> int:
+    from moetrain.plan.skew import confirm_buffers, format_buffer_checks, format_skew_plan, make_skew_plan
+
+    device_memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
+    plan = make_skew_plan(cfg, nproc=args.nproc, skew=args.skew, routing_trace=args.routing_trace,
+                          device_memory=device_memory, profile=_profile(args),
+                          capacity_factors=_numbers(args.capacity_factors, "--capacity-factors", float),
+                          spare_slots=_numbers(args.spare_slots, "--spare-slots", int))
+    checks = confirm_buffers(cfg, plan) if args.dry_run else []
+    if args.json:
+        json.dump({**plan.to_dict(), "buffer_checks": [{**c.__dict__, "confirmed": c.confirmed} for c in checks]},
+                  sys.stdout, indent=1)
+        print()
+    else:
+        print(format_skew_plan(plan))
+        if checks:
+            print(format_buffer_checks(checks, steps=4))
+    return 0 if all(c.confirmed for c in checks) else 1

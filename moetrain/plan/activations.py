@@ -63,9 +63,12 @@ def _ffn_bytes(T: int, hidden: int, activation: str, b: int) -> int:
 
 
 def estimate_activations(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_len: int,
-                         ep: int = 1, ac: str = "none", ac_every: int = 2, dtype: str = "fp32") -> ActivationEstimate:
+                         ep: int = 1, ac: str = "none", ac_every: int = 2, dtype: str = "fp32",
+                         recv_copies: int | None = None) -> ActivationEstimate:
     """Activation bytes of one micro-batch of ``micro_batch_size`` sequences of ``seq_len`` on a
-    rank with expert-parallel degree ``ep`` and checkpointing mode ``ac`` (none/full/moe/every_n)."""
+    rank with expert-parallel degree ``ep`` and checkpointing mode ``ac`` (none/full/moe/every_n).
+    ``recv_copies``: the routed copies this rank's experts receive per MoE layer (default: as many
+    as it sends, balanced routing; ``moetrain.plan.skew`` gives the hottest rank's under skew)."""
     V = model.vocab_size
     if V is None:
         raise ValueError("model.vocab_size (None) must be set to estimate activations")
@@ -76,7 +79,8 @@ def estimate_activations(model: ModelConfig, moe: MoEConfig, *, micro_batch_size
     E, K = moe.num_experts, moe.top_k
     kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
     N = int(T * K * kept)
-    N_recv = N  # balanced routing: a rank's experts receive, on average, what it sends
+    # Balanced routing: a rank's experts receive, on average, what it sends.
+    N_recv = N if recv_copies is None else recv_copies
 
     norm = 2 * T * D * (b if dtype == "fp32" else f32 + b) + f32 * T
     attention = T * D * b + 2 * T * G * A * b + T * D * b + f32 * T * H
@@ -131,7 +135,7 @@ def estimate_activations(model: ModelConfig, moe: MoEConfig, *, micro_batch_size
     # The loss's backward, with everything saved; or a block's backward, where of the head only
     # the logits are left (the caller's output still holds them).
     peak = max(saved + loss_backward, max(backward_points, default=0) + T * V * b)
-    a2a = 2 * N * D * b if ep > 1 else 0  # send and receive buffers of one dispatch
+    a2a = (N + N_recv) * D * b if ep > 1 else 0  # send and receive buffers of one dispatch
     return ActivationEstimate(saved_bytes=saved, peak_bytes=peak, a2a_buffer_bytes=a2a, terms=terms)
 
 

@@ -1,0 +1,122 @@
+"""The skew planner (``moetrain plan --skew``) against measured runs at ep=2 and ep=4 on CPU processes.
+
+    python benchmarks/skew_plan_validation.py [--steps 8] [--calibration FILE] [--json]
+
+The model of benchmarks/skew.py (2 MoE layers of 8 experts top-2, dim 64, expert hidden 128, 16
+sequences x 64 tokens per step, fp32, aux loss off), dp = ep = 2 and 4 gloo processes. Without
+``--calibration`` it first measures this machine (``moetrain.plan.calibrate`` on the model's shapes,
+at 2 and 4 processes). Then per ep: forced balance (round_robin) and ``moe.force_skew`` zipf:1.2 and
+hot:1:0.5 dropless, and zipf:1.2 at capacity factor 1.25, each trained ``--steps`` steps, and the
+plan of the same layout and skew (``plan.skew.make_skew_plan``) beside:
+
+* tokens: the hottest ep rank's routed copies per micro-batch before capacity drops (the counts
+  routing trace; mean over steps and layers) against the plan's expected copies of its dropless
+  row, and the dropped fraction (``dropped_fraction``, mean over steps and layers) against the
+  plan's;
+* step time: the median ``step_time_s`` of the steps after the first two against the plan's step;
+* memory: rank 0's ``mem/activation_peak_bytes`` (rank 0 hosts experts 0..E/ep-1, the hottest under
+  zipf and hot) against the plan's activation peak of the hottest rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.skew import MODEL  # noqa: E402
+
+OUT = ROOT / "runs" / "skew-plan-validation"
+RUNS = (("balanced", ["--moe.force_balance=round_robin"], None, "none"),
+        ("zipf:1.2 dropless", ["--moe.force_skew=zipf:1.2"], None, "zipf:1.2"),
+        ("hot:1:0.5 dropless", ["--moe.force_skew=hot:1:0.5"], None, "hot:1:0.5"),
+        ("zipf:1.2 capacity 1.25", ["--moe.force_skew=zipf:1.2"], 1.25, "zipf:1.2"))
+
+
+def _overrides(ep: int, steps: int) -> list[str]:
+    return [*MODEL, f"--parallel.ep={ep}", f"--train.micro_batch_size={16 // ep}", f"--train.steps={steps}",
+            "--log.memory=true"]
+
+
+def _measure(name: str, ep: int, steps: int, extra: list[str], *, reuse: bool) -> dict:
+    from moetrain.train.routing_trace import rank_loads
+
+    run_dir = OUT / name
+    if not (reuse and (run_dir / "metrics.jsonl").is_file()):
+        shutil.rmtree(run_dir, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "moetrain.cli", "train", "--nproc", str(ep), *_overrides(ep, steps),
+                        *extra, f"--log.run_dir={run_dir}"], cwd=ROOT, check=True, capture_output=True)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    recs = [r for r in recs if "loss" in r and r["step"] > 2]
+    _, _, load_SLP = rank_loads(run_dir)
+    dropped = [statistics.mean(r["dropped_fraction"]) if isinstance(r.get("dropped_fraction"), list)
+               else r.get("dropped_fraction", 0.0) for r in recs]
+    return {"hot_copies": float(load_SLP.amax(-1).mean()),  # one micro-batch per step (grad_accum 1)
+            "dropped": statistics.mean(dropped), "step_s": statistics.median(r["step_time_s"] for r in recs),
+            "activation_peak": max(r["mem/activation_peak_bytes"] for r in recs if "mem/activation_peak_bytes" in r)}
+
+
+def _calibrate(path: Path) -> None:
+    from moetrain.config.loader import load_config, save_config
+
+    config = OUT / "model.yaml"
+    save_config(load_config(None, _overrides(2, 8)), config)
+    subprocess.run([sys.executable, "-m", "moetrain.plan.calibrate", "--out", str(path), "--config", str(config),
+                    "--procs", "2", "4"], cwd=ROOT, check=True)
+
+
+def _predict(ep: int, steps: int, skew: str, capacity: float | None, calibration: Path):
+    from moetrain.config.loader import load_config
+    from moetrain.plan.skew import make_skew_plan
+    from moetrain.plan.step_time import load_profile
+
+    cfg = load_config(None, _overrides(ep, steps))
+    profile = load_profile(str(calibration), procs_per_node=ep)
+    plan = make_skew_plan(cfg, nproc=ep, skew=skew, profile=profile,
+                          capacity_factors=(capacity,) if capacity else (1.25,), spare_slots=())
+    return plan.rows[0], plan.rows[1 if capacity else 0]  # (dropless, the run's setting)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--calibration", default=None, help="a calibration file (default: measure one first)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--reuse", action="store_true", help="read the runs already in runs/skew-plan-validation")
+    a = p.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    calibration = Path(a.calibration) if a.calibration else OUT / "calibration.json"
+    if a.calibration is None:
+        _calibrate(calibration)
+    rows = []
+    for ep in (2, 4):
+        for name, extra, capacity, skew in RUNS:
+            cap = [] if capacity is None else [f"--moe.capacity_factor={capacity}"]
+            got = _measure(f"ep{ep}-{name.replace(':', '_').replace(' ', '-')}", ep, a.steps, extra + cap,
+                           reuse=a.reuse)
+            dropless, want = _predict(ep, a.steps, skew, capacity, calibration)
+            row = {"ep": ep, "setting": name,
+                   "hot_copies": [round(max(dropless.copies_per_rank)), round(got["hot_copies"])],
+                   "dropped": [round(want.dropped_fraction, 4), round(got["dropped"], 4)],
+                   "step_s": [round(want.step_s or 0.0, 4), round(got["step_s"], 4)],
+                   "activation_peak_mib": [round(want.activation_bytes / 2**20, 2),
+                                           round(got["activation_peak"] / 2**20, 2)]}
+            rows.append(row)
+            print(json.dumps(row) if a.json else row, flush=True)
+    if not a.json:
+        print("| ep | setting | hot rank copies, predicted / measured | dropped | step s | activation peak MiB |")
+        print("|---|---|---|---|---|---|")
+        for r in rows:
+            cells = [f"{x[0]} / {x[1]}" for x in (r["hot_copies"], r["dropped"], r["step_s"],
+                                                   r["activation_peak_mib"])]
+            print(f"| {r['ep']} | {r['setting']} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""The planner under routing skew (``moetrain.plan.skew``): shares, replica placement and per-rank
+copies worked by hand, a spec's shares against the closed form of sampling without replacement,
+the rows' consistency with the balanced plan, and ``moetrain plan --skew --dry-run`` end to end."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from moetrain.config.loader import load_config
+from moetrain.plan.skew import copies_bound, make_skew_plan, place_replicas, rank_copies, spec_shares
+from moetrain.plan.step_time import H100_SXM
+
+# 2 MoE blocks of 8 experts top-2 at ep = 4: 4 sequences of 64 tokens per rank (N = 512 copies).
+TINY = ["--model.dim=64", "--model.num_layers=2", "--model.num_heads=4", "--model.max_seq_len=64",
+        "--moe.num_experts=8", "--moe.top_k=2", "--moe.expert_hidden_dim=128", "--data.tokenizer=bytes",
+        "--data.seq_len=64", "--train.global_batch_size=16", "--train.micro_batch_size=4", "--parallel.ep=4"]
+
+
+def test_hot_expert_share_is_its_inclusion_probability_over_top_k():
+    """hot:1:0.5 over 4 experts, top-2 without replacement: expert 0 is drawn first with p = 0.5, second
+    with sum_j w_j * w_0 / (1 - w_j) = 3 * 1/6 * 0.5 / (5/6) = 0.3; its share of the copies (0.5 + 0.3) / 2."""
+    (share_E,) = spec_shares("hot:1:0.5", num_experts=4, top_k=2)
+    assert share_E[0].item() == pytest.approx(0.4, abs=0.005)
+    assert share_E[1:].tolist() == pytest.approx([0.2] * 3, abs=0.005)
+    drift = spec_shares("drift:1.2:3", num_experts=4, top_k=2)
+    assert len(drift) == 4 and torch.equal(drift[1], torch.roll(drift[0], 1))
+
+
+def test_rank_copies_worked_by_hand():
+    share_E = torch.tensor([0.5, 0.25, 0.125, 0.125], dtype=torch.float64)
+    held = [[0, 1], [2, 3]]  # the ep sharding's own order
+    got = rank_copies(share_E, copies=800, ep=2, edp=1, capacity=None, held=held)
+    assert got.expected == [600, 200] and got.kept_fraction == 1
+    got = rank_copies(share_E, copies=800, ep=2, edp=1, capacity=250, held=held)  # expert 0 keeps 250 of 400
+    assert got.expected == [450, 200] and got.cap == [500, 500] and got.kept_fraction == 650 / 800
+    # Two ep groups (edp = 2) each get half; expert 0 in two slots splits its copies.
+    got = rank_copies(share_E, copies=800, ep=2, edp=2, capacity=None, held=[[0, 1, 2], [0, 3, 2]])
+    assert got.expected == [(200 + 200 + 50) / 2, (200 + 100 + 50) / 2]
+    assert copies_bound(100.0, None) == 130 and copies_bound(100.0, 120.0) == 120
+
+
+def test_replicas_of_the_hottest_then_longest_processing_time_first():
+    # loads 8, 4, 2, 2 on 2 ranks of 3 slots: expert 0 gets a second replica (4 each), then expert 1
+    # (2 each); packed largest first onto the least-loaded rank: 4 | 4, 2 | 2, then 2 | 2.
+    assert place_replicas([8.0, 4.0, 2.0, 2.0], ep=2, slots_per_rank=3) == [[0, 1, 2], [0, 1, 3]]
+    assert place_replicas([8.0, 4.0, 2.0, 2.0], ep=2, slots_per_rank=2) == [[0, 1], [2, 3]]
+    with pytest.raises(ValueError, match="slots per rank"):
+        place_replicas([1.0] * 4, ep=2, slots_per_rank=1)
+
+
+def test_rows_agree_with_the_balanced_plan_and_each_other():
+    cfg = load_config(None, TINY)
+    plan = make_skew_plan(cfg, nproc=4, skew="zipf:1.2", device_memory=int(plan_memory(cfg)), profile=H100_SXM)
+    rows = {r.setting: r for r in plan.rows}
+    dropless, cap1 = rows["dropless"], rows["capacity 1.0"]
+    assert dropless.mean_copies == 512 and sum(dropless.copies_per_rank) == pytest.approx(4 * 512)
+    assert dropless.max_over_mean > 2 and dropless.dropped_fraction == 0
+    # Capacity 1.0 caps the hot rank's two experts at T*K/E each: exactly the balanced N, so the
+    # hottest rank's memory is the balanced plan's.
+    assert cap1.bound_copies == 512 and cap1.device_bytes == plan.balanced_device_bytes
+    assert cap1.dropped_fraction > 0.2 and cap1.step_ratio_vs_balanced == pytest.approx(1.0)
+    slots = rows["dropless, 1 spare slot(s)"]
+    assert slots.max_over_mean < 1.1 and slots.slot_state_bytes > 0 and len(slots.placement[0]) == 3
+    assert dropless.step_ratio_vs_balanced > slots.step_ratio_vs_balanced > 1
+    assert dropless.device_bytes > slots.device_bytes and dropless.fits is False and slots.fits is True
+    assert plan.recommendation.startswith("parallel.expert_slots_per_rank = num_experts / ep + 1")
+
+
+def plan_memory(cfg) -> float:
+    """A device between the one-spare-slot row and the dropless row of zipf:1.2."""
+    rows = {r.setting: r for r in make_skew_plan(cfg, nproc=4, skew="zipf:1.2").rows}
+    return (rows["dropless"].device_bytes + rows["dropless, 1 spare slot(s)"].device_bytes) / 2
+
+
+def test_cli_plans_the_skew_and_confirms_its_buffers(capsys):
+    from moetrain.cli import main
+
+    assert main(["plan", "--nproc", "4", *TINY, "--skew", "hot:1:0.5", "--capacity-factors", "1.25",
+                 "--spare-slots", "1", "--dry-run", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["setting"] for r in out["rows"]] == ["dropless", "capacity 1.25", "dropless, 1 spare slot(s)"]
+    checks = out["buffer_checks"]
+    assert len(checks) == 3 and all(c["confirmed"] and 0 < c["drawn_copies"] <= c["planned_copies"] for c in checks)
+    assert main(["plan", "--nproc", "4", *TINY, "--skew", "zipf:1", "--spare-slots", "x"]) == 2
+    assert "--spare-slots ('x') must be a comma-separated list" in capsys.readouterr().err
