@@ -342,36 +342,55 @@ class BufferCheck:
 
 
 def confirm_buffers(cfg: JobConfig, plan: SkewPlan, *, steps: int = 4) -> list[BufferCheck]:
-    """The dry run of a spec's routing (``--dry-run`` with ``--skew``): draw the ids the trainer's
-    moe.force_skew draws (``ForcedSkew``: per step and MoE layer over the global batch, seeded by
-    both) for ``steps`` steps, cut each micro-batch's per-expert copies at the dispatcher's
-    capacity, place them in each row's slots and compare each rank's receive rows with the plan's."""
-    kind, params = parse_force_skew(plan.source, num_experts=cfg.moe.num_experts)
-    if kind in ("none", "trace"):
-        raise ValueError(f"--dry-run with --skew needs a zipf, hot or drift spec (got {plan.source!r})")
-    E, K, S = cfg.moe.num_experts, cfg.moe.top_k, cfg.data.seq_len
-    micro_tokens = plan.micro_batch_size * S * plan.world
-    num_moe = len(cfg.model.moe_layer_ids)
+    """The dry run of the routing (``--dry-run`` with ``--skew`` or ``--routing-trace``): each
+    micro-batch's per-expert copies (``drawn_counts``), cut at the dispatcher's capacity and placed
+    in each row's slots, against the receive rows the plan sized the hottest rank's buffers for."""
+    E, K = cfg.moe.num_experts, cfg.moe.top_k
+    micro_tokens = plan.micro_batch_size * cfg.data.seq_len * plan.world
     drawn = [0] * len(plan.rows)
-    edp = plan.world // plan.ep
-    for step in range(1, steps + 1):
-        w_E = skew_weights(kind, params, step=step, num_experts=E)
-        for layer in range(num_moe):
-            ids_TK = skewed_assignment(w_E, num_tokens=cfg.train.global_batch_size * S, top_k=K,
-                                       seed=skew_seed(step, layer))
-            for m in range(plan.grad_accum):
-                counts_E = torch.bincount(ids_TK[m * micro_tokens:(m + 1) * micro_tokens].reshape(-1), minlength=E)
-                for i, r in enumerate(plan.rows):
-                    cap = None if r.capacity_factor is None else expert_capacity(
-                        micro_tokens, num_experts=E, top_k=K, capacity_factor=r.capacity_factor)
-                    got = rank_copies(counts_E.double() / counts_E.sum(), copies=float(counts_E.sum()), ep=plan.ep,
-                                      edp=edp, capacity=cap, held=r.placement)
-                    drawn[i] = max(drawn[i], math.ceil(max(got.expected)))
+    for counts_E in drawn_counts(cfg, plan, steps=steps):
+        for i, r in enumerate(plan.rows):
+            cap = None if r.capacity_factor is None else expert_capacity(
+                micro_tokens, num_experts=E, top_k=K, capacity_factor=r.capacity_factor)
+            got = rank_copies(counts_E / counts_E.sum(), copies=float(counts_E.sum()), ep=plan.ep,
+                              edp=plan.world // plan.ep, capacity=cap, held=r.placement)
+            drawn[i] = max(drawn[i], math.ceil(max(got.expected)))
     return [BufferCheck(r.setting, r.bound_copies, d) for r, d in zip(plan.rows, drawn, strict=True)]
 
 
+def drawn_counts(cfg: JobConfig, plan: SkewPlan, *, steps: int):
+    """Per-expert copies ``[E]`` (fp64) of each micro-batch and MoE layer: for a zipf, hot or drift
+    spec, the ids the trainer's moe.force_skew draws in its first ``steps`` steps (``ForcedSkew``: per
+    step and layer over the global batch, seeded by both), cut into the micro-batches; for a trace
+    (``--routing-trace`` or ``trace:PATH``), every recorded step's and layer's counts, scaled to one
+    micro-batch of this plan."""
+    E, K, S = cfg.moe.num_experts, cfg.moe.top_k, cfg.data.seq_len
+    kind, params = ("trace", (plan.source[len("trace "):],)) if plan.source.startswith("trace ") else \
+        parse_force_skew(plan.source, num_experts=E)
+    if kind == "trace":
+        from moetrain.train.routing_trace import expert_loads
+
+        # A step's counts spread over this plan's micro-batch (the trace may come from another batch size).
+        _, _, load_SLE, _ = expert_loads(params[0])
+        copies = plan.micro_batch_size * S * plan.world * K
+        yield from (v / v.sum() * copies for v in load_SLE.reshape(-1, E) if v.sum() > 0)
+        return
+    if kind == "none":
+        raise ValueError("--dry-run with --skew needs a skewed spec (zipf, hot, drift or trace), not 'none'")
+    micro_tokens = plan.micro_batch_size * S * plan.world
+    for step in range(1, steps + 1):
+        w_E = skew_weights(kind, params, step=step, num_experts=E)
+        for layer in range(len(cfg.model.moe_layer_ids)):
+            ids_TK = skewed_assignment(w_E, num_tokens=cfg.train.global_batch_size * S, top_k=K,
+                                       seed=skew_seed(step, layer))
+            for m in range(plan.grad_accum):
+                ids_N = ids_TK[m * micro_tokens:(m + 1) * micro_tokens].reshape(-1)
+                yield torch.bincount(ids_N, minlength=E).double()
+
+
 def format_buffer_checks(checks: list[BufferCheck], *, steps: int) -> str:
-    lines = [f"dry run of the routing ({steps} steps of the trainer's forced draw): receive rows of the hottest rank",
+    lines = [f"dry run of the routing (the trainer's forced draw of {steps} steps, or the trace's steps): receive "
+             "rows of the hottest rank",
              f"{'setting':28s} {'planned':>8s} {'drawn':>8s}"]
     lines += [f"{c.setting:28s} {c.planned_copies:8d} {c.drawn_copies:8d} {'ok' if c.confirmed else 'EXCEEDED'}"
               for c in checks]

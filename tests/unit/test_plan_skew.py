@@ -86,3 +86,38 @@ def test_cli_plans_the_skew_and_confirms_its_buffers(capsys):
     assert len(checks) == 3 and all(c["confirmed"] and 0 < c["drawn_copies"] <= c["planned_copies"] for c in checks)
     assert main(["plan", "--nproc", "4", *TINY, "--skew", "zipf:1", "--spare-slots", "x"]) == 2
     assert "--spare-slots ('x') must be a comma-separated list" in capsys.readouterr().err
+
+
+def test_a_counts_trace_is_planned_from_its_recorded_loads(tmp_path, capsys):
+    """A counts trace of one step and one layer over 4 experts at ep = 2 (hand-written): global counts
+    [6, 2, 0, 0] -> shares [0.75, 0.25, 0, 0]; the planned 2-rank layout puts experts 0-1 (all the
+    copies) on rank 0: twice the mean, and the dry run reads the same counts back."""
+    from moetrain.train.routing_trace import INDEX, TRACE_DIR, step_file
+    from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
+
+    folder = tmp_path / TRACE_DIR
+    folder.mkdir()
+    for rank, counts in enumerate(([5, 1, 0, 0], [1, 1, 0, 0])):
+        with ShardedWriter(folder, [TensorSpec("counts.L", (4,), torch.int32)], metadata={},
+                           weights=step_file(1, rank)) as w:
+            w.write("counts.L", torch.tensor(counts, dtype=torch.int32))
+            w.close()
+    (folder / INDEX).write_text(json.dumps({"format": 1, "mode": "counts", "layers": ["L"], "num_experts": 4,
+                                            "top_k": 2, "tokens_per_step": 4, "world_size": 2, "ep": 2, "steps": [1]}))
+    overrides = [*TINY, "--moe.num_experts=4", "--parallel.ep=2"]
+    plan = make_skew_plan(load_config(None, overrides), nproc=2, routing_trace=str(tmp_path),
+                          capacity_factors=(1.0,), spare_slots=(1,))
+    dropless, cap1, slot = plan.rows
+    # 4 sequences x 64 tokens x top-2 per rank and micro-batch: N = 512, G = 1024 copies over the 2 ranks.
+    assert dropless.copies_per_rank == [1024, 0] and dropless.max_over_mean == 2
+    # Capacity 1.0: 256 copies per expert; expert 0 keeps 256 of its 768, expert 1 all 256.
+    assert cap1.copies_per_rank == [512, 0] and cap1.dropped_fraction == 0.5 and cap1.bound_copies == 512
+    # One spare slot per rank: replicas of experts 0 (0.375 + 0.375) and 1 (0.125 + 0.125), one of each per rank.
+    assert slot.placement == [[0, 1, 2], [0, 1, 3]] and slot.copies_per_rank == [512, 512]
+    from moetrain.cli import main
+
+    assert main(["plan", "--nproc", "2", *overrides, "--routing-trace", str(tmp_path), "--dry-run", "--json",
+                 "--capacity-factors", "1.0", "--spare-slots", "1"]) == 0
+    checks = json.loads(capsys.readouterr().out)["buffer_checks"]
+    # The recorded counts scaled to one micro-batch (1024 copies): 768 and 256; planned = mean + 3 sigma, capped.
+    assert [(c["drawn_copies"], c["planned_copies"]) for c in checks] == [(1024, 1120), (512, 512), (512, 580)]
