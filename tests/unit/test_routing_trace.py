@@ -136,3 +136,25 @@ def test_runs_under_sequence_parallelism_worked_by_hand():
     assert sorted(every.tolist()) == list(range(64))
     one = Geometry(num_experts=E, top_k=K, tokens_per_step=64, seq_len=8, micro_batch=4, local_batch=2, dp_rank=1)
     assert one.runs(1) == [(48, 16)]
+
+
+def test_forced_skew_under_tp_hands_each_rank_its_sequence_shard():
+    """moe.force_skew at tp = 2: the two tp ranks' ids, put back position by position, are the ids
+    one rank with whole sequences routes (the same global draw)."""
+    from moetrain.train.routing_trace import ForcedSkew
+
+    model = _model()
+
+    def routed(tp: int, tp_rank: int) -> torch.Tensor:
+        g = Geometry(num_experts=E, top_k=K, tokens_per_step=4 * 8, seq_len=8, micro_batch=4, local_batch=4,
+                     dp_rank=0, tp=tp, tp_rank=tp_rank)
+        skew = ForcedSkew("zipf", (1.2,), model, geometry=g)
+        skew.start_step(2)
+        skew.before_micro(0)
+        ids = torch.stack([layer.router.replay_idx_TK for layer in model])  # [L, T_rank, K]
+        skew.finish_step()
+        return ids
+
+    whole = routed(1, 0).view(2, 4, 8, K)  # [L, B, S, K]
+    halves = [routed(2, r).view(2, 4, 4, K) for r in range(2)]
+    assert torch.equal(torch.cat(halves, dim=2), whole)
