@@ -156,6 +156,7 @@ class SkewRow:
     """The hottest rank's copies the memory estimate assumes (``copies_bound``)."""
     dropped_fraction: float
     activation_bytes: int
+    """The hottest rank's activation peak (``plan.activations`` at ``bound_copies``)."""
     a2a_buffer_bytes: int
     slot_state_bytes: int
     """Weights, gradients and optimizer states of the spare slots."""
@@ -164,6 +165,8 @@ class SkewRow:
     step_s: float | None = None
     step_ratio_vs_balanced: float | None = None
     placement: list[list[int]] = field(default_factory=list)
+    activation_bytes_per_rank: list[int] = field(default_factory=list)
+    """Each ep rank's activation peak, at its own bounded copies (worst share vector)."""
 
 
 @dataclass
@@ -248,14 +251,19 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, skew: str | None = None, routi
         hot = max(range(ep), key=lambda p: worst.expected[p])
         bound = copies_bound(worst.expected[hot], worst.cap[hot])
         f_mean = sum(max(rc.expected) for rc in per_vector) / len(per_vector) / N
-        act = estimate_activations(model, replace(moe, capacity_factor=factor), micro_batch_size=micro,
-                                   seq_len=cfg.data.seq_len, ep=ep, ac=t.activation_checkpointing,
-                                   ac_every=t.activation_checkpointing_every, dtype=t.dtype, recv_copies=bound)
+        def act_of(copies: int, factor=factor):
+            return estimate_activations(model, replace(moe, capacity_factor=factor), micro_batch_size=micro,
+                                        seq_len=cfg.data.seq_len, ep=ep, ac=t.activation_checkpointing,
+                                        ac_every=t.activation_checkpointing_every, dtype=t.dtype, recv_copies=copies)
+
+        act = act_of(bound)
         device = row.device_bytes - row.activation_bytes + act.peak_bytes + spare * per_slot
         r = SkewRow(setting=label, capacity_factor=factor, spare_slots=spare, copies_per_rank=worst.expected,
                     mean_copies=N, max_over_mean=f_mean, bound_copies=bound,
                     dropped_fraction=1 - sum(rc.kept_fraction for rc in per_vector) / len(per_vector),
                     activation_bytes=act.peak_bytes, a2a_buffer_bytes=act.a2a_buffer_bytes,
+                    activation_bytes_per_rank=[act_of(copies_bound(c, cap)).peak_bytes
+                                               for c, cap in zip(worst.expected, worst.cap, strict=True)],
                     slot_state_bytes=spare * per_slot, device_bytes=device,
                     fits=None if device_memory is None else device <= device_memory, placement=held)
         if balanced:

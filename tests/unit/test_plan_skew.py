@@ -58,6 +58,8 @@ def test_rows_agree_with_the_balanced_plan_and_each_other():
     dropless, cap1 = rows["dropless"], rows["capacity 1.0"]
     assert dropless.mean_copies == 512 and sum(dropless.copies_per_rank) == pytest.approx(4 * 512)
     assert dropless.max_over_mean > 2 and dropless.dropped_fraction == 0
+    per_rank = dropless.activation_bytes_per_rank  # rank 0 holds the hottest experts 0 and 1
+    assert len(per_rank) == 4 and per_rank[0] == dropless.activation_bytes > per_rank[1] > per_rank[3]
     # Capacity 1.0 caps the hot rank's two experts at T*K/E each: exactly the balanced N, so the
     # hottest rank's memory is the balanced plan's.
     assert cap1.bound_copies == 512 and cap1.device_bytes == plan.balanced_device_bytes
