@@ -1,6 +1,6 @@
 """Skewed routing workloads (moe.force_skew) against forced balance, at ep=2 and ep=4, in one run.
 
-    python benchmarks/skew.py [--steps 8] [--json] [--rebalance] [--ep 2 4]
+    python benchmarks/skew.py [--steps 8] [--json] [--rebalance] [--ep 2 4] [--skews zipf:1.2 ...]
 
 For each ep in (2, 4) (that many CPU gloo processes, dp = ep), each capacity setting (dropless, and
 moe.capacity_factor 1.25) and each routing (balanced = moe.force_balance round_robin, exactly T*K/E
@@ -125,6 +125,7 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.add_argument("--rebalance", action="store_true", help="add the expert-rebalancing rows")
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4], choices=[2, 4])
+    p.add_argument("--skews", nargs="+", default=list(SKEWS), choices=SKEWS, help="the skews without rebalancing")
     a = p.parse_args()
     rows = []
 
@@ -139,7 +140,7 @@ def main() -> None:
                         routing=["--moe.force_balance=round_robin"], capacity=capacity)
             if cap_name == "dropless":
                 dropless_base = base
-            for skew in ("balanced", *SKEWS):
+            for skew in ("balanced", *a.skews):
                 got = base if skew == "balanced" else _run(
                     f"ep{ep}-{cap_name}-{skew.replace(':', '_')}", ep=ep, steps=a.steps,
                     routing=[f"--moe.force_skew={skew}"], capacity=capacity)
