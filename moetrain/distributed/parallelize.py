@@ -31,6 +31,7 @@ from moetrain.distributed.expert_parallel.apply import collect_comm_times as col
 from moetrain.distributed.expert_parallel.apply import enable_comm_timing as enable_dispatch_timing
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
+from moetrain.models.moe.dispatcher import LocalDispatcher
 from moetrain.models.moe.layer import MoELayer
 
 
@@ -74,7 +75,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module], *, compile: bool = F
     graph break; an expert-parallel MoE block breaks at its host syncs, and a compiled wrapper
     around its checkpoint then ran the whole block eagerly."""
     for block in blocks:
-        inner = torch.compile(block.forward) if compile else block.forward
+        inner = torch.compile(block.forward, dynamic=compile_dynamic(block)) if compile else block.forward
 
         def forward(*args, _inner=inner, **kwargs):
             return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
@@ -88,7 +89,19 @@ def compile_blocks(blocks: list[nn.Module], *, checkpointed: list[nn.Module]) ->
     inside = {id(m) for m in checkpointed}
     for block in blocks:
         if id(block) not in inside:
-            block.compile()
+            block.compile(dynamic=compile_dynamic(block))
+
+
+def compile_dynamic(block: nn.Module) -> bool | None:
+    """``torch.compile``'s ``dynamic`` for ``block``: True where an MoE layer in it exchanges tokens
+    (the all-to-all dispatcher: expert parallelism, or data parallelism with a capacity), None
+    (dynamo's default) elsewhere. The exchange reads its split sizes on the host, once per forward
+    (the graph break), and the code after it gets them as Python ints, as do the byte counters
+    (``CommStats``) they are added to; by default dynamo specialises the first step's values and
+    recompiles at the next step, whose expert loads differ. Traced as symbols from the first step,
+    one compiled graph serves every load."""
+    exchanges = any(isinstance(m, MoELayer) and not isinstance(m.dispatcher, LocalDispatcher) for m in block.modules())
+    return True if exchanges else None
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointing: bool | str = False,
