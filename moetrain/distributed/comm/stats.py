@@ -22,7 +22,9 @@ class CommStats:
     one in reverse with the same rows: in the payload dtype with ``moe.dispatch_dtype`` "none"
     (so the ratios are the same with or without it), in bf16 (2 bytes per element, no scales)
     with "bf16" and "fp8_e4m3". Under activation checkpointing the recomputed forward counts
-    again, actual and minimum alike.
+    again, actual and minimum alike. Compiled (``train.compile``), the traced code adds to these
+    Python ints as symbols (``parallelize.compile_dynamic``), so a step with other split sizes
+    reuses the compiled code.
     """
 
     bytes_sent: int = 0
