@@ -108,8 +108,10 @@ class Comparison:
     results: list[Result] = field(default_factory=list)
     _order: int = 0
 
-    def values(self, quantity: str, got, want, tol: Tolerance, *, step: int = 0) -> Result:
-        """Compare ``got`` with ``want`` (numbers, nested lists or tensors of one size)."""
+    def values(self, quantity: str, got, want, tol: Tolerance, *, step: int = 0,
+               abs_bounds: torch.Tensor | None = None) -> Result:
+        """Compare ``got`` with ``want`` (numbers, nested lists or tensors of one size).
+        ``abs_bounds``: a bound per element (flattened) in place of ``tol.abs``."""
         g = torch.as_tensor(got, dtype=torch.float64).detach().double().flatten()
         w = torch.as_tensor(want, dtype=torch.float64).detach().double().flatten()
         if g.shape != w.shape:
@@ -120,7 +122,8 @@ class Comparison:
         diff = torch.where(both_nan, torch.zeros_like(g), (g - w).abs())
         # A difference from an exact zero is infinitely relative (shown "inf"); none at all is 0.
         rel = torch.where(w == 0, torch.where(diff > 0, math.inf, 0.0), diff / w.abs().clamp(min=1e-300))
-        ok = not bool((torch.isnan(g) != torch.isnan(w)).any()) and bool((diff <= tol.abs + tol.rel * w.abs()).all())
+        bound = tol.abs if abs_bounds is None else abs_bounds.double().flatten()
+        ok = not bool((torch.isnan(g) != torch.isnan(w)).any()) and bool((diff <= bound + tol.rel * w.abs()).all())
         return self._add(quantity, _finite(diff.max()), _finite(rel.max()), tol, ok, step=step, num=g.numel())
 
     def scaled(self, quantity: str, pairs: list[tuple[torch.Tensor, torch.Tensor]], tol: Tolerance, *,

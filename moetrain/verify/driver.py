@@ -23,8 +23,10 @@ import torch
 
 from moetrain.config.job import JobConfig
 from moetrain.config.loader import save_config
+from moetrain.config.model import ModelConfig
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares
+from moetrain.verify.init_export import PLACEHOLDER, cut_export
 from moetrain.verify.launcher import Launcher
 from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes
 from moetrain.verify.runs import Run, RunFailed, read_checkpoint, train
@@ -38,6 +40,9 @@ class Plan:
     layouts: list[Layout]
     changes: list[Change]
     steps: int
+    init_from: str | None = None
+    """The job's checkpoint.init_from, cut to the shrunk model in the work folder before any run."""
+    original_model: ModelConfig | None = None
 
 
 def plan_verification(cfg: JobConfig, *, layouts: list[Layout] | None, steps: int, shrink: bool,
@@ -64,7 +69,21 @@ def plan_verification(cfg: JobConfig, *, layouts: list[Layout] | None, steps: in
                                      num_experts=job.moe.num_experts if job.model.is_moe else None)
         except ValueError as e:
             raise ValueError(f"layout {lay.name}: {e}") from e
+    if job.checkpoint.init_from == PLACEHOLDER:
+        return Plan(job, chosen, changes, steps, init_from=cfg.checkpoint.init_from, original_model=cfg.model)
     return Plan(job, chosen, changes, steps)
+
+
+def offload_overrides(job: JobConfig, lay: Layout) -> list[str]:
+    """The job's ZeRO offload where the layout's stage allows it (config.zero.check_offload), else
+    off: offload changes where a shard lives, not the math, and a layout (or world 1) at a lower
+    stage than the job's still verifies the step."""
+    z, out = job.zero, []
+    if z.offload_param != "none" and lay.zero != 3:
+        out.append("--zero.offload_param=none")
+    if z.offload_optimizer != "none" and (lay.zero < 1 or (lay.pp > 1 and lay.zero < 2)):
+        out.append("--zero.offload_optimizer=none")
+    return out
 
 
 CHECKS = ("steps", "reshard", "export")
@@ -97,6 +116,11 @@ def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str
             return run_verification(plan, work=work, say=say, checks=checks, launcher=own)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="moetrain-verify-"))
     work.mkdir(parents=True, exist_ok=True)
+    if plan.init_from is not None:
+        assert plan.original_model is not None
+        cut = cut_export(plan.init_from, job=plan.cfg, original=plan.original_model, out_dir=work / "init_from")
+        plan = replace(plan, cfg=replace(plan.cfg, checkpoint=replace(plan.cfg.checkpoint, init_from=str(cut))),
+                       init_from=None)
     config = work / "job.yaml"
     save_config(plan.cfg, config)
     S = plan.steps
@@ -106,7 +130,7 @@ def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str
     # A checkpoint after every step: the state (router bias included) is compared step by step.
     common = [f"--train.steps={S + 1}", "--checkpoint.resume=auto", "--checkpoint.async_save=false",
               "--checkpoint.every=1", f"--checkpoint.keep_last={S + 1}"]
-    ref_overrides = [*Layout().overrides(micro_batch=micro[Layout()]), *common]
+    ref_overrides = [*Layout().overrides(micro_batch=micro[Layout()]), *offload_overrides(plan.cfg, Layout()), *common]
     ref = _reference(work, config, S, ref_overrides, say, launcher)
     ctx = _Context(work, config, common, ref_overrides, ref.records(),
                    {s: read_checkpoint(ref.checkpoint(s)) for s in range(1, S + 2)},
@@ -128,7 +152,7 @@ def _verify_layout(out: Comparison, plan: Plan, ctx: _Context, i: int, lay: Layo
     stale = ["-resumed", "-hf", "-hf-back"] + ([""] if "steps" in checks else [])
     for path in [work / f"layout{i}{suffix}" for suffix in stale]:
         shutil.rmtree(path, ignore_errors=True)  # a run folder left by an earlier verify would resume
-    overrides = [*lay.overrides(micro_batch=micro), *ctx.common]
+    overrides = [*lay.overrides(micro_batch=micro), *offload_overrides(plan.cfg, lay), *ctx.common]
     if "steps" in checks:
         # S + 1 steps like the reference: the learning-rate schedule is a function of train.steps.
         say(f"layout {lay.name}: {lay.world} processes, {S + 1} steps")
@@ -263,11 +287,39 @@ def _state_tol(group: str, plan: Plan, precision: Precision, steps: int) -> Tole
             return Tolerance(2 * lr * steps, 0.0, "a flipped routing choice changes an expert's gradient: "
                              "bounded by Adam's largest move, about lr per step each way")
         return Tolerance(0.02 * lr * steps, 0.0, "Adam moves a weight by about lr per step; fp32 rounding "
-                         "changes that move only where the gradient is itself at rounding level")
+                         "changes that move only where the gradient is itself at rounding level, where the "
+                         f"bound is 2 lr per step (gradient RMS under {NOISE_GRADIENT:g} x optim.eps)")
     if group.startswith("optimizer exp_avg"):
         return Tolerance(0.0, precision.scalar_rel() * 10, "relative to each tensor's largest entry: moments "
                          "of gradients summed in another order; a near-zero gradient's moment is its noise")
     return Tolerance(0.0, 0.0, "step counters and integer state: exact")
+
+
+NOISE_GRADIENT = 100.0
+"""In multiples of Adam's eps: a weight whose gradient RMS is below this is moved by
+lr * m / (sqrt(v) + eps), about lr * g / eps, so a gradient differing by rounding (1e-10 on the
+expert weights under tp, whose inputs were summed over the tp ranks in another order) moves it by
+a few % of lr. Its bound is Adam's largest move, 2 lr per step; the moments still bound its gradient."""
+
+
+def parameter_bounds(keys: list[str], want: dict[str, torch.Tensor], plan: Plan, tol: Tolerance,
+                     step: int) -> torch.Tensor | None:
+    """Per-element bounds of the parameters ``keys`` (``model.*``) at ``step``: ``tol.abs``, and 2 lr
+    per step where world 1's Adam second moment (``want``) puts the gradient at rounding level.
+    None when no element is loosened (or the optimizer keeps no second moment)."""
+    if tol.abs >= 2 * plan.cfg.optim.lr * step:  # low precision: already Adam's largest move
+        return None
+    b2, eps = plan.cfg.optim.betas[1], plan.cfg.optim.eps
+    parts, loosened = [], False
+    for key in keys:
+        bound = torch.full((want[key].numel(),), tol.abs, dtype=torch.float64)
+        v = want.get(f"optim.state.{key.removeprefix('model.')}.exp_avg_sq")
+        if v is not None and v.numel() == bound.numel():
+            noise = (v.double().flatten() / (1 - b2 ** step)).sqrt() < NOISE_GRADIENT * eps
+            bound[noise] = 2 * plan.cfg.optim.lr * step
+            loosened = loosened or bool(noise.any())
+        parts.append(bound)
+    return torch.cat(parts) if loosened else None
 
 
 def compare_state(out: Comparison, tag: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
@@ -296,8 +348,9 @@ def compare_state(out: Comparison, tag: str, got: dict[str, torch.Tensor], want:
         if group.startswith("optimizer exp_avg"):
             out.scaled(quantity, [(got[k], want[k]) for k in keys], tol, step=step)
             continue
+        bounds = parameter_bounds(keys, want, plan, tol, step) if group == "parameters" else None
         out.values(quantity, torch.cat([got[k].double().flatten() for k in keys]),
-                   torch.cat([want[k].double().flatten() for k in keys]), tol, step=step)
+                   torch.cat([want[k].double().flatten() for k in keys]), tol, step=step, abs_bounds=bounds)
 
 
 def compare_export(out: Comparison, tag: str, checkpoint: Path, want: dict[str, torch.Tensor], hf_dir: Path,
@@ -334,5 +387,6 @@ def compare_export(out: Comparison, tag: str, checkpoint: Path, want: dict[str, 
         return
     keys = sorted(ref)
     tol = _state_tol("parameters", plan, precision, step)
+    bounds = parameter_bounds([f"model.{k}" for k in keys], want, plan, tol, step)
     out.values(quantity, torch.cat([back[k].double().flatten() for k in keys]),
-               torch.cat([ref[k].double().flatten() for k in keys]), tol, step=step)
+               torch.cat([ref[k].double().flatten() for k in keys]), tol, step=step, abs_bounds=bounds)

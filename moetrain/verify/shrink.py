@@ -8,9 +8,10 @@ gradient and dispatch compression, the optimizer, LoRA targets, activation check
 
 Changed, and printed by ``moetrain verify``: widths and layer count, the vocabulary (the byte
 tokenizer on the shipped Shakespeare corpus, so that no user data is needed), sequence length and
-batch, and the warmup (one step, so that the few steps verified move the weights by a full
-learning rate and a layout bug shows in them). Settings random per rank by design are set to 0
-and named with the reason (``RANDOM_PER_RANK``): no layout can reproduce another's draws.
+batch, an init_from export (cut to the new shapes: ``init_export``), and the warmup (one step, so
+that the few steps verified move the weights by a full learning rate and a layout bug shows in
+them). Settings random per rank by design are set to 0 and named with the reason
+(``RANDOM_PER_RANK``): no layout can reproduce another's draws.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from moetrain.config.convert import config_from_dict, config_to_dict
 from moetrain.config.job import JobConfig
+from moetrain.verify.init_export import PLACEHOLDER
 
 GLOBAL_BATCH = 8
 """Sequences per step of the shrunk job (every layout's dp divides it)."""
@@ -73,9 +75,6 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool) -> tuple[JobConfig,
     """``cfg`` made CPU-sized (module docstring); returns the new config and what changed. ``pps``:
     the pipeline degrees of the layouts to verify (the layer count is a multiple of each).
     ``cpu``: no accelerator here, so the job runs on the CPU."""
-    if cfg.checkpoint.init_from is not None:
-        raise ValueError(f"checkpoint.init_from ({cfg.checkpoint.init_from!r}) must be null with --shrink auto: "
-                         "a shrunk model cannot load the full-size weights; verify it with --shrink none")
     raw = config_to_dict(cfg)
     m, moe, data = raw["model"], raw["moe"], raw["data"]
     heads = min(m["num_heads"], 4)
@@ -106,6 +105,7 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool) -> tuple[JobConfig,
         ("data.seq_len", seq, "sequence"),
         ("train.global_batch_size", GLOBAL_BATCH, "batch"),
         ("train.grad_accum", None, "derived per layout"),
+        ("train.micro_batch_size", GLOBAL_BATCH // GRAD_ACCUM, "derived per layout"),
         ("train.eval_every", 0, "verify compares training steps"),
         ("train.compile", False, "compile time would dominate a few CPU steps"),
         ("optim.warmup_steps", min(raw["optim"]["warmup_steps"], 1),
@@ -125,6 +125,9 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool) -> tuple[JobConfig,
                  ("model.v_head_dim", min(m["v_head_dim"], 16), "MLA width")]
     if cpu:
         plan.append(("train.device", "cpu", "no accelerator here"))
+    if cfg.checkpoint.init_from is not None:
+        plan.append(("checkpoint.init_from", PLACEHOLDER, "the export cut to the shrunk shapes (leading rows and "
+                     "channels, every expert, the first blocks of each kind), loaded at every layout"))
     plan += [(name, 0.0, f"random per rank by design: {why}") for name, why in RANDOM_PER_RANK.items()]
     changes = []
     for name, new, why in plan:

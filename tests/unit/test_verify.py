@@ -164,3 +164,49 @@ def test_the_command_prints_the_table_writes_json_and_exits_1_naming_the_first_f
     doc = json.loads((tmp_path / "v.json").read_text())
     assert not doc["passed"] and doc["layouts"] == ["dp=2,ep=2"]
     assert [r["status"] for r in doc["results"]] == ["PASS", "FAIL", "FAIL"]
+
+
+def test_an_init_from_export_is_cut_to_the_shrunk_model_block_by_kind(tmp_path):
+    from moetrain.interop.export import write_export
+    from moetrain.models.transformer import Transformer
+    from moetrain.train.init_from import load_initial_weights
+    from moetrain.utils.safetensors_io import SafetensorsFolder
+    from moetrain.verify.init_export import PLACEHOLDER, cut_export, shrunk_vocab_size, source_blocks
+
+    # Blocks 0, 1 dense, 2, 3 MoE at dim 128; the shrunk job: block 0 dense, blocks 1, 2 MoE at dim 64.
+    full = load_config("tiny", ["--model.moe_layer_offset=2", "--data.tokenizer=bytes"])
+    torch.manual_seed(0)
+    write_export(tmp_path / "full", config={}, state_dict=Transformer(full.model.with_vocab_size(300),
+                                                                      moe=full.moe).state_dict())
+    small, changes = shrink_job(replace(full, checkpoint=replace(full.checkpoint, init_from=str(tmp_path / "full"))),
+                                pps=[1], cpu=True)
+    assert small.checkpoint.init_from == PLACEHOLDER and "checkpoint.init_from" in {c.field for c in changes}
+    assert source_blocks(small.model, full.model) == {0: 0, 1: 2, 2: 3}
+    cut = cut_export(tmp_path / "full", job=small, original=full.model, out_dir=tmp_path / "cut")
+    src, got = SafetensorsFolder(tmp_path / "full"), SafetensorsFolder(cut)
+    assert torch.equal(got.get("tok_embeddings.weight"), src.get("tok_embeddings.weight")[:256, :64])
+    w1 = next(n for n in got.names() if n.startswith("layers.1.") and "experts" in n)
+    want = src.get(w1.replace("layers.1.", "layers.2.", 1))
+    assert torch.equal(got.get(w1), want[tuple(slice(0, n) for n in got.get(w1).shape)])
+    model = Transformer(small.model.with_vocab_size(shrunk_vocab_size(small)), moe=small.moe)
+    load_initial_weights(model, cut)  # the trainer's loader takes it: every name and shape matches
+    assert all(torch.equal(v, got.get(k)) for k, v in model.state_dict().items())
+    # An export narrower than the shrunk model cannot be cut: refused naming the tensor.
+    narrow = load_config("tiny", ["--model.dim=32", "--model.num_heads=2", "--model.moe_layer_offset=2",
+                                  "--data.tokenizer=bytes"])
+    write_export(tmp_path / "narrow", config={}, state_dict=Transformer(narrow.model.with_vocab_size(300),
+                                                                        moe=narrow.moe).state_dict())
+    with pytest.raises(ValueError, match=r"tok_embeddings.weight: shape \(300, 32\) cannot be cut to \(256, 64\)"):
+        cut_export(tmp_path / "narrow", job=small, original=narrow.model, out_dir=tmp_path / "cut2")
+
+
+def test_a_deepspeed_job_is_shrunk_and_keeps_its_offload_where_the_stage_allows():
+    from moetrain.verify.driver import offload_overrides, plan_verification
+
+    ds = load_config("tiny", [], deepspeed="tests/fixtures/ds_zero3_moe.json", world_size=1)
+    plan = plan_verification(ds, layouts=parse_layouts("ep=2,zero=3; ep=2"), steps=1, shrink=True, cpu=True)
+    # The DeepSpeed micro-batch (64 / 4 = 16 per process) is derived per layout like the accumulation.
+    assert plan.cfg.train.micro_batch_size == 4 and plan.cfg.train.dtype == "fp16"
+    off = ["--zero.offload_param=none", "--zero.offload_optimizer=none"]
+    assert offload_overrides(plan.cfg, Layout()) == off  # world 1 runs at stage 0
+    assert offload_overrides(plan.cfg, plan.layouts[0]) == [] and offload_overrides(plan.cfg, plan.layouts[1]) == off

@@ -308,6 +308,10 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
         return TensorParallelDataParallel(model, dims)
     if dims.dp == 1:
         return model
+    if grad_compression == "none" and not any(p.requires_grad and not is_expert_shard(p) for p in model.parameters()):
+        # Only expert shards train (LoRA on the routed experts alone): DDP refuses a module with no
+        # trainable parameter of its own, and finalize_grads reduces the shards after the backward.
+        return model
     return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb, grad_compression=grad_compression)
 
 
