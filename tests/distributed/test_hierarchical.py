@@ -7,9 +7,8 @@ either way), the same copies are dropped, outputs and every gradient agree (summ
 or bf16 roundings of the partial sums with a compressed dispatch_dtype), and the token rows that
 cross nodes are those counted from the routing by hand. Training: the hierarchical exchange
 against the single-process reference, ep_parity's way (every step's outputs, losses, drops, every
-gradient, the parameters after the last step). Then the real thing: two torchrun agents on
-localhost (--nnodes 2, 2 processes each), the layout from the launcher, the dispatcher from the
-config, the same checks.
+gradient, the parameters after the last step). The real thing, two torchrun agents on localhost
+(--nnodes 2, 2 processes each) with the layout from the launcher, is in test_torchrun_launch.py.
 
 Tolerances with a compressed dispatch_dtype: the combine and the backward travel in bf16 (relative
 error <= 2^-9 per rounding); the hierarchical path rounds a row's partial sums twice (at its
@@ -21,14 +20,10 @@ Against the fp32 reference: test_dispatch_dtype's bounds plus those two extra ro
 The byte checks of the flat exchange need it to know the node of each peer (``ep_nodes``).
 """
 
-from pathlib import Path
-
 import pytest
-import torch
 
 from tests.distributed.workers.dispatch_dtype_worker import parity_errors
 from tests.distributed.workers.ep_parity import Case, assert_parity, run_reference
-from tests.distributed.workers.hierarchical_torchrun import SETTINGS as SETTINGS_TORCHRUN
 from tests.distributed.workers.hierarchical_worker import (
     ROUNDING,
     assert_inter_node_bytes,
@@ -36,7 +31,6 @@ from tests.distributed.workers.hierarchical_worker import (
     layer_worker,
     training_worker,
 )
-from tests.distributed.workers.torchrun_agents import run_agents
 from tests.helpers.dist_launcher import run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -48,14 +42,31 @@ SETTINGS = {f"{wire}_k{k}_{mode}": {"dispatch_dtype": wire, "top_k": k, **MODES[
             for wire in ("none", "bf16", "fp8_e4m3") for k in (2, 4) for mode in MODES
             if k == 2 or mode == "dropless"}
 
+# Training against the single-process reference.
+EXACT = [Case("dropless"), Case("capacity_position", moe={"capacity_factor": 1.0}),
+         Case("capacity_score", moe={"capacity_factor": 0.75, "drop_policy": "score"}),
+         Case("top4_accumulate_ac", moe={"top_k": 4}, micro_batches=2, activation_checkpointing=True)]
+COMPRESSED = {"fp8_dropless": (Case("fp8_dropless", moe={"dispatch_dtype": "fp8_e4m3"}, dim=64),
+                               2.0**-4 + 4 * ROUNDING),
+              "bf16_capacity": (Case("bf16_capacity", moe={"dispatch_dtype": "bf16", "capacity_factor": 1.0}, dim=64),
+                                5 * ROUNDING)}
+TRAIN_CASES = EXACT + [case for case, _ in COMPRESSED.values()]
 
-def _layer(rank, world_size):
-    return layer_worker(rank, world_size, SETTINGS, dim=DIM, tokens=TOKENS, ranks_per_node=RANKS_PER_NODE)
+
+def _worker(rank, world_size):
+    # One start of the 4 ranks for both the one-layer comparison and the training runs.
+    return {"layer": layer_worker(rank, world_size, SETTINGS, dim=DIM, tokens=TOKENS, ranks_per_node=RANKS_PER_NODE),
+            "train": training_worker(rank, world_size, TRAIN_CASES, ranks_per_node=RANKS_PER_NODE)}
 
 
 @pytest.fixture(scope="module")
-def layer_results():
-    return run_ranks(_layer, WORLD, timeout_s=240)
+def world4():
+    return run_ranks(_worker, WORLD, timeout_s=400)
+
+
+@pytest.fixture(scope="module")
+def layer_results(world4):
+    return [r["layer"] for r in world4]
 
 
 def test_layout_of_two_nodes(layer_results):
@@ -78,23 +89,10 @@ def test_inter_node_bytes_counted_by_hand_and_fewer(layer_results, name):
 
 # ----- training against the single-process reference ----------------------------------------------------
 
-EXACT = [Case("dropless"), Case("capacity_position", moe={"capacity_factor": 1.0}),
-         Case("capacity_score", moe={"capacity_factor": 0.75, "drop_policy": "score"}),
-         Case("top4_accumulate_ac", moe={"top_k": 4}, micro_batches=2, activation_checkpointing=True)]
-COMPRESSED = {"fp8_dropless": (Case("fp8_dropless", moe={"dispatch_dtype": "fp8_e4m3"}, dim=64),
-                               2.0**-4 + 4 * ROUNDING),
-              "bf16_capacity": (Case("bf16_capacity", moe={"dispatch_dtype": "bf16", "capacity_factor": 1.0}, dim=64),
-                                5 * ROUNDING)}
-
-
-def _train(rank, world_size, cases):
-    return training_worker(rank, world_size, cases, ranks_per_node=RANKS_PER_NODE)
-
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-def test_training_matches_single_process():
-    cases = EXACT + [case for case, _ in COMPRESSED.values()]
-    results = run_ranks(_train, WORLD, cases, timeout_s=280)
+def test_training_matches_single_process(world4):
+    results = [r["train"] for r in world4]
     for case in EXACT:
         assert_parity(case, [r[case.name] for r in results], run_reference(case, WORLD), ep=WORLD)
     for name, (case, tol) in COMPRESSED.items():
@@ -106,23 +104,3 @@ def test_training_matches_single_process():
         assert every["loss"] <= tol and every["output"] <= 2 * tol, (name, every)
         assert first["grad"] > 1e-4, (name, first)  # the compressed path ran
 
-
-# ----- the real thing: two torchrun agents, 2 processes each ---------------------------------------------
-
-
-@pytest.mark.timeout(240)
-def test_two_torchrun_agents_on_localhost(tmp_path):
-    script = Path(__file__).parent / "workers" / "hierarchical_torchrun.py"
-    run_agents(script, str(tmp_path), rdzv_id="moetrain-hierarchical")
-
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
-    for rank, res in enumerate(results):
-        # The launcher's layout: torchrun numbers a node's ranks consecutively.
-        assert res["config_path"] == {"ranks_per_node": 2, "hierarchical_ep": True,
-                                      "dispatcher": "HierarchicalDispatcher"}, res["config_path"]
-        layout = res["layout"]
-        assert layout["nodes"] == 2 and layout["ep_rank_nodes"] == [0, 0, 1, 1]
-        assert layout["node"] == rank // 2 == int(layout["group_rank"])
-    for name, setting in SETTINGS_TORCHRUN.items():
-        assert_layer_parity(results, name, setting)
-        assert_inter_node_bytes(results, name, setting, dim=DIM, ranks_per_node=2)

@@ -1,5 +1,5 @@
 """Workers and hand counts of the hierarchical all-to-all tests (test_hierarchical.py, and the two
-torchrun agents of hierarchical_torchrun.py).
+torchrun agents of torchrun_nodes.py).
 
 ``layer_worker`` runs one MoE layer at ep = world, once through the flat exchange and once through
 the hierarchical one, on the same input and weights, and returns what the experts received, the
