@@ -69,6 +69,13 @@ RULES = {
                  "parallel.etp (2) must be 1 with LoRA on the routed experts"),
     "lora-expert-lr": (2, ["--finetune.lora_rank=4", "--finetune.lora_targets=[experts]",
                            "--moe.expert_lr_scale_max=2.0"], "moe.expert_lr_scale_max (2.0) must be 1.0 with LoRA"),
+    # check_rebalancing (tiny: 8 experts at ep=2, so 4 home experts per rank)
+    "rebalance-slots": (2, ["--moe.rebalance_every=5"],
+                        "moe.rebalance_every (5) needs parallel.expert_slots_per_rank > moe.num_experts / parallel.ep"),
+    "slots-rebalance": (2, ["--parallel.expert_slots_per_rank=5"],
+                        "parallel.expert_slots_per_rank (5) needs moe.rebalance_every > 0"),
+    "rebalance-zero": (2, ["--parallel.expert_slots_per_rank=5", "--moe.rebalance_every=5", "--parallel.zero_stage=2"],
+                       "parallel.zero_stage (2) must be 0 or 1 with expert rebalancing"),
     "checkpointing-dense": (2, ["--model.moe_every=0", "--parallel.ep=1", "--train.activation_checkpointing=moe"],
                             "train.activation_checkpointing ('moe') cannot be \"moe\" for a dense model"),
     # check_pipeline_model, check_pipeline_reduction, check_microbatches (JobConfig.grad_accum_steps)
