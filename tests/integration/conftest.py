@@ -25,6 +25,18 @@ def job_overrides(run_dir: Path, *, steps: int = 20, ep: int = 1, extra: tuple[s
     ]
 
 
+def train_job(rank: int, world_size: int, overrides: list[str]) -> None:
+    """One rank of a training job on the command line's overrides (a target for ``run_ranks``)."""
+    from moetrain.config.loader import load_config
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+
+
 def read_losses(run_dir: Path) -> list[float]:
     with open(Path(run_dir) / "metrics.jsonl") as f:
         records = [json.loads(line) for line in f if line.strip()]

@@ -10,22 +10,13 @@ import pytest
 import torch
 
 from moetrain.cli import main
-from moetrain.config.loader import load_config
 from moetrain.interop.export import build_model, load_source, model_configs
 from tests.helpers.dist_launcher import run_ranks
-from tests.integration.conftest import job_overrides
+from tests.integration.conftest import job_overrides, train_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _train(rank: int, world_size: int, overrides: list[str]) -> None:
-    from moetrain.train.trainer import Trainer
-
-    trainer = Trainer(load_config(None, overrides))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
 
 
 def _grown_model(export: str):
@@ -53,7 +44,7 @@ def _load_at_ep2(rank: int, world_size: int, export: str, ids: torch.Tensor) -> 
 
 def test_grow_an_ep2_run_resume_at_world1_and_ep2(tmp_path, shakespeare_cached):
     run = tmp_path / "ep2"
-    run_ranks(_train, 2, job_overrides(run, steps=3, ep=2), timeout_s=150)
+    run_ranks(train_job, 2, job_overrides(run, steps=3, ep=2), timeout_s=150)
 
     export = str(tmp_path / "grown")
     assert main(["experts", "grow", str(run), "--num-experts", "8", "--top-k", "4", "--to", export]) == 0

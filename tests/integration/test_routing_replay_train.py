@@ -22,7 +22,7 @@ from moetrain.utils.safetensors_io import read_header
 from moetrain.verify.runs import read_checkpoint
 from tests.distributed.workers.zero_parity import rel_err
 from tests.helpers.dist_launcher import run_ranks
-from tests.integration.conftest import job_overrides
+from tests.integration.conftest import job_overrides, train_job
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 3
@@ -34,20 +34,11 @@ def _ov(run_dir: Path, *, ep: int = 1, extra: tuple[str, ...] = ()) -> list[str]
                                                              "--moe.aux_loss_coef=0.01", *extra))
 
 
-def _train(rank: int, world_size: int, overrides: list[str]) -> None:
-    from moetrain.config.loader import load_config
-    from moetrain.train.trainer import Trainer
-
-    trainer = Trainer(load_config(None, overrides))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
 
 
 def _train_all(runs: list[list[str]], world_size: int = 1) -> None:
     for overrides in runs:  # one process group per run
-        run_ranks(_train, world_size, overrides, timeout_s=120)
+        run_ranks(train_job, world_size, overrides, timeout_s=120)
 
 
 def _records(run_dir: Path) -> list[dict]:

@@ -8,26 +8,14 @@ import json
 
 import pytest
 
-from moetrain.config.loader import load_config
 from moetrain.train.trackers import scalars
 from tests.helpers import wandb_records
 from tests.helpers.dist_launcher import run_ranks
-from tests.integration.conftest import job_overrides
+from tests.integration.conftest import job_overrides, train_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def _train(rank: int, world_size: int, overrides: list[str]) -> None:
-    import os
-
-    from moetrain.train.trainer import Trainer
-
-    os.environ["WANDB_SILENT"] = "true"
-    trainer = Trainer(load_config(None, overrides))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
 
 
 def test_trackers_receive_the_metrics_of_an_expert_parallel_run(tmp_path, shakespeare_cached, monkeypatch):
@@ -38,7 +26,7 @@ def test_trackers_receive_the_metrics_of_an_expert_parallel_run(tmp_path, shakes
     run_dir, uri = tmp_path / "run", f"sqlite:///{tmp_path / 'mlflow.db'}"
     trackers = ("--log.wandb={project: moetrain-test, mode: offline}",
                 f"--log.mlflow={{tracking_uri: '{uri}', experiment: moetrain-test}}", "--log.every=2")
-    run_ranks(_train, 2, job_overrides(run_dir, steps=4, ep=2, extra=trackers), timeout_s=240)
+    run_ranks(train_job, 2, job_overrides(run_dir, steps=4, ep=2, extra=trackers), timeout_s=240)
     with open(run_dir / "metrics.jsonl") as f:
         records = {r.pop("step"): r for r in map(json.loads, f)}
     assert sorted(records) == [2, 4] and "expert_share" in records[4]
