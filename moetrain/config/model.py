@@ -164,6 +164,18 @@ class ModelConfig:
     """Weight of the multi-token loss: the mean over the depths of each one's cross-entropy, times
     this, is added to the next-token loss (DeepSeek-V3: 0.3, then 0.1). Acts with mtp_depth > 0."""
 
+    ngram_buckets: int = 0
+    """Hashed n-gram input features (fastText's bigram/trigram buckets; ``moetrain.models.ngram``,
+    docs/classification.md): at each position the n-grams of token ids ending there, n = 2 ..
+    ngram_max_order, are hashed into this many rows of one [ngram_buckets, dim] table (initialised
+    to zero), whose rows are added to the token embedding. 0 = off. Only with head "classifier"
+    (decoding and multi-token prediction would need the previous tokens); not with parallel.tp
+    nor parallel.pp > 1, nor in a Hugging Face conversion (refused by name)."""
+
+    ngram_max_order: int = 3
+    """Longest n-gram hashed by ngram_buckets (>= 2: bigrams, 3 adds trigrams, ...). Acts with
+    ngram_buckets > 0."""
+
     def __post_init__(self) -> None:
         # The name is checked where it is applied (config_from_dict): the presets are built from
         # this class, so it cannot consult them.
@@ -206,6 +218,18 @@ class ModelConfig:
                         note=' (required when model.head is "classifier")')
         self._check_layers_and_heads()
         self._check_mtp()
+        self._check_ngram()
+
+    def _check_ngram(self) -> None:
+        require_int("model.ngram_buckets", self.ngram_buckets, min_value=0, note=" (0 = no n-gram features)")
+        require(self.ngram_buckets != 1 and self.ngram_buckets < NGRAM_MODULUS, "model.ngram_buckets",
+                self.ngram_buckets, f"must be 0 (off) or in [2, {NGRAM_MODULUS}): the hash's range")
+        require(self.ngram_buckets == 0 or self.head == "classifier", "model.ngram_buckets", self.ngram_buckets,
+                f'must be 0 with model.head {self.head!r}: the n-gram features are built for the classifier '
+                "(decoding and multi-token prediction would need the previous tokens)")
+        require_int("model.ngram_max_order", self.ngram_max_order, min_value=2, note=" (2 = bigrams)")
+        require(self.ngram_buckets > 0 or self.ngram_max_order == _NGRAM_ORDER, "model.ngram_max_order",
+                self.ngram_max_order, f"acts only with model.ngram_buckets > 0: leave it at {_NGRAM_ORDER}")
 
     def _check_mtp(self) -> None:
         require_int("model.mtp_depth", self.mtp_depth, min_value=0, note=" (0 = no multi-token prediction)")
@@ -361,6 +385,9 @@ def tensor_parallel_errors(model: ModelConfig, tp: int, *, moe: MoEConfig | None
     if model.head != "lm":
         errors.append(f"model.head ({model.head!r}) must be 'lm' with parallel.tp > 1: the classifier pools "
                       "along the sequence, which tensor parallelism shards")
+    if model.ngram_buckets > 0:
+        errors.append(f"model.ngram_buckets ({model.ngram_buckets}) must be 0 with parallel.tp > 1: an n-gram reads "
+                      "the tokens before it, which sequence parallelism puts on another rank")
     if model.attention == "mla":
         errors.append("model.attention ('mla') is not split by parallel.tp: its latent projections read the whole "
                       "input outside the column-wise layers")
@@ -383,6 +410,9 @@ def tensor_parallel_errors(model: ModelConfig, tp: int, *, moe: MoEConfig | None
 
 _DEFAULTS = {f.name: f.default for f in fields(ModelConfig) if f.default is not MISSING}
 _MTP_WEIGHT = _DEFAULTS["mtp_loss_weight"]
+_NGRAM_ORDER = _DEFAULTS["ngram_max_order"]
+NGRAM_MODULUS = 2**31 - 1
+"""The n-gram hash's modulus (``moetrain.models.ngram``): its values, hence the buckets, stay below it."""
 _MHA_FIELDS = ("head_dim", "num_kv_heads", "qkv_bias", "qk_norm", "clip_qkv")
 """Fields of multi-head attention that latent attention has no use for."""
 _MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")

@@ -23,6 +23,9 @@ def check_pipeline_model(model: ModelConfig, *, pp: int, virtual_stages: int = 1
     first stage's, ``moetrain.distributed.pipeline.stages``.)"""
     if pp == 1:
         return
+    # Before the head's rule (n-gram features imply a classifier), so that the refusal names them.
+    require(model.ngram_buckets == 0, "model.ngram_buckets", model.ngram_buckets,
+            f"must be 0 with parallel.pp ({pp}) > 1: the stages carry no n-gram table")
     require(model.head == "lm", "model.head", model.head, f"must be 'lm' with parallel.pp ({pp}) > 1")
     num_stages = pp * virtual_stages
     require(num_stages <= model.num_layers, "parallel.pp * parallel.pp_virtual_stages", num_stages,

@@ -15,6 +15,7 @@ from moetrain.models.feedforward import FeedForward
 from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.experts import GroupedExperts
 from moetrain.models.moe.router import TopKRouter
+from moetrain.models.ngram import NgramEmbedding
 from moetrain.utils.seeds import seeded_generator
 
 
@@ -45,7 +46,7 @@ def init_parameters(root: nn.Module, cfg: ModelConfig, seed: int) -> None:
     parallel layout later holds it. Weights are normal(init_std), the residual output
     projections (attention out, FFN/expert down) normal(init_std / sqrt(2 * num_layers)) as
     GPT-2/Megatron, routers normal(moe.router_init_std), norm scales (q/k and latent norms too)
-    1, q/k/v biases and the attention-pooling query 0.
+    1, q/k/v biases, the attention-pooling query and the hashed n-gram table 0.
     """
     std, out_std = cfg.init_std, cfg.init_std / math.sqrt(2 * cfg.num_layers)
     std_of: dict[int, float | str] = {}  # id(param) -> std, or "ones" / "zeros"
@@ -65,6 +66,11 @@ def init_parameters(root: nn.Module, cfg: ModelConfig, seed: int) -> None:
             std_of[id(module.w2.weight)] = out_std
         elif isinstance(module, GroupedExperts):
             std_of[id(module.w2)] = out_std
+        elif isinstance(module, NgramEmbedding):
+            # Zero: the model starts as the one without n-gram features (every other parameter is
+            # drawn by its name, so the same draws), and the table grows only where its gradient
+            # points; a normal draw would add the noise of max_order - 1 random rows to every token.
+            std_of[id(module.weight)] = "zeros"
     pool_query = getattr(root, "pool_query", None)
     if pool_query is not None:
         std_of[id(pool_query)] = "zeros"  # uniform weights: training starts from mean pooling

@@ -41,6 +41,7 @@ from moetrain.models.kv_cache import DecodeCache
 from moetrain.models.mla import MultiHeadLatentAttention
 from moetrain.models.moe.layer import MoEAux, MoELayer
 from moetrain.models.mtp import MTPModule, mtp_losses
+from moetrain.models.ngram import ngram_embedding
 
 # Attention, MultiHeadLatentAttention, RMSNorm, apply_rope and rope_table live in their own
 # modules; importing them from here keeps working.
@@ -93,7 +94,7 @@ class ParamCounts:
     non_expert: int
     """Everything else: embeddings, attention, dense FFNs, shared experts, routers, norms, head."""
     embedding: int
-    """The token-embedding table (V * D)."""
+    """The embedding tables: the tokens' (V * D) and the hashed n-grams' (``ngram_buckets`` * D)."""
 
 
 def build_attention(config: ModelConfig) -> Attention | MultiHeadLatentAttention:
@@ -163,6 +164,7 @@ class Transformer(nn.Module):
         moe = MoEConfig() if moe is None else moe
         self.config, self.moe_config = config, moe
         self.tok_embeddings = nn.Embedding(vocab_size, config.dim)
+        self.ngram_embeddings = ngram_embedding(config)  # None at model.ngram_buckets = 0
         self.embedding_dropout = nn.Dropout(config.dropout) if config.dropout > 0 else nn.Identity()
         self.layers = nn.ModuleList(TransformerBlock(config, moe, layer_id=i)
                                     for i in range(config.num_layers))
@@ -225,7 +227,10 @@ class Transformer(nn.Module):
                     "must be None with a cache (decode sequences of one length)")
             start, mask_B1SK = cache.begin(input_ids_BS)
             cos_SP, sin_SP = rope_rows(self.config, self.rope_cos_SA, self.rope_sin_SA, start, start + S)
-        h_BSD = self.embedding_dropout(self.tok_embeddings(input_ids_BS))
+        h_BSD = self.tok_embeddings(input_ids_BS)
+        if self.ngram_embeddings is not None:  # a classifier's only: no decoding cache needs the earlier ids
+            h_BSD = h_BSD + self.ngram_embeddings(input_ids_BS)
+        h_BSD = self.embedding_dropout(h_BSD)
         # The classifier's padded positions are not routed: they would take expert FLOPs and a
         # share of the balance losses and load statistics, and pooling drops them anyway.
         token_mask_BS = padding_mask_BS if self.config.head == "classifier" else None
@@ -355,8 +360,9 @@ class Transformer(nn.Module):
                 n = sum(p.numel() for p in module.experts.parameters())
                 expert += n
                 active_expert += n * self.moe_config.top_k // self.moe_config.num_experts
+        embedding = self.tok_embeddings.weight.numel() + self.config.ngram_buckets * self.config.dim
         return ParamCounts(total=total, active=total - expert + active_expert, expert=expert,
-                           non_expert=total - expert, embedding=self.tok_embeddings.weight.numel())
+                           non_expert=total - expert, embedding=embedding)
 
     def flops_per_token(self, seq_len: int | None = None) -> int:
         """Training FLOPs per token (forward + backward); see ``flops_per_token``."""
@@ -391,7 +397,7 @@ def count_params(config: ModelConfig, moe: MoEConfig, *, vocab_size: int | None 
     M = config.mtp_depth
     mtp_moe = M if num_moe > 0 else 0
 
-    embedding = V * D
+    embedding = (V + config.ngram_buckets) * D
     if config.head == "classifier":
         assert config.num_classes is not None, "ModelConfig requires num_classes for a classifier"
         head = D * config.num_classes + (D if config.pooling == "attention" else 0)  # + the pooling query

@@ -36,6 +36,10 @@ HEAD_NAMES = ("output.weight", "pool_query")
 """The task head's tensors: the output layer (an LM's vocabulary logits or a classifier's classes) and the
 attention-pooling query. ``new_head`` leaves them out of the load on both sides."""
 
+NGRAM_NAME = "ngram_embeddings.weight"
+"""The hashed n-gram table (``model.ngram_buckets``): loaded when the export has it; with ``new_head`` an
+export without it (a language model's: they have none) leaves the classifier's zero table to train."""
+
 
 def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer by state-dict name; a tied weight under each name."""
@@ -46,7 +50,8 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_initial_weights(model: nn.Module, path: str | os.PathLike, *, new_head: bool = False) -> int:
     """Copy the export at ``path`` into ``model`` (plain or parallelized: pass the unwrapped
     module whose state-dict names are moetrain's). Returns the number of tensors copied.
-    ``new_head``: the head (``HEAD_NAMES``) keeps the model's own values and the export's is not read."""
+    ``new_head``: the head (``HEAD_NAMES``) keeps the model's own values and the export's is not read; an
+    n-gram table the export lacks (``NGRAM_NAME``) keeps its own too."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     path = Path(path)
@@ -63,7 +68,8 @@ def load_initial_weights(model: nn.Module, path: str | os.PathLike, *, new_head:
         targets = {n: t for n, t in targets.items() if n not in HEAD_NAMES}
         saved -= set(HEAD_NAMES)
     # LoRA adapters added for fine-tuning are new: they keep their own init when the export lacks them.
-    problems = (_listed({n for n in set(targets) - saved if not is_lora_name(n)}, "missing")
+    fresh = {NGRAM_NAME} if new_head else set()
+    problems = (_listed({n for n in set(targets) - saved if not is_lora_name(n) and n not in fresh}, "missing")
                 + _listed(saved - set(targets), "not in this model")
                 + _listed([f"{n} (export {src.info(n).shape}, model {tuple(t.shape)})" for n, t in targets.items()
                            if n in saved and src.info(n).shape != tuple(t.shape)], "of another shape"))

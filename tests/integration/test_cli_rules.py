@@ -81,6 +81,8 @@ RULES = {
     # check_pipeline_model, check_pipeline_reduction, check_microbatches (JobConfig.grad_accum_steps)
     "pp-classifier": (2, ["--parallel.pp=2", "--parallel.ep=1", UNTIE, *CLASSIFIER],
                       "model.head ('classifier') must be 'lm' with parallel.pp (2) > 1"),
+    "pp-ngram": (2, ["--parallel.pp=2", "--parallel.ep=1", UNTIE, *CLASSIFIER, "--model.ngram_buckets=64"],
+                 "model.ngram_buckets (64) must be 0 with parallel.pp (2) > 1"),
     "pp-stages": (2, ["--parallel.pp=2", "--parallel.ep=1", UNTIE, "--parallel.pp_schedule=interleaved_1f1b",
                       "--parallel.pp_virtual_stages=4"],
                   "parallel.pp * parallel.pp_virtual_stages (8) must be <= model.num_layers (4)"),
@@ -118,6 +120,8 @@ RULES = {
                    "model.qk_norm ('full') normalises across all heads"),
     "tp-classifier": (2, ["--parallel.ep=1", "--parallel.tp=2", *CLASSIFIER],
                       "model.head ('classifier') must be 'lm' with parallel.tp > 1"),
+    "tp-ngram": (2, ["--parallel.ep=1", "--parallel.tp=2", *CLASSIFIER, "--model.ngram_buckets=64"],
+                 "model.ngram_buckets (64) must be 0 with parallel.tp > 1"),
     "lora-target": (2, ["--finetune.lora_rank=4", "--finetune.lora_targets=[shared_experts]"],
                     "finetune.lora_targets (('shared_experts',)) names 'shared_experts'"),
 }

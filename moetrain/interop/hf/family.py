@@ -233,12 +233,16 @@ def backbone_config(model: ModelConfig, *, family: Family) -> dict:
 
 
 def backbone_problems(model: ModelConfig, moe: MoEConfig, *, family: str, mtp: bool = False) -> list[str]:
-    """What no family here can express: a classifier head, GELU MLPs, expert-choice routing,
-    multi-token-prediction modules (unless ``mtp``), and the attention features checked by each
-    family itself."""
+    """What no family here can express: a classifier head, hashed n-gram features, GELU MLPs,
+    expert-choice routing, multi-token-prediction modules (unless ``mtp``), and the attention
+    features checked by each family itself."""
     out = []
     if model.mtp_depth > 0 and not mtp:
         out.append(f"model.mtp_depth ({model.mtp_depth}) must be 0: {family} has no multi-token-prediction layers")
+    # Before the head: it is listed first where one reason per family is shown, and a classifier with the
+    # table would otherwise read as a plain classifier's refusal.
+    if model.ngram_buckets > 0:
+        out.append(f"model.ngram_buckets ({model.ngram_buckets}) must be 0: {family} has no hashed n-gram embedding")
     if model.head != "lm":
         out.append(f"model.head ({model.head!r}) must be \"lm\" ({family} is a causal LM)")
     if moe.activation != "swiglu":
