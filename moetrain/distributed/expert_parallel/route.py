@@ -276,8 +276,12 @@ class AllToAllRouting(EpExchanges):
             # The kept copies are the first num_send_E[e] of each block (the sort is in priority order).
             order_M = order_M.index_select(0, kept_positions(local.num_routed_E, kept.num_send_E,
                                                              sum(host["send_splits"])))
+        # idx_TK.reshape(-1) again rather than local.idx_N: under train.compile this line runs after the
+        # host read's graph break, and a view input there (idx_N of idx_TK) gets a size symbol that
+        # dynamo cannot guard on when inductor adds a guard on it in a cold compile (torch 2.13).
         route = Route(
-            num_tokens, top_k, local.idx_N, local.order_N, order_M, local.num_routed_E, kept.num_send_E, num_recv_PL,
+            num_tokens, top_k, idx_TK.reshape(-1), local.order_N, order_M, local.num_routed_E, kept.num_send_E,
+            num_recv_PL,
             host["send_splits"], host["recv_splits"], host["num_send_remote"][0],
             unique=None if unique is None else UniqueRows(unique.present_PT, host["send_rows"], host["recv_rows"]),
             chunks=None if per_chunk is None else _chunk_counts(local, per_chunk, host, P),
