@@ -365,7 +365,7 @@ def compare_export(out: Comparison, tag: str, checkpoint: Path, want: dict[str, 
     try:
         family = choose_family(model, moe)
     except ValueError as e:
-        out.note(f"{tag} HF export", f"no Hugging Face family expresses this job ({str(e)[:120]})")
+        out.note(f"{tag} HF export", f"no Hugging Face family expresses this job ({e})")
         return
     quantity = f"{tag} HF export ({family.model_type})"
     try:
