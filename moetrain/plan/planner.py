@@ -224,7 +224,7 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
     counts["non_expert"] = counts["total"] - counts["expert"]
     tp_rows = tp_choices(specs, model, per_node=per_node, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                          grad_accum=grad_accum, compute_bytes=compute_bytes, device_memory=device_memory,
-                         full_recompute=cfg.train.activation_checkpointing == "full")
+                         full_recompute=cfg.train.activation_checkpointing == "full", moe=cfg.moe)
     return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
                 grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note,
                 layout_note=_layout_note(cfg),

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from moetrain.config.job import check_sequence_split
 from moetrain.config.model import ModelConfig, tensor_parallel_errors
+from moetrain.config.moe import MoEConfig
 from moetrain.plan.model_states import ParamSpec
 
 STATE_BYTES_PER_ELEMENT = 16
@@ -66,16 +67,20 @@ class TpChoice:
         return self.all_gather_bytes + self.reduce_scatter_bytes
 
 
-def tp_invalid(model: ModelConfig, tp: int, *, per_node: int, seq_len: int) -> str | None:
-    """Why ``tp`` cannot split ``model`` (the job's and the model's rules, and the planner's own:
-    tp within a node), or None."""
+def tp_invalid(model: ModelConfig, tp: int, *, per_node: int, seq_len: int,
+               moe: MoEConfig | None = None) -> str | None:
+    """Why ``tp`` cannot split ``model`` with its MoE settings ``moe`` (the job's and the model's
+    rules, and the planner's own: tp within a node), or None."""
     if per_node % tp:
         return f"parallel.tp ({tp}) must divide the processes per node ({per_node}): tp collectives stay in a node"
-    errors = tensor_parallel_errors(model, tp)
+    errors = tensor_parallel_errors(model, tp, moe=moe)
     try:
         check_sequence_split(seq_len, tp=tp)
     except ValueError as e:
         errors.append(str(e))
+    if tp > 1 and model.mtp_depth >= seq_len // tp:
+        errors.append(f"model.mtp_depth ({model.mtp_depth}) must be < data.seq_len / parallel.tp ({seq_len // tp}): "
+                      "depth k pads its last k positions, which must leave every tp rank a scored one")
     return "; ".join(errors) or None
 
 
@@ -101,13 +106,14 @@ def tp_bytes_per_micro_batch(model: ModelConfig, *, tp: int, micro_batch_size: i
 
 def tp_choices(specs: list[ParamSpec], model: ModelConfig, *, per_node: int, micro_batch_size: int, seq_len: int,
                grad_accum: int, compute_bytes: int, device_memory: int | None = None,
-               full_recompute: bool = False) -> list[TpChoice]:
-    """One ``TpChoice`` per tp dividing the processes per node, tp = 1 first."""
+               full_recompute: bool = False, moe: MoEConfig | None = None) -> list[TpChoice]:
+    """One ``TpChoice`` per tp dividing the processes per node, tp = 1 first (``moe``: the job's MoE
+    settings, which some tp rules read)."""
     split = sum(s.numel for s in specs if is_tp_split(s))
     other = sum(s.numel for s in specs if not s.expert and not is_tp_split(s))
     out = []
     for tp in (t for t in range(1, per_node + 1) if per_node % t == 0):
-        reason = tp_invalid(model, tp, per_node=per_node, seq_len=seq_len)
+        reason = tp_invalid(model, tp, per_node=per_node, seq_len=seq_len, moe=moe)
         dense = -(-split // tp) * STATE_BYTES_PER_ELEMENT
         rest = other * STATE_BYTES_PER_ELEMENT
         recompute = (model.num_layers + model.num_layers - len(model.moe_layer_ids)) if full_recompute else 0

@@ -62,3 +62,19 @@ def test_a_model_without_dense_blocks_has_no_dense_ffn_to_split():
     assert tensor_parallel_errors(_model(num_heads=4, qk_norm="head"), 4) == [
         "parallel.tp (4) must divide the dense FFN hidden dim (30, model.dense_hidden_dim)"]
     assert tensor_parallel_errors(_model(), 1) == []
+
+
+@pytest.mark.parametrize("fields, moe, words", [
+    ({"mtp_depth": 1}, MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=8, capacity_factor=1.25),
+     "moe.capacity_factor (1.25) must be null with model.mtp_depth > 0 and parallel.tp > 1"),
+    ({"mtp_depth": 4}, MOE, "model.mtp_depth (4) must be < data.seq_len / parallel.tp (4)")])
+def test_the_planner_refuses_what_the_job_refuses_with_multi_token_prediction(fields, moe, words):
+    # The rules on the MoE settings and the sequence length: the planner's tp row must not offer a
+    # layout that the job then refuses.
+    model = _model(num_heads=4, qk_norm="head", dense_hidden_dim=32, **fields)
+    with pytest.raises(ValueError, match=r"^" + words.replace("(", r"\(").replace(")", r"\)")):
+        JobConfig(model=model, moe=moe, train=TrainConfig(global_batch_size=8, micro_batch_size=2),
+                  data=DataConfig(seq_len=8, vocab_size=512), parallel=ParallelConfig(tp=2, ep=1))
+    one, two = tp_choices(param_specs(model, moe), model, per_node=2, micro_batch_size=2, seq_len=8, grad_accum=1,
+                          compute_bytes=4, moe=moe)
+    assert one.valid and not two.valid and words in two.reason
