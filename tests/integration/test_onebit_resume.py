@@ -1,10 +1,13 @@
 """1-bit Adam resumes bit for bit through the real trainer, from a checkpoint saved inside its
 warmup and from one saved after the variance froze (momenta, frozen variance, step and both
-error-feedback residuals of every rank come back). Reference: the same run never stopped."""
+error-feedback residuals of every rank come back). Reference: the same run never stopped; it
+saves those two checkpoints itself (saving changes nothing in a run), and each resumes in a run
+directory of its own."""
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -17,10 +20,10 @@ from tests.integration.conftest import job_overrides
 STEPS, WARMUP = 10, 4
 
 
-def _ov(run_dir, *, steps: int, ep: int, save_final: bool = False) -> list[str]:
-    return job_overrides(run_dir, steps=steps, ep=ep, extra=(
+def _ov(run_dir, *, ep: int, every: int = 0) -> list[str]:
+    return job_overrides(run_dir, steps=STEPS, ep=ep, extra=(
         "--dp.grad_compression=onebit", f"--dp.onebit_warmup_steps={WARMUP}", "--train.deterministic=true",
-        f"--checkpoint.save_final={str(save_final).lower()}"))
+        "--checkpoint.save_final=false", f"--checkpoint.every={every}", "--checkpoint.keep_last=0"))
 
 
 def _records(run_dir) -> list[dict]:
@@ -46,12 +49,20 @@ def _state(trainer) -> dict[str, torch.Tensor]:
 
 def _fit(rank: int, world_size: int, overrides: list[str]) -> dict:
     """One trainer (they own the process group, so one per ``run_ranks``): this rank's state right
-    after construction (a resume loads there) and after training; rank 0's metrics records."""
+    after construction (a resume loads there), at each checkpoint it saves, and after training;
+    rank 0's metrics records."""
     from moetrain.train.trainer import Trainer
 
     torch.use_deterministic_algorithms(True)  # this child process only
     trainer = Trainer(load_config(None, overrides))
-    out = {"step": trainer.step, "loaded": _state(trainer)}
+    out = {"step": trainer.step, "loaded": _state(trainer), "saved": {}}
+    save = trainer.checkpointer.save
+
+    def record_and_save(snapshot):  # the state the checkpoint being written holds
+        out["saved"][trainer.step] = _state(trainer)
+        return save(snapshot)
+
+    trainer.checkpointer.save = record_and_save
     trainer.fit()
     out["final"] = _state(trainer)
     trainer.close()
@@ -67,18 +78,20 @@ def _differ(a: dict, b: dict) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("ep", [1, 2])
 def test_onebit_resume_is_exact(tmp_path, shakespeare_cached, ep):
-    ref = run_ranks(_fit, 2, _ov(tmp_path / "ref", steps=STEPS, ep=ep), timeout_s=240)
+    stops = (WARMUP - 1, WARMUP + 2)  # saved inside the warmup, and after the freeze
+    ref = run_ranks(_fit, 2, _ov(tmp_path / "ref", ep=ep, every=stops[1] - stops[0]), timeout_s=240)
+    assert [sorted(ref[r]["saved"]) for r in range(2)] == [[3, 6, 9]] * 2
     want = ref[0]["records"]
     assert [r["step"] for r in want] == list(range(1, STEPS + 1))
     # The run compresses after the warmup: full fp32 bytes before, the 1-bit exchange after.
     assert all(r["grad_bytes_ratio_vs_fp32"] == 1.0 for r in want[:WARMUP])
     assert all(r["grad_bytes_ratio_vs_fp32"] < 0.1 for r in want[WARMUP:])
-    for stop in (WARMUP - 1, WARMUP + 2):  # saved inside the warmup, and after the freeze
-        run_dir = tmp_path / f"stop{stop}"
-        first = run_ranks(_fit, 2, _ov(run_dir, steps=stop, ep=ep, save_final=True), timeout_s=240)
-        resumed = run_ranks(_fit, 2, _ov(run_dir, steps=STEPS, ep=ep), timeout_s=240)
+    for stop in stops:
+        run_dir, name = tmp_path / f"stop{stop}", f"step_{stop:09d}"
+        shutil.copytree(tmp_path / "ref" / "checkpoints" / name, run_dir / "checkpoints" / name)
+        resumed = run_ranks(_fit, 2, _ov(run_dir, ep=ep), timeout_s=240)
         for r in range(2):
-            saved, got = first[r]["final"], resumed[r]
+            saved, got = ref[r]["saved"][stop], resumed[r]
             assert got["step"] == stop
             # The resumed trainer starts from what was saved: weights, Adam state, residuals.
             assert _differ(got["loaded"], saved) == []
@@ -87,6 +100,6 @@ def test_onebit_resume_is_exact(tmp_path, shakespeare_cached, ep):
             # And ends where the run that never stopped ended, bit for bit.
             assert _differ(got["final"], ref[r]["final"]) == []
         got = resumed[0]["records"]
-        assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+        assert [r["step"] for r in got] == list(range(stop + 1, STEPS + 1))
         for key in ("loss", "grad_norm", "grad_bytes"):
-            assert [r[key] for r in got] == [r[key] for r in want], (stop, key)
+            assert [r[key] for r in got] == [r[key] for r in want[stop:]], (stop, key)
