@@ -385,8 +385,30 @@ def compare_export(out: Comparison, tag: str, checkpoint: Path, want: dict[str, 
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         out.missing(quantity, f"{missing[0]} not in the export{more}", step=step)
         return
-    keys = sorted(ref)
+    keys = [f"model.{k}" for k in sorted(ref)]
     tol = _state_tol("parameters", plan, precision, step)
-    bounds = parameter_bounds([f"model.{k}" for k in keys], want, plan, tol, step)
-    out.values(quantity, torch.cat([back[k].double().flatten() for k in keys]),
-               torch.cat([ref[k].double().flatten() for k in keys]), tol, step=step, abs_bounds=bounds)
+    out.values(quantity, torch.cat([back[k.removeprefix("model.")].double().flatten() for k in keys]),
+               torch.cat([want[k].double().flatten() for k in keys]), tol, step=step,
+               abs_bounds=model_bounds(keys, want, plan, precision, step))
+
+
+def model_bounds(keys: list[str], want: dict[str, torch.Tensor], plan: Plan, precision: Precision,
+                 step: int) -> torch.Tensor | None:
+    """Per-element bounds of the model tensors ``keys`` (``model.*``) compared in one quantity (the
+    HF export's round trip): each tensor at its own kind's bound (``state_group``), so a router's
+    selection bias, which moves by its update rate rather than by lr, is held to the router-bias
+    bound as in the checkpoint's rows. None when every element has the parameters' ``tol.abs``."""
+    tol = _state_tol("parameters", plan, precision, step)
+    bounds = parameter_bounds(keys, want, plan, tol, step)
+    bias = {k for k in keys if state_group(k) == "router bias"}
+    if not bias:
+        return bounds
+    if bounds is None:
+        bounds = torch.cat([torch.full((want[k].numel(),), tol.abs, dtype=torch.float64) for k in keys])
+    bias_abs, start = _state_tol("router bias", plan, precision, step).abs, 0
+    for key in keys:
+        n = want[key].numel()
+        if key in bias:
+            bounds[start:start + n] = bias_abs
+        start += n
+    return bounds

@@ -210,3 +210,24 @@ def test_a_deepspeed_job_is_shrunk_and_keeps_its_offload_where_the_stage_allows(
     off = ["--zero.offload_param=none", "--zero.offload_optimizer=none"]
     assert offload_overrides(plan.cfg, Layout()) == off  # world 1 runs at stage 0
     assert offload_overrides(plan.cfg, plan.layouts[0]) == [] and offload_overrides(plan.cfg, plan.layouts[1]) == off
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_the_export_round_trip_holds_a_router_bias_to_the_router_bias_bound(dtype):
+    # The HF export compares every model tensor in one row; a selection bias moves by its update rate
+    # per step (a flipped routing choice flips its sign in bf16), not by lr, and is exact in fp32.
+    from moetrain.verify.driver import _state_tol, model_bounds, plan_verification
+
+    cfg = load_config("deepseek-v3", [f"--train.dtype={dtype}"])
+    plan = plan_verification(cfg, layouts=parse_layouts("ep=2"), steps=3, shrink=True, cpu=True)
+    precision = Precision(dtype)
+    weight, bias = "model.layers.1.attention.wo.weight", "model.layers.1.feed_forward.router.expert_bias"
+    want = {weight: torch.zeros(6), bias: torch.zeros(4)}
+    bounds = model_bounds([bias, weight], want, plan, precision, 3)
+    rate, lr = plan.cfg.moe.router_bias_update_rate, plan.cfg.optim.lr
+    bias_abs = 2 * rate * 3 if dtype == "bf16" else 0.0
+    assert _state_tol("router bias", plan, precision, 3).abs == bias_abs
+    param_abs = _state_tol("parameters", plan, precision, 3).abs
+    assert param_abs == (2 * lr * 3 if dtype == "bf16" else 0.02 * lr * 3)
+    assert bounds is not None and bounds.tolist() == [bias_abs] * 4 + [param_abs] * 6
+    assert bias_abs != param_abs
