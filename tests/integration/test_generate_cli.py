@@ -1,6 +1,7 @@
 """``moetrain generate`` end to end: a few training steps of a small MoE (with a capacity factor,
 which generation replaces by dropless routing), then text from its checkpoint, with and without
-the key/value cache."""
+the key/value cache. The generations run ``moetrain generate`` in this process (one thread, as
+the command's own process), the refusal as a command of its own (its exit status and stderr)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.integration.conftest import job_overrides
+from moetrain.cli import main
+from tests.helpers.dist_launcher import run_ranks
+from tests.integration.conftest import job_overrides, train_job
 
 ROOT = Path(__file__).resolve().parents[2]
 FIGURES = re.compile(r"^\[(\d+) new tokens in [\d.]+ s: [\d.]+ tokens/s \(prefill of (\d+) tokens \+ first token "
@@ -28,34 +32,40 @@ def _cli(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, shakespeare_cached) -> Path:
     run_dir = tmp_path_factory.mktemp("generate") / "run"
-    r = _cli(["train", *job_overrides(run_dir, steps=4, extra=("--moe.capacity_factor=1.5",))])
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    run_ranks(train_job, 1, job_overrides(run_dir, steps=4, extra=("--moe.capacity_factor=1.5",)), timeout_s=240)
     return run_dir
 
 
-def _text_and_figures(r: subprocess.CompletedProcess) -> tuple[str, re.Match]:
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    match = FIGURES.search(r.stdout)
-    assert match is not None, r.stdout
-    return r.stdout[:match.start()].removesuffix("\n"), match
+def _generate(capsys, args: list[str]) -> tuple[str, re.Match, str]:
+    """``moetrain generate`` in this process: the text, the figures line, stderr."""
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["generate", *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    match = FIGURES.search(out)
+    assert match is not None, out + err
+    return out[:match.start()].removesuffix("\n"), match, err
 
 
 @pytest.mark.slow
-def test_generate_prints_text_and_tokens_per_s_and_the_cache_changes_nothing(run):
-    base = ["generate", str(run), "--prompt", "ROMEO:", "--max-new-tokens", "24", "--device", "cpu"]
-    cached = _cli([*base, "--temperature", "0"])
-    text, figures = _text_and_figures(cached)
+def test_generate_prints_text_and_tokens_per_s_and_the_cache_changes_nothing(run, capsys):
+    base = [str(run), "--prompt", "ROMEO:", "--max-new-tokens", "24", "--device", "cpu"]
+    text, figures, err = _generate(capsys, [*base, "--temperature", "0"])
     assert text.startswith("ROMEO:") and len(text.encode()) >= len("ROMEO:") + 1
     assert figures.group(1) == "24" and figures.group(2) == "6" and figures.group(3) == "kv cache"
-    assert "moe.capacity_factor 1.5 -> None: generation routes dropless" in cached.stderr
-    uncached_text, uncached = _text_and_figures(_cli([*base, "--temperature", "0", "--no-cache"]))
+    assert "moe.capacity_factor 1.5 -> None: generation routes dropless" in err
+    uncached_text, uncached, _ = _generate(capsys, [*base, "--temperature", "0", "--no-cache"])
     assert uncached.group(3) == "no cache" and uncached_text == text
 
     sampled = [*base, "--temperature", "1.2", "--top-k", "40", "--top-p", "0.9", "--seed", "3"]
-    a, _ = _text_and_figures(_cli(sampled))
+    a, _, _ = _generate(capsys, sampled)
     assert a.startswith("ROMEO:") and a != text
     checkpoint = next((run / "checkpoints").glob("step*"))
-    again, _ = _text_and_figures(_cli([*sampled, "--checkpoint", str(checkpoint), "--tokenizer", "bytes"]))
+    again, _, _ = _generate(capsys, [*sampled, "--checkpoint", str(checkpoint), "--tokenizer", "bytes"])
     assert again == a  # the same checkpoint, tokenizer and seed
 
 
