@@ -441,13 +441,25 @@ def _zero_run(rank: int, world_size: int, ep: int, zero_stage: int, ckpt_dir: st
     return {"state": state, "losses": losses} if rank == 0 else None
 
 
+def _zero_runs(rank: int, world_size: int, runs: list[tuple]) -> list[dict | None]:
+    """Several ``_zero_run`` in one process start; the barrier: a load after a save sees all of it."""
+    import torch.distributed as dist
+
+    out = []
+    for run in runs:
+        out.append(_zero_run(rank, world_size, *run))
+        dist.barrier()
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_reshard_zero3_checkpoint_to_zero0_single_process_and_zero2(tmp_path):
     ckpt = str(tmp_path / "ckpt")
-    saved = run_ranks(_zero_run, 4, 2, 3, ckpt, True, timeout_s=120)[0]  # (world 4, ep 2, zero 3)
+    # (world 4, ep 2, zero 3) saves; (world 4, ep 4, zero 2) loads in the same process start.
+    saved, at_ep4 = run_ranks(_zero_runs, 4, [(2, 3, ckpt, True), (4, 2, ckpt, False)], timeout_s=120)[0]
     for world, ep, zero in ((2, 2, 0), (1, 1, 0), (4, 4, 2)):
-        got = run_ranks(_zero_run, world, ep, zero, ckpt, False, timeout_s=120)[0]
+        got = at_ep4 if world == 4 else run_ranks(_zero_run, world, ep, zero, ckpt, False, timeout_s=120)[0]
         _assert_same_state(got["state"], saved["state"])
         assert got["losses"] == pytest.approx(saved["losses"], rel=1e-5), (world, ep, zero)
 
@@ -457,16 +469,17 @@ def test_reshard_zero3_checkpoint_to_zero0_single_process_and_zero2(tmp_path):
 def test_zero1_checkpoint_is_the_stage0_state_and_loads_at_any_layout(tmp_path):
     # ZeRO-1 slices the optimizer state element-wise over dp (dense) and edp (experts); AdamW is
     # element-wise, so at step 3 it holds exactly what stage 0 holds at the same layout.
-    stage0 = run_ranks(_zero_run, 4, 2, 0, str(tmp_path / "stage0"), True, timeout_s=120)[0]
     ckpt = str(tmp_path / "zero1")
-    run_ranks(_zero_run, 4, 2, 1, ckpt, True, timeout_s=120)  # (world 4, ep 2, zero 1): dp 2, edp 2
+    # World 4, ep 2 (dp 2, edp 2), one process start: stage 0 saves, ZeRO-1 saves, ZeRO-1 loads.
+    stage0, _, zero1_again = run_ranks(_zero_runs, 4, [(2, 0, str(tmp_path / "stage0"), True),
+                                                       (2, 1, ckpt, True), (2, 1, ckpt, False)], timeout_s=120)[0]
     # Read back in one process at stage 0: the whole state, compared with the stage-0 run's own.
     single = run_ranks(_zero_run, 1, 1, 0, ckpt, False, timeout_s=120)[0]
     _assert_same_state(single["state"], stage0["state"])
     assert single["losses"] == pytest.approx(stage0["losses"], rel=1e-5)
     # Into ZeRO-1 again, at the saving layout and at another one: training continues the same.
     for world, ep in ((4, 2), (2, 1)):
-        got = run_ranks(_zero_run, world, ep, 1, ckpt, False, timeout_s=120)[0]
+        got = zero1_again if world == 4 else run_ranks(_zero_run, world, ep, 1, ckpt, False, timeout_s=120)[0]
         assert got["losses"] == pytest.approx(stage0["losses"], rel=1e-5), (world, ep)
         params = {k: v for k, v in stage0["state"].items() if k.startswith(("param/", "lr/"))}
         _assert_same_state({k: v for k, v in got["state"].items() if k in params}, params)
@@ -476,11 +489,14 @@ def test_zero1_checkpoint_is_the_stage0_state_and_loads_at_any_layout(tmp_path):
 @pytest.mark.timeout(240)
 def test_zero1_resume_is_exact(tmp_path, shakespeare_cached):
     zero1 = ("--parallel.zero_stage=1", "--train.deterministic=true")
-    ref = run_ranks(_run, 2, _ov(tmp_path / "ref", steps=6, extra=zero1), timeout_s=120)[0]
-    run_ranks(_run, 2, _ov(tmp_path / "run", steps=3, extra=zero1), timeout_s=120)
+    # The reference saves step 3 itself (saving changes nothing in a run); the resumed run starts
+    # from a copy of it in a run directory of its own.
+    ref = run_ranks(_run, 2, _ov(tmp_path / "ref", steps=6, extra=(*zero1, "--checkpoint.every=3")),
+                    timeout_s=120)[0]
+    shutil.copytree(_step_dir(tmp_path / "ref", 3), _step_dir(tmp_path / "run", 3))
     resumed = run_ranks(_run, 2, _ov(tmp_path / "run", steps=6, extra=zero1), timeout_s=120)[0]
     assert resumed["resumed_step"] == 3
-    assert resumed["losses"] == ref["losses"]  # bit for bit, the first three read back from the log
+    assert len(ref["losses"]) == 6 and resumed["losses"] == ref["losses"][3:]  # bit for bit
 
 
 def test_other_accumulation_resumes_and_other_global_batch_is_a_clear_error(tmp_path, shakespeare_cached):
