@@ -109,11 +109,6 @@ def _finish(*started: subprocess.Popen) -> list[subprocess.CompletedProcess]:
             for p, output in zip(started, outputs, strict=True)]
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    """``moetrain ARGS`` in a fresh interpreter."""
-    return _finish(_start_cli(*args))[0]
-
-
 def _evaluate(rank: int, world_size: int, run_dir: Path) -> dict | None:
     from moetrain.train.evaluate import evaluate_run
 
@@ -197,13 +192,20 @@ def test_eval_at_other_world_sizes_reproduces_the_final_test_metrics(runs, layou
     assert written["test_accuracy"] == final["test_accuracy"]
 
 
-def test_cli_eval_prints_the_test_accuracy(runs):
+def test_cli_eval_prints_the_test_accuracy(runs, capsys):
+    from moetrain.cli import main
+
     run_dir = runs["root"] / "ref"
     final = records(run_dir)[-1]
-    proc = _cli("eval", str(run_dir))
-    assert proc.returncode == 0, proc.stderr
-    assert f"test accuracy {final['test_accuracy']:.4f}" in proc.stdout
-    assert "c0" in proc.stdout and "eval-test-step6.json" in proc.stdout
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # in this process, one thread as the command's own (OMP_NUM_THREADS=1)
+    try:
+        assert main(["eval", str(run_dir)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    stdout = capsys.readouterr().out
+    assert f"test accuracy {final['test_accuracy']:.4f}" in stdout
+    assert "c0" in stdout and "eval-test-step6.json" in stdout
 
 
 def test_report_draws_the_confusion_matrix(runs):
