@@ -63,9 +63,9 @@ def _reuters_like(corpus: str, num_classes: int) -> dict[str, tuple[str, int, tu
 
 ROWS = {  # task -> trained row name -> (shipped config, processes, overrides)
     "thucnews": {"dense": ("thucnews-dense", 1, ()), "moe": ("thucnews", 1, ()), "moe_ep2": ("thucnews-ep2", 2, ()),
-                 "pretrained": ("thucnews-pretrained", 1, ()), "moe_ngram": ("thucnews-ngram", 1, ())},
+                 "pretrained": ("thucnews-pretrained", 1, ())},
     "r8": {"dense": ("r8-dense", 1, ()), "moe": ("r8", 1, ()), "moe_ep2": ("r8-ep2", 2, ()),
-           "pretrained": ("r8-pretrained", 1, ()), "moe_ngram": ("r8-ngram", 1, ())},
+           "pretrained": ("r8-pretrained", 1, ())},
     "r52": _reuters_like("r52", 52),
     "20newsgroups": _reuters_like("20newsgroups", 20),
 }
