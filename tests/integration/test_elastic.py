@@ -52,10 +52,11 @@ def _reference(rank: int, world_size: int, overrides: list[str]) -> None:
 def _agent(port: int, run_dir: Path, log: Path) -> subprocess.Popen:
     cmd = torchrun() + ["--nnodes", "1:2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                       "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "moetrain-elastic",
-                      # keep_alive_*: the lost node's rendezvous heartbeat counts as dead after 4 s, not
-                      # torch's 3 x 5 s (A would wait that long before its restart at world 1).
+                      # keep_alive_*: the lost node's rendezvous heartbeat counts as dead after 8 s, not
+                      # torch's 3 x 5 s (A would wait that long before its restart at world 1); not less,
+                      # so that a live agent starved of CPU on a loaded machine is not taken for dead.
                       "--rdzv-conf", "is_host=false,last_call_timeout=2,join_timeout=120,keep_alive_interval=1,"
-                      "keep_alive_max_attempt=4", "--max-restarts", "4",
+                      "keep_alive_max_attempt=8", "--max-restarts", "4",
                       "--monitor-interval", "0.5", "-m", "moetrain.cli", "train",
                       *job_overrides(run_dir, steps=STEPS, extra=EXTRA)]
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: with the shared store (torch's default), an agent that
