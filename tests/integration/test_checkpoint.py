@@ -13,6 +13,8 @@ import json
 import os
 import shutil
 import signal
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -60,6 +62,22 @@ def _assert_same_state(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
     differ = [k for k in want if got[k].shape != want[k].shape or not torch.equal(got[k], want[k])]
     assert not differ, f"{len(differ)} entries differ, e.g. {differ[:5]}"
+
+
+def save_or_resume(rank: int, model, optimizer, train, ckpt_dir: str, *, save: bool) -> dict | None:
+    """The end of a save-then-reload comparison: ``train(0, 3)`` then a step-3 checkpoint in
+    ``ckpt_dir`` (``save``), or that checkpoint loaded; then the full state and the losses of
+    ``train(3, 6)`` (rank 0; None elsewhere)."""
+    from moetrain.train.checkpoint.state import save_checkpoint
+
+    if save:
+        train(0, 3)
+        save_checkpoint(ckpt_dir, 3, model=model, optimizer=optimizer, trainer_state={"step": 3})
+    else:
+        load_checkpoint(Path(ckpt_dir) / "step_000000003", model=model, optimizer=optimizer)
+    state = _full_state(SimpleNamespace(model=model, optimizer=optimizer))
+    losses = train(3, 6)
+    return {"state": state, "losses": losses} if rank == 0 else None
 
 
 def _run(rank: int, world_size: int, overrides: list[str], capture_steps: tuple[int, ...] = ()) -> dict:

@@ -8,15 +8,11 @@ the live model and optimizer (``test_checkpoint._full_state``).
 
 from __future__ import annotations
 
-from pathlib import Path
-from types import SimpleNamespace
-
 import pytest
 import torch
 
-from moetrain.train.checkpoint.state import load_checkpoint
 from tests.helpers.dist_launcher import run_ranks
-from tests.integration.test_checkpoint import E, _assert_same_state, _full_state
+from tests.integration.test_checkpoint import E, _assert_same_state, save_or_resume
 
 # The ZeRO layouts are driven by a plain loop over the model, optimizer and checkpoint
 # functions the trainer uses: one loop runs any (world, ep, zero) on random tokens, with no data
@@ -36,7 +32,6 @@ def _zero_run(rank: int, world_size: int, ep: int, zero_stage: int, ckpt_dir: st
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
     from moetrain.models.transformer import Transformer
-    from moetrain.train.checkpoint.state import save_checkpoint
     from moetrain.train.optim import build_optimizer
 
     dims = ParallelDims(world_size=world_size, ep=ep, num_experts=E)
@@ -62,14 +57,7 @@ def _zero_run(rank: int, world_size: int, ep: int, zero_stage: int, ckpt_dir: st
             losses.append(loss.item() / dims.dp)
         return losses
 
-    if save:
-        train(0, 3)
-        save_checkpoint(ckpt_dir, 3, model=model, optimizer=optimizer, trainer_state={"step": 3})
-    else:
-        load_checkpoint(Path(ckpt_dir) / "step_000000003", model=model, optimizer=optimizer)
-    state = _full_state(SimpleNamespace(model=model, optimizer=optimizer))
-    losses = train(3, 6)
-    return {"state": state, "losses": losses} if rank == 0 else None
+    return save_or_resume(rank, model, optimizer, train, ckpt_dir, save=save)
 
 
 def _zero_runs(rank: int, world_size: int, runs: list[tuple]) -> list[dict | None]:

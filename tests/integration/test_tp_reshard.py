@@ -6,14 +6,12 @@ losses equal those of the uninterrupted run."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.distributed.workers.tp_parity import TpRun, build, make_batches
 from tests.helpers.dist_launcher import run_ranks
-from tests.integration.test_checkpoint import _assert_same_state, _full_state
+from tests.integration.test_checkpoint import _assert_same_state, save_or_resume
 
 RUN = TpRun("reshard", tp=1, steps=6)
 
@@ -21,12 +19,10 @@ RUN = TpRun("reshard", tp=1, steps=6)
 def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: bool, etp: int = 1) -> dict | None:
     """3 steps then save (``save``) or load step 3; then 3 more steps. Returns (rank 0) the full
     state right after the save or load and the losses of the 3 steps after it."""
-    from types import SimpleNamespace
 
     import torch.distributed as dist
 
     from moetrain.distributed import ParallelDims, parallelize
-    from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
     from moetrain.train.optim import build_optimizer
 
     dims = ParallelDims(world_size=world_size, tp=tp, ep=ep, etp=etp, num_experts=4)
@@ -51,14 +47,7 @@ def _tp_run(rank: int, world_size: int, tp: int, ep: int, ckpt_dir: str, save: b
             losses.append(loss.item() / dims.dp)
         return losses
 
-    if save:
-        train(0, 3)
-        save_checkpoint(ckpt_dir, 3, model=model, optimizer=optimizer, trainer_state={"step": 3})
-    else:
-        load_checkpoint(Path(ckpt_dir) / "step_000000003", model=model, optimizer=optimizer)
-    state = _full_state(SimpleNamespace(model=model, optimizer=optimizer))
-    losses = train(3, 6)
-    return {"state": state, "losses": losses} if rank == 0 else None
+    return save_or_resume(rank, model, optimizer, train, ckpt_dir, save=save)
 
 
 @pytest.mark.slow
