@@ -26,27 +26,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetrain.config.loader import load_config
 from moetrain.train.checkpoint.index import load_model_weights
 from tests.distributed.workers.torchrun_agents import free_port, torchrun
 from tests.helpers.dist_launcher import run_ranks
-from tests.integration.conftest import job_overrides
+from tests.integration.conftest import job_overrides, train_job
 
 # World 1 trains on until C has joined: the run resumed at world 2 at steps 52-59 in four runs, C
 # starting at the step-30 checkpoint; STEPS leaves more than twice those ~25 steps as margin.
 STEPS = 120
 EXTRA = ("--moe.aux_loss_coef=0", "--train.deterministic=true", "--checkpoint.every=10",
          "--checkpoint.keep_last=20", "--train.collective_timeout_s=60")
-
-
-def _reference(rank: int, world_size: int, overrides: list[str]) -> None:
-    from moetrain.train.trainer import Trainer
-
-    trainer = Trainer(load_config(None, overrides))
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
 
 
 def _agent(port: int, run_dir: Path, log: Path) -> subprocess.Popen:
@@ -120,7 +109,7 @@ def _events(run_dir: Path) -> list[dict]:
 def test_lost_and_added_node_resume_at_the_new_world_size_with_the_same_result(tmp_path, shakespeare_cached):
     # The reference only needs its final checkpoint (saved at the end whatever checkpoint.every says).
     reference_run = job_overrides(tmp_path / "ref", steps=STEPS, extra=(*EXTRA, "--checkpoint.every=0"))
-    run_ranks(_reference, 2, reference_run, timeout_s=300)
+    run_ranks(train_job, 2, reference_run, timeout_s=300)
 
     run_dir, port = tmp_path / "elastic", free_port()
     # The rendezvous endpoint outlives every node, as a cluster's does (an etcd or a login host):
