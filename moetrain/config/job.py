@@ -27,6 +27,14 @@ def check_sequence_split(seq_len: int, *, tp: int) -> None:
             f"must be a multiple of parallel.tp ({tp}): sequence parallelism splits every sequence evenly "
             "over the tp ranks")
 
+
+def check_mtp_split(mtp_depth: int, seq_len: int, *, tp: int) -> None:
+    """Each multi-token depth k pads its last k positions; every tp rank must keep a scored one."""
+    require(tp == 1 or mtp_depth < seq_len // tp, "model.mtp_depth", mtp_depth,
+            f"must be < data.seq_len / parallel.tp ({seq_len // tp}): depth k pads its last "
+            "k positions, which must leave every tp rank a scored one")
+
+
 @dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -93,9 +101,7 @@ class JobConfig:
         check_sequence_split(self.data.seq_len, tp=par.tp)
         require(m.mtp_depth < self.data.seq_len, "model.mtp_depth", m.mtp_depth,
                 f"must be < data.seq_len ({self.data.seq_len}): depth k scores the tokens k + 1 places ahead")
-        require(par.tp == 1 or m.mtp_depth < self.data.seq_len // par.tp, "model.mtp_depth", m.mtp_depth,
-                f"must be < data.seq_len / parallel.tp ({self.data.seq_len // par.tp}): depth k pads its last "
-                "k positions, which must leave every tp rank a scored one")
+        check_mtp_split(m.mtp_depth, self.data.seq_len, tp=par.tp)
         if tp_errors := tensor_parallel_errors(m, par.tp, moe=self.moe):
             raise ValueError("; ".join(tp_errors))
         if par.dp != -1:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from moetrain.config.job import check_sequence_split
+from moetrain.config.job import check_mtp_split, check_sequence_split
 from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.config.moe import MoEConfig
 from moetrain.plan.model_states import ParamSpec
@@ -74,13 +74,11 @@ def tp_invalid(model: ModelConfig, tp: int, *, per_node: int, seq_len: int,
     if per_node % tp:
         return f"parallel.tp ({tp}) must divide the processes per node ({per_node}): tp collectives stay in a node"
     errors = tensor_parallel_errors(model, tp, moe=moe)
-    try:
-        check_sequence_split(seq_len, tp=tp)
-    except ValueError as e:
-        errors.append(str(e))
-    if tp > 1 and model.mtp_depth >= seq_len // tp:
-        errors.append(f"model.mtp_depth ({model.mtp_depth}) must be < data.seq_len / parallel.tp ({seq_len // tp}): "
-                      "depth k pads its last k positions, which must leave every tp rank a scored one")
+    for check, args in ((check_sequence_split, (seq_len,)), (check_mtp_split, (model.mtp_depth, seq_len))):
+        try:
+            check(*args, tp=tp)
+        except ValueError as e:
+            errors.append(str(e))
     return "; ".join(errors) or None
 
 
