@@ -9,7 +9,9 @@ experts top-2, 16 sequences of 64 tokens per step, fp32) for ``--steps`` steps a
 
 * max_over_mean_tokens: routed copies received by each ep rank's experts (the counts routing trace,
   before capacity drops), max rank / mean rank, averaged over steps and layers;
-* step time: median ``step_time_s`` of the logged steps after the first two (warm-up);
+* step time: from a second run of the same job without the memory tracker (its per-operation Python
+  hook would be most of a step of this model) and logging every ``TIMING_LOG_EVERY`` steps as a
+  user would: the median ``step_time_s`` of its windows after the first (warm-up);
 * peak memory: ``mem/peak_bytes`` of rank 0 (the tracker's peak of params + grads + optimizer +
   activations), which hosts experts 0..E/ep-1: the hottest rank under zipf and hot (under drift the
   hot expert moves over the ranks);
@@ -51,25 +53,44 @@ MODEL = ["--model.dim=64", "--model.num_layers=2", "--model.num_heads=4", "--mod
 
 
 REBALANCE_EVERY = 2
+TIMING_STEPS, TIMING_LOG_EVERY = 25, 5
+"""The timing run: 5 windows of 5 steps, the first one (warm-up, the first re-plan) left out."""
+
+
+def _train(run_dir: Path, ep: int, args: list[str]) -> list[dict]:
+    shutil.rmtree(run_dir, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "moetrain.cli", "train", "--nproc", str(ep), *MODEL, *args,
+                    f"--parallel.ep={ep}", f"--train.micro_batch_size={16 // ep}", f"--log.run_dir={run_dir}"],
+                   cwd=ROOT, check=True, capture_output=True)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def timed_step_s(run_dir: Path, ep: int, args: list[str]) -> float:
+    """Median seconds per step of the job ``args`` over ``TIMING_STEPS`` steps, measured without the
+    memory tracker, logging every ``TIMING_LOG_EVERY`` steps, the first window left out."""
+    _train(run_dir, ep, [*args, f"--train.steps={TIMING_STEPS}", f"--log.every={TIMING_LOG_EVERY}",
+                         "--log.memory=false"])
+    return timed_windows_median(run_dir)
+
+
+def timed_windows_median(run_dir: Path) -> float:
+    """The median ``step_time_s`` of a timing run's windows after the first."""
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+    return statistics.median(r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > TIMING_LOG_EVERY)
 
 
 def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float | None,
-         extra: tuple[str, ...] = ()) -> dict:
+         extra: tuple[str, ...] = (), timed: bool = True) -> dict:
     from moetrain.train.routing_trace import rank_loads, straggler_factors
 
     run_dir = ROOT / "runs" / f"bench-skew-{name}"
-    shutil.rmtree(run_dir, ignore_errors=True)
-    cap = [] if capacity is None else [f"--moe.capacity_factor={capacity}"]
-    micro = 16 // ep
-    subprocess.run([sys.executable, "-m", "moetrain.cli", "train", "--nproc", str(ep), *MODEL, *routing, *cap,
-                    f"--parallel.ep={ep}", f"--train.micro_batch_size={micro}", f"--train.steps={steps}",
-                    f"--log.run_dir={run_dir}", *extra], cwd=ROOT, check=True, capture_output=True)
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-    recs = [r for r in recs if "loss" in r and r["step"] > 2]
+    args = [*routing, *([] if capacity is None else [f"--moe.capacity_factor={capacity}"]), *extra]
+    recs = [r for r in _train(run_dir, ep, [*args, f"--train.steps={steps}"]) if "loss" in r and r["step"] > 2]
     _, _, load_SLP = rank_loads(run_dir)
     out = {"max_over_mean_tokens": float(straggler_factors(load_SLP).mean()),
-           "step_time_s": statistics.median(r["step_time_s"] for r in recs),
            "peak_bytes": max(r["mem/peak_bytes"] for r in recs if "mem/peak_bytes" in r), "run_dir": run_dir}
+    if timed:
+        out["step_time_s"] = timed_step_s(run_dir.with_name(run_dir.name + "-timing"), ep, args)
     if (run_dir / "rebalance.jsonl").exists():
         out.update(_rebalance_figures(run_dir / "rebalance.jsonl"))
     return out
@@ -93,7 +114,9 @@ def _rebalance_figures(path: Path) -> dict:
 def _rebalance_runs(ep: int, steps: int) -> list[tuple[str, dict]]:
     """(setting, figures) of the rebalanced runs at ``ep`` and the unrebalanced trace run."""
     extra = (f"--parallel.expert_slots_per_rank={8 // ep + 1}", f"--moe.rebalance_every={REBALANCE_EVERY}")
-    recorded = _run(f"ep{ep}-record", ep=ep, steps=steps, routing=["--log.routing_trace=full"], capacity=None)
+    # Long enough for the timing run's replay too.
+    recorded = _run(f"ep{ep}-record", ep=ep, steps=max(steps, TIMING_STEPS), routing=["--log.routing_trace=full"],
+                    capacity=None, timed=False)
     trace = [f"--moe.force_skew=trace:{recorded['run_dir']}"]
     zipf = ["--moe.force_skew=zipf:1.2"]
     return [

@@ -89,8 +89,8 @@ def calibration_table(profiles) -> str:
     """The calibrated "cpu" profiles, one row per process count."""
     header = ("| processes x threads | peak GFLOP/s | dense GEMM | expert GEMM | attention | elementwise GB/s | "
               "optimizer GB/s | all-reduce GB/s, ms | all-to-all GB/s, ms | all-gather GB/s, ms | "
-              "reduce-scatter GB/s, ms | overlap |")
-    lines = [header, "|---" * 12 + "|"]
+              "reduce-scatter GB/s, ms | overlap | us per operation |")
+    lines = [header, "|---" * 13 + "|"]
     for n, p in sorted(profiles.by_procs.items()):
         peak = p.peak("fp32")
         coll = p.intra_node.by_collective or {}
@@ -100,7 +100,7 @@ def calibration_table(profiles) -> str:
         lines.append(f"| {n} x {p.threads_per_rank:g} | {peak / 1e9:.1f} | {p.gemm_efficiency * peak / 1e9:.1f} | "
                      f"{p.expert_gemm_efficiency * peak / 1e9:.1f} | {p.attention_efficiency * peak / 1e9:.1f} | "
                      f"{p.memory_bandwidth / 1e9:.2f} | {p.optimizer_bandwidth / 1e9:.2f} | {' | '.join(links)} | "
-                     f"{overlap} |")
+                     f"{overlap} | {p.op_overhead_s * 1e6:.1f} |")
     return "\n".join(lines)
 
 
@@ -137,13 +137,13 @@ def main(argv=None) -> int:
     print(calibration_table(profile))
     print()
     print("| layout | world | threads/rank | predicted s/step | measured s/step (median) | error | "
-          "compute | exposed comm | fixed |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "compute | exposed comm | fixed | of which host |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for case, est, measured in rows:
         err = "-" if measured is None else f"{(est.step_s - measured) / measured:+.1%}"
         meas = "-" if measured is None else f"{measured:.3f}"
         print(f"| {case.label} | {case.world} | {est.threads_per_rank:g} | {est.step_s:.3f} | {meas} | {err} | "
-              f"{est.compute_s:.3f} | {est.exposed_comm_s:.3f} | {est.fixed_s:.3f} |")
+              f"{est.compute_s:.3f} | {est.exposed_comm_s:.3f} | {est.fixed_s:.3f} | {est.host_s:.3f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(
             [{"layout": c.label, "world": c.world, "predicted_s": e.step_s, "measured_s": m,

@@ -22,7 +22,9 @@ those it has beside n - 1 others: 4 ranks on 2 cores share them, and the rates s
 7. (n > 1) all_reduce, all_to_all_single, all_gather_into_tensor and reduce_scatter_tensor at 4 KiB
    and 16 MiB: latency = the small call's time, bandwidth = extra bytes sent / extra time;
 8. (n > 1) overlap: an async all-reduce started before a matmul of about its duration, against the
-   two run one after the other.
+   two run one after the other;
+9. host cost per operation: the config's model at small widths (``plan.host_ops``), whose step is
+   nearly all dispatch, one micro-batch and an optimizer step, over the operations they dispatch.
 
 The ranks' medians are averaged; the JSON holds one "cpu" ``DeviceProfile`` per n.
 """
@@ -184,6 +186,20 @@ def _optimizer_bandwidth(cfg, *, repeats: int, barrier) -> float:
     return OPTIMIZER_BYTES_PER_ELEMENT * numel / _timeit(step, repeats=repeats, barrier=barrier)
 
 
+def _op_overhead(cfg, *, repeats: int, barrier) -> float:
+    from moetrain.plan.host_ops import count_host_ops, small_step
+    from moetrain.plan.planner import resolve_vocab
+
+    model = resolve_vocab(cfg)
+    micro_batch, optimizer_step = small_step(model, cfg.moe)
+
+    def step() -> None:
+        micro_batch()
+        optimizer_step()
+
+    return _timeit(step, repeats=repeats, barrier=barrier) / count_host_ops(model, cfg.moe).per_step(1)
+
+
 def _collectives(world: int, *, repeats: int, barrier) -> dict:
     """Per collective ``[bandwidth, latency]`` from a small and a large call (bytes this rank sends,
     by the ring formulas of ``plan.comm``)."""
@@ -254,6 +270,7 @@ def _rank_main(rank: int, world: int, threads: int, init_file: str, config: str,
         res = _gemm_rates(cfg, world, repeats=repeats, barrier=barrier)
         res["elementwise_bandwidth"] = _elementwise_bandwidth(cfg, world, repeats=repeats, barrier=barrier)
         res["optimizer_bandwidth"] = _optimizer_bandwidth(cfg, repeats=repeats, barrier=barrier)
+        res["op_overhead_s"] = _op_overhead(cfg, repeats=repeats, barrier=barrier)
         if world > 1:
             res["collectives"] = _collectives(world, repeats=repeats, barrier=barrier)
             res["overlap"] = _overlap(repeats=repeats, barrier=barrier)
@@ -300,7 +317,7 @@ def profile_from_measurement(m: dict) -> dict:
             "expert_gemm_efficiency": m.get("expert", m["dense"]) / peak, "attention_efficiency": m["attention"] / peak,
             "memory_bandwidth": m["elementwise_bandwidth"], "optimizer_bandwidth": m["optimizer_bandwidth"],
             "intra_node": link, "inter_node": link, "comm_overlap": m.get("overlap", 1.0), "host_sync_s": 0.0,
-            "threads_per_rank": m["threads_per_rank"]}
+            "threads_per_rank": m["threads_per_rank"], "op_overhead_s": m.get("op_overhead_s", 0.0)}
 
 
 def main(argv=None) -> int:
@@ -324,7 +341,8 @@ def main(argv=None) -> int:
         print(f"{n} process(es), {m['threads_per_rank']} thread(s) each: peak {m['peak'] / 1e9:.1f} GFLOP/s, "
               f"dense GEMMs {m['dense'] / 1e9:.1f}, experts {m.get('expert', 0) / 1e9:.1f}, attention "
               f"{m['attention'] / 1e9:.1f}, elementwise {m['elementwise_bandwidth'] / 1e9:.2f} GB/s, optimizer "
-              f"{m['optimizer_bandwidth'] / 1e9:.2f} GB/s ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+              f"{m['optimizer_bandwidth'] / 1e9:.2f} GB/s, {m['op_overhead_s'] * 1e6:.1f} us per operation "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     doc = {"machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                        "torch": torch.__version__, "load_average": os.getloadavg(), "config": args.config},
            "measured": {str(n): m for n, m in measured.items()},

@@ -38,7 +38,9 @@ after the step is exposed.
 **Fixed**: the optimizer step (``OPTIMIZER_BYTES_PER_ELEMENT`` per element this rank updates,
 plus gradient clipping and the weight average's update, at memory bandwidth), the step's small
 collectives (global norm, agreement on the step) and host syncs (one per MoE layer and
-micro-batch: the all-to-all's split sizes).
+micro-batch: the all-to-all's split sizes); and the host's cost per operation
+(``DeviceProfile.op_overhead_s`` x the operations ``plan.host_ops`` counts), all of it on a CPU,
+where the same cores run it, and on a GPU only what exceeds the device's work queued behind it.
 
 What it cannot know: kernel efficiency on a device it never measured (the GPU profiles' are stated
 assumptions), imbalanced routing (the busiest expert rank sets the step), congestion, stragglers,
@@ -47,9 +49,7 @@ and fused kernels (``torch.compile`` removes much elementwise traffic).
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
@@ -57,8 +57,16 @@ from moetrain.config.moe import MoEConfig
 from moetrain.models.transformer import attention_params
 from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
+from moetrain.plan.device_profiles import (  # noqa: F401  (re-exported: the step-time API)
+    H100_SXM,
+    H200,
+    PROFILES,
+    CalibratedProfiles,
+    DeviceProfile,
+    Link,
+    load_profile,
+)
 from moetrain.plan.model_states import ADAM_STATE_BYTES, Layout, ParamSpec, param_specs, state_bytes_per_rank
-from moetrain.utils.devices import matmul_precision, peak_flops_by_precision
 
 ELEMENTWISE_PASSES = 5
 """Passes over each saved activation byte: written and read in forward; read, its gradient written
@@ -71,116 +79,6 @@ WEIGHT_AVERAGE_BYTES_PER_ELEMENT = 12
 """optim.ema_decay's lerp: the average and the weight read, the average written (fp32)."""
 ATTENTION_BACKWARD_RATIO = 2.5
 """Flash-attention backward FLOPs over forward: 5 matmuls (probabilities recomputed) against 2."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """One interconnect, as a rank sees it: bytes per second this rank sends (the ring volumes of
-    ``plan.comm``) and seconds per call (the cost of the smallest message)."""
-
-    bandwidth: float
-    latency: float
-    by_collective: dict | None = None
-    """Collective name -> ``[bandwidth, latency]`` where it differs (gloo's all-to-all is pairwise
-    sends, its all-reduce also sums on the CPU); None: ``bandwidth`` and ``latency`` for all."""
-
-    def seconds(self, collective: str, num_bytes: float, num_calls: int) -> float:
-        bw, lat = (self.by_collective or {}).get(collective, (self.bandwidth, self.latency))
-        return num_bytes / bw + num_calls * lat
-
-
-@dataclass(frozen=True)
-class DeviceProfile:
-    """One rank's device and links: datasheet GPUs (``H100_SXM``, ``H200``) or a measured "cpu" one."""
-
-    name: str
-    peak_flops: dict
-    """Dense peak FLOP/s of one rank by matmul precision ("fp32", "tf32", "bf16"): the MFU denominator."""
-    gemm_efficiency: float
-    """Achieved fraction of the peak on the model's dense GEMMs."""
-    expert_gemm_efficiency: float
-    """Achieved fraction of the peak on the grouped expert GEMMs."""
-    attention_efficiency: float
-    """Achieved fraction of the peak in the attention kernel."""
-    memory_bandwidth: float
-    """Bytes/s (read + written) of the elementwise kernels."""
-    optimizer_bandwidth: float
-    """Bytes/s (read + written) of the optimizer step and gradient clipping."""
-    intra_node: Link
-    inter_node: Link
-    comm_overlap: float = 1.0
-    """Fraction of overlappable communication that does hide behind compute."""
-    host_sync_s: float = 0.0
-    """Seconds a host sync costs beyond the work it waits for (draining the launch queue)."""
-    threads_per_rank: float = 0.0
-    """CPU profiles: threads each rank ran with when measured (0: not a CPU profile)."""
-
-    def peak(self, dtype: str, *, tf32: bool = False) -> float:
-        """The rate of train.dtype's matmuls: TF32's for fp32 under train.tf32 where the device has it."""
-        precision = matmul_precision(dtype, tf32=tf32 and "tf32" in self.peak_flops)
-        if precision not in self.peak_flops:
-            raise ValueError(f"train.dtype ({dtype!r}) has no peak rate in the {self.name!r} device profile "
-                             f"(measured: {', '.join(self.peak_flops)})")
-        return self.peak_flops[precision]
-
-    @staticmethod
-    def from_dict(d: dict) -> DeviceProfile:
-        d = dict(d)
-        d["intra_node"], d["inter_node"] = Link(**d["intra_node"]), Link(**d["inter_node"])
-        return DeviceProfile(**d)
-
-    @staticmethod
-    def from_json(path: str | Path) -> CalibratedProfiles:
-        """A calibration file (``python -m moetrain.plan.calibrate``): its profiles by process count."""
-        return CalibratedProfiles.from_dict(json.loads(Path(path).read_text()))
-
-
-@dataclass(frozen=True)
-class CalibratedProfiles:
-    """CPU profiles measured with 1, 2, 4 ... processes sharing the cores at once: a rank's rates
-    depend on how many ranks run beside it (oversubscription is measured, not assumed)."""
-
-    by_procs: dict
-    """Processes per node -> ``DeviceProfile``."""
-
-    def for_procs(self, procs_per_node: int) -> DeviceProfile:
-        if procs_per_node not in self.by_procs:
-            raise ValueError(f"--nproc per node ({procs_per_node}) was not calibrated (measured: "
-                             f"{', '.join(map(str, sorted(self.by_procs)))}): rerun calibrate with --procs")
-        return self.by_procs[procs_per_node]
-
-    @staticmethod
-    def from_dict(d: dict) -> CalibratedProfiles:
-        return CalibratedProfiles({int(n): DeviceProfile.from_dict(p) for n, p in d["profiles"].items()})
-
-
-_NVLINK4 = Link(bandwidth=450e9 * 0.8, latency=10e-6)
-_NDR_IB = Link(bandwidth=50e9 * 0.8, latency=25e-6)
-H100_SXM = DeviceProfile(
-    name="h100", peak_flops=peak_flops_by_precision("h100-sxm"), gemm_efficiency=0.7, host_sync_s=20e-6,
-    expert_gemm_efficiency=0.6, attention_efficiency=0.5, memory_bandwidth=3.35e12 * 0.8,
-    optimizer_bandwidth=3.35e12 * 0.8, intra_node=_NVLINK4, inter_node=_NDR_IB, comm_overlap=1.0)
-"""NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node. Datasheet (NVIDIA H100 Tensor Core GPU datasheet, peaks from
-``utils.devices``): 989 TFLOP/s dense bf16/fp16 (1,979 with sparsity), 494 dense tf32 (fp32 under
-train.tf32), 67 fp32; 3.35 TB/s HBM3; NVLink 4 at 450 GB/s each way per GPU; one 400 Gb/s (50 GB/s)
-ConnectX-7 InfiniBand NDR port per GPU. Assumed, not measured: links and HBM deliver 80% of nominal (as
-nccl-tests bus bandwidth shows on such nodes); GEMMs reach 70% of peak (large bf16 cuBLAS GEMMs), grouped
-expert GEMMs 60%, attention 50% (FlashAttention-2 reports 50-73% of peak, Dao 2023); 10 us per NVLink and 25
-us per InfiniBand collective call; 20 us per host sync. ``benchmarks/gpu.sh`` measures the GEMM rate."""
-H200 = replace(H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8, optimizer_bandwidth=4.8e12 * 0.8)
-"""NVIDIA H200 SXM: the H100's compute (the same datasheet rates), NVLink 4 and NDR networking,
-4.8 TB/s HBM3e (141 GB) (NVIDIA H200 Tensor Core GPU datasheet); the H100_SXM's assumed efficiencies."""
-PROFILES = {"h100": H100_SXM, "h200": H200}
-
-
-def load_profile(name_or_path: str, *, procs_per_node: int) -> DeviceProfile:
-    """"h100", "h200", or a calibration JSON file (``--device-profile`` of ``moetrain plan``)."""
-    if name_or_path in PROFILES:
-        return PROFILES[name_or_path]
-    if not Path(name_or_path).is_file():
-        raise ValueError(f"--device-profile ({name_or_path!r}) must be one of {', '.join(PROFILES)} or a "
-                         "calibration file written by python -m moetrain.plan.calibrate")
-    return DeviceProfile.from_json(name_or_path).for_procs(procs_per_node)
 
 
 @dataclass
@@ -280,6 +178,8 @@ class StepEstimate:
     optimizer_s: float
     sync_s: float
     """The step's small collectives and host syncs."""
+    host_s: float
+    """Host time per operation the compute does not cover (``DeviceProfile.op_overhead_s``)."""
     tokens_per_step: int
     world: int
     flops_per_token: float
@@ -296,7 +196,7 @@ class StepEstimate:
 
     @property
     def fixed_s(self) -> float:
-        return self.optimizer_s + self.sync_s
+        return self.optimizer_s + self.sync_s + self.host_s
 
     @property
     def step_s(self) -> float:
@@ -314,8 +214,9 @@ class StepEstimate:
     def as_dict(self) -> dict:
         return {"step_s": self.step_s, "compute_s": self.compute_s, "forward_s": self.forward_s,
                 "backward_s": self.backward_s, "exposed_comm_s": self.exposed_comm_s, "fixed_s": self.fixed_s,
-                "optimizer_s": self.optimizer_s, "sync_s": self.sync_s, "comm_s": dict(self.comm_s),
-                "exposed_s": dict(self.exposed_s), "tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+                "optimizer_s": self.optimizer_s, "sync_s": self.sync_s, "host_s": self.host_s,
+                "comm_s": dict(self.comm_s), "exposed_s": dict(self.exposed_s), "tokens_per_s": self.tokens_per_s,
+                "mfu": self.mfu}
 
 
 def _hide(total_s: float, exposed_floor_s: float, capacity_s: float, overlap: float) -> tuple[float, float]:
@@ -424,10 +325,18 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
     host_syncs = (num_moe + recomputed) * grad_accum if layout.ep > 1 else 0
     small = profile.inter_node if layout.world > per_node else profile.intra_node
     sync_s = (STEP_COLLECTIVES * small.latency if layout.world > 1 else 0.0) + host_syncs * profile.host_sync_s
+    host_s = 0.0
+    if profile.op_overhead_s:
+        from moetrain.plan.host_ops import count_host_ops
+
+        host_s = count_host_ops(model, moe).per_step(grad_accum) * profile.op_overhead_s
+        if profile.host_async:
+            host_s = max(0.0, host_s - forward_s - backward_s - optimizer_s)
     return StepEstimate(forward_s=forward_s, backward_s=backward_s, comm_s=comm, exposed_s=exposed,
-                        optimizer_s=optimizer_s, sync_s=sync_s, tokens_per_step=T * grad_accum * layout.world,
-                        world=layout.world, flops_per_token=flops_per_token(model, moe, seq_len=seq_len),
-                        peak_flops=peak, threads_per_rank=profile.threads_per_rank)
+                        optimizer_s=optimizer_s, sync_s=sync_s, host_s=host_s,
+                        tokens_per_step=T * grad_accum * layout.world, world=layout.world,
+                        flops_per_token=flops_per_token(model, moe, seq_len=seq_len), peak_flops=peak,
+                        threads_per_rank=profile.threads_per_rank)
 
 
 def estimate_for_config(cfg: JobConfig, *, world: int, profile: DeviceProfile | CalibratedProfiles,

@@ -28,7 +28,7 @@ from moetrain.plan.step_time import (
     step_work,
 )
 
-SOURCE = Path(__file__).resolve().parents[2] / "moetrain" / "plan" / "step_time.py"
+SOURCE = Path(__file__).resolve().parents[2] / "moetrain" / "plan" / "device_profiles.py"
 
 
 def _tiny(vocab=4096):
@@ -55,7 +55,7 @@ def test_breakdown_adds_up(layout):
     est = _estimate(layout, H100_SXM, accum=2, ac="full")
     d = est.as_dict()
     assert d["step_s"] == pytest.approx(d["forward_s"] + d["backward_s"] + sum(d["exposed_s"].values())
-                                        + d["optimizer_s"] + d["sync_s"], rel=1e-12)
+                                        + d["optimizer_s"] + d["sync_s"] + d["host_s"], rel=1e-12)
     for c, t in est.comm_s.items():
         assert 0.0 <= est.exposed_s[c] <= t + 1e-15
     assert est.tokens_per_s == pytest.approx(8 * 256 * 2 * layout.world / est.step_s)
@@ -167,13 +167,14 @@ def test_gpu_defaults_name_their_sources():
 
 def test_calibration_files_round_trip_and_name_what_is_missing(tmp_path):
     measured = {"peak": 50e9, "dense": 40e9, "expert": 30e9, "attention": 20e9, "elementwise_bandwidth": 5e9,
-                "optimizer_bandwidth": 2e9, "threads_per_rank": 1, "overlap": 0.25,
+                "optimizer_bandwidth": 2e9, "threads_per_rank": 1, "overlap": 0.25, "op_overhead_s": 7e-6,
                 "collectives": {"all_reduce": [1e9, 1e-4], "all_to_all": [2e9, 5e-5],
                                 "all_gather": [1e9, 1e-4], "reduce_scatter": [1e9, 1e-4]}}
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"profiles": {"2": profile_from_measurement(measured)}}))
     p = load_profile(str(path), procs_per_node=2)
     assert p.gemm_efficiency == 0.8 and p.expert_gemm_efficiency == 0.6 and p.comm_overlap == 0.25
+    assert p.op_overhead_s == 7e-6 and not p.host_async  # a CPU's host work runs on the cores that compute
     assert p.intra_node.seconds("all_to_all", 2e9, 2) == pytest.approx(1 + 1e-4)
     assert p.intra_node.seconds("all_reduce", 2e9, 2) == pytest.approx(2 + 2e-4)
     assert DeviceProfile.from_dict(json.loads(json.dumps(asdict(p)))) == p
@@ -221,6 +222,7 @@ def test_calibration_measures_two_real_processes(tmp_path):
     assert main(["--out", str(out), "--procs", "2", "--repeats", "1"]) == 0
     p = load_profile(str(out), procs_per_node=2)
     assert p.name == "cpu" and p.threads_per_rank >= 1 and 0.0 <= p.comm_overlap <= 1.0
+    assert 1e-7 < p.op_overhead_s < 1e-3 and not p.host_async
     assert p.peak("fp32") > 0 and p.gemm_efficiency > 0 and p.memory_bandwidth > 0
     assert set(p.intra_node.by_collective) == {"all_reduce", "all_to_all", "all_gather", "reduce_scatter"}
     assert all(bw > 0 and lat > 0 for bw, lat in p.intra_node.by_collective.values())
