@@ -26,6 +26,7 @@ from moetrain.config.loader import save_config
 from moetrain.config.model import ModelConfig
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares
+from moetrain.verify.flips import FLIP_WHY, Flips, flipped_experts, loosened_rows
 from moetrain.verify.init_export import PLACEHOLDER, cut_export
 from moetrain.verify.launcher import Launcher
 from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes
@@ -161,7 +162,7 @@ def _verify_layout(out: Comparison, plan: Plan, ctx: _Context, i: int, lay: Layo
         for step in range(1, S + 2):
             compare_step(out, tag, records.get(step), ctx.ref_records.get(step), plan, ctx.precision, step=step)
             compare_state(out, tag, read_checkpoint(run.checkpoint(step)), ctx.ref_state[step], plan,
-                          ctx.precision, step=step)
+                          ctx.precision, step=step, flips=_flips(plan, ctx, records, step))
     else:
         run = Run(f"layout{i}", work / f"layout{i}", work / f"layout{i}.log")
         if not run.checkpoint(S).is_dir():
@@ -173,11 +174,22 @@ def _verify_layout(out: Comparison, plan: Plan, ctx: _Context, i: int, lay: Layo
                         launcher=ctx.launcher)
         compare_step(out, f"{tag} resharded", resumed.records().get(S + 1), ctx.ref_records.get(S + 1), plan,
                      ctx.precision, step=S + 1)
+        # The resumed state holds the layout's steps 1..S and world 1's own step S + 1.
+        steps = {s: r for s, r in run.records().items() if s <= S} | {S + 1: resumed.records().get(S + 1, {})}
         compare_state(out, f"{tag} resharded", read_checkpoint(resumed.checkpoint(S + 1)), ctx.ref_state[S + 1],
-                      plan, ctx.precision, step=S + 1)
+                      plan, ctx.precision, step=S + 1, flips=_flips(plan, ctx, steps, S + 1))
     if "export" in checks:
         compare_export(out, tag, run.checkpoint(S), ctx.ref_state[S], work / f"layout{i}-hf", plan, ctx.precision,
                        step=S)
+
+
+def _flips(plan: Plan, ctx: _Context, records: dict[int, dict], step: int) -> Flips | None:
+    """The experts whose routed counts differ from world 1's at steps 1..``step``, where low
+    precision lets routing flip (fp32 counts are exact: nothing is loosened)."""
+    if not (ctx.precision.low_precision and plan.cfg.model.is_moe):
+        return None
+    routed = plan.cfg.train.global_batch_size * plan.cfg.data.seq_len * plan.cfg.moe.top_k
+    return flipped_experts(records, ctx.ref_records, routed=routed, up_to=step)
 
 
 def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None],
@@ -323,8 +335,9 @@ def parameter_bounds(keys: list[str], want: dict[str, torch.Tensor], plan: Plan,
 
 
 def compare_state(out: Comparison, tag: str, got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
-                  plan: Plan, precision: Precision, *, step: int) -> None:
-    """Every checkpoint tensor, grouped by kind (``STATE_GROUPS``), one row per kind."""
+                  plan: Plan, precision: Precision, *, step: int, flips: Flips | None = None) -> None:
+    """Every checkpoint tensor, grouped by kind (``STATE_GROUPS``), one row per kind. ``flips``: the
+    experts whose counts differ from world 1's; their moment slices get ``flips.FLIPPED_SLICE_REL``."""
     groups: dict[str, list[str]] = {}
     for key in sorted(set(got) | set(want)):
         if key.startswith(NOT_COMPARED):
@@ -346,7 +359,8 @@ def compare_state(out: Comparison, tag: str, got: dict[str, torch.Tensor], want:
                                   f"{tuple(want[shapes_differ].shape)}", step=step)
             continue
         if group.startswith("optimizer exp_avg"):
-            out.scaled(quantity, [(got[k], want[k]) for k in keys], tol, step=step)
+            rows = loosened_rows(keys, want, flips, num_experts=plan.cfg.moe.num_experts, rel=tol.rel)
+            out.scaled(quantity, [(got[k], want[k]) for k in keys], tol, step=step, rows=rows, rows_why=FLIP_WHY)
             continue
         bounds = parameter_bounds(keys, want, plan, tol, step) if group == "parameters" else None
         out.values(quantity, torch.cat([got[k].double().flatten() for k in keys]),

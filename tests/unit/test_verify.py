@@ -231,3 +231,45 @@ def test_the_export_round_trip_holds_a_router_bias_to_the_router_bias_bound(dtyp
     assert param_abs == (2 * lr * 3 if dtype == "bf16" else 0.02 * lr * 3)
     assert bounds is not None and bounds.tolist() == [bias_abs] * 4 + [param_abs] * 6
     assert bias_abs != param_abs
+
+
+def test_bf16_moments_loosen_only_the_slices_of_experts_whose_counts_differ():
+    # World 1 routes an even share to each of 4 experts; the layout moves one copy from expert 1 to
+    # expert 2 (a bf16 routing flip). Their rows of the expert and router tensors get 3x their own
+    # largest entry; expert 0's rows and every other tensor keep 0.2 of the tensor's largest entry.
+    from moetrain.verify.driver import Plan, compare_state
+    from moetrain.verify.flips import flipped_experts
+
+    cfg = load_config("tiny", ["--train.dtype=bf16", "--moe.num_experts=4", "--moe.top_k=2"])
+    plan, precision = Plan(cfg, [], [], 1), Precision("bf16")
+    routed = cfg.train.global_batch_size * cfg.data.seq_len * cfg.moe.top_k
+    counts = torch.full((1, 4), routed / 4)
+    moved = counts + torch.tensor([[0.0, -1.0, 1.0, 0.0]])
+    flips = flipped_experts({1: {"expert_share": (moved / routed).tolist()}},
+                            {1: {"expert_share": (counts / routed).tolist()}}, routed=routed, up_to=1)
+    assert flips.num_layers == 1 and flips.pairs == {(0, 1), (0, 2)}
+    prefix = "optim.state.layers.1.feed_forward"
+    want = {f"{prefix}.experts.w1.exp_avg": torch.ones(4, 2, 2),
+            f"{prefix}.router.gate.weight.exp_avg": torch.ones(4, 3),
+            "optim.state.layers.1.attention.wo.weight.exp_avg": torch.ones(3, 3)}
+
+    def moments(changed: dict[str, torch.Tensor]) -> Comparison:
+        out = Comparison()
+        compare_state(out, "", {**want, **changed}, want, plan, precision, step=1, flips=flips)
+        return out
+
+    def off(row: int, by: float) -> torch.Tensor:  # one entry of one expert's row moved by `by` of the max
+        t = torch.ones(4, 2, 2)
+        t[row, 0, 1] += by
+        return t
+
+    w1 = f"{prefix}.experts.w1.exp_avg"
+    r = moments({w1: off(1, 0.5)}).results[0]
+    assert r.ok and r.max_rel == 0.0 and r.note.startswith("4 expert rows loosened")  # 2 flipped x 2 tensors
+    assert not moments({w1: off(0, 0.5)}).results[0].ok  # expert 0's counts are equal: 0.2 holds
+    assert not moments({w1: off(1, 4.0)}).results[0].ok  # a flipped slice is held to 3x its own size
+    assert not moments({w1: 2 * want[w1]}).results[0].ok  # a missing 1/ep doubles every expert's rows
+    assert not moments({"optim.state.layers.1.attention.wo.weight.exp_avg": 1.5 * torch.ones(3, 3)}).results[0].ok
+    plain = Comparison()  # fp32 (no flips passed): the flipped expert's 0.5 fails
+    compare_state(plain, "", {**want, w1: off(1, 0.5)}, want, plan, Precision("fp32"), step=1)
+    assert not plain.results[0].ok
