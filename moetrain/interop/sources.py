@@ -60,7 +60,7 @@ class CheckpointTensors:
             self.trainer_state = json.loads(tensor_text(trainer))
         except ValueError as e:
             raise CheckpointError(f"checkpoint {str(self.path)!r}: entry trainer is not JSON text ({e})") from e
-        self._cached: tuple[str, torch.Tensor] | None = None
+        self._cached: dict[str, torch.Tensor] = {}
 
     def _load(self, state: dict) -> None:
         try:
@@ -83,13 +83,19 @@ class CheckpointTensors:
     def dtype(self, name: str) -> torch.dtype:
         return self._meta[name].properties.dtype
 
+    CACHED = 3
+    """Tensors kept, the most recently read: the per-expert export reads expert e of the gate, up and
+    down stacks in turn for every e, so with fewer than 3 kept each read loads a whole stack again."""
+
     def get(self, name: str) -> torch.Tensor:
-        if self._cached is not None and self._cached[0] == name:
-            return self._cached[1]
+        if name in self._cached:
+            self._cached[name] = self._cached.pop(name)  # most recent last
+            return self._cached[name]
         tensor = torch.empty(self.shape(name), dtype=self.dtype(name))
         self._load({"ema" if name in self.averaged else "model": {name: tensor}})
-        # One tensor kept: the per-expert export reads an expert stack E times in a row.
-        self._cached = (name, tensor)
+        self._cached[name] = tensor
+        while len(self._cached) > self.CACHED:
+            del self._cached[next(iter(self._cached))]
         return tensor
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
@@ -123,7 +129,7 @@ class MergedLoRATensors:
             return self._src.get(name)
         if self._cached is None or self._cached[0] != name:
             a, b = self._pairs[name]
-            base = self._src.get(name).clone()  # a checkpoint source keeps only its last read
+            base = self._src.get(name).clone()  # a checkpoint source keeps its reads: merge into a copy
             lora_a = self._src.get(a).clone()
             self._cached = (name, merge_one(name, base, lora_a, self._src.get(b), self._scale))
         return self._cached[1]
