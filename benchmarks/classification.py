@@ -174,11 +174,14 @@ def run_row(config: str, nproc: int, run_dir: Path, extra: list[str]) -> dict:
 
 
 def seeded_rows(config: str, nproc: int, overrides: tuple[str, ...], folder: Path, extra: list[str],
-                num_seeds: int) -> dict:
-    """One trained row over ``num_seeds`` seeds: the mean and min of each figure, and each seed's."""
+                num_seeds: int, first_seed: int = 0) -> dict:
+    """One trained row over ``num_seeds`` seeds from ``first_seed``: the mean and min of each figure,
+    and each seed's."""
+    seeds = range(first_seed, first_seed + num_seeds)
     runs = [run_row(config, nproc, folder / f"seed{seed}", [*overrides, f"--train.seed={seed}", *extra])
-            for seed in range(num_seeds)]
-    row = {"command": runs[0]["command"].replace("--train.seed=0", "--train.seed=S"), "seeds": num_seeds,
+            for seed in seeds]
+    row = {"command": runs[0]["command"].replace(f"--train.seed={first_seed}", "--train.seed=S"),
+           "seeds": num_seeds, "first_seed": first_seed,
            "steps": runs[0]["steps"], "eval_matches": all(r["eval_matches"] for r in runs)}
     for key in ("test_accuracy", "test_macro_f1", "val_accuracy", "samples_per_s", "wall_s", "cpu_s",
                 "best_val_test_accuracy", "best_val_test_macro_f1"):
@@ -195,6 +198,8 @@ def main() -> int:
     p.add_argument("--task", choices=sorted(ROWS), default="thucnews")
     p.add_argument("--only", default=None, help="comma-separated rows: linear, " + ", ".join(ROWS["thucnews"]))
     p.add_argument("--seeds", type=int, default=3, help="seeds per trained row (mean and min reported)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="the first seed (seeds first..first+seeds-1): one seed per command, several at once")
     p.add_argument("--steps", type=int, default=None, help="override train.steps (quick checks)")
     p.add_argument("--json", action="store_true", help="print one JSON object per row")
     args = p.parse_args()
@@ -211,7 +216,8 @@ def main() -> int:
                 results[name] = linear_row(args.task)
             else:
                 config, nproc, overrides = rows[name]
-                results[name] = seeded_rows(config, nproc, overrides, Path(tmp) / name, extra, args.seeds)
+                results[name] = seeded_rows(config, nproc, overrides, Path(tmp) / name, extra, args.seeds,
+                                            args.first_seed)
             if args.json:
                 print(json.dumps({"task": args.task, "row": name, **results[name]}), flush=True)
     if not args.json:
