@@ -12,9 +12,8 @@ One optimizer step, from data to update: ``train_step`` -> for each micro-batch 
 
 Runs standalone (one process) or under torchrun (one or many nodes); the parallel layout comes
 from ``cfg.parallel`` through ``ParallelDims``, and the model code never knows about it. The
-process group and its timeouts live in ``moetrain.distributed.runtime``; non-finite steps,
-SIGTERM and failed collectives in ``moetrain.train.faults``. The task (language model or classifier)
-decides the data, the loss and the evaluation (``moetrain.train.task``, ``.classification``, ``.evaluate``).
+process group lives in ``moetrain.distributed.runtime``; non-finite steps, SIGTERM and failed collectives
+in ``.faults``; the task (language model or classifier) decides data, loss and evaluation (``.task``).
 """
 
 from __future__ import annotations
@@ -406,6 +405,7 @@ class Trainer:
                                     self.checkpointer.step_path(self.step))
                         break
                     self.interrupted = False  # the signal came with the last step: the run is complete
+            self.rebalancer.flush()  # rebalance.jsonl's steps since the last plan
             self.checkpointer.wait()  # the last save, if written in the background, is published
         bar.close()
         return last

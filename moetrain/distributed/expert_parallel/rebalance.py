@@ -11,9 +11,15 @@ home experts.
                                  before clipping and the optimizer see it
     after the optimizer step     ``after_step``: every ``rebalance_every`` steps a new placement
                                  from the load since the last one (all-reduced over dp x tp, so
-                                 every rank plans alike); then every replica fetches its home's
-                                 weights (the step changed them)
+                                 every rank plans alike); then every replica starts fetching its
+                                 home's weights (the step changed them), which travel while the
+                                 next step loads its batch and runs up to the first MoE layer's
+                                 experts (``wait_refresh``, called by the dispatcher)
     after a checkpoint load      ``refresh_replicas``
+
+Each of these moves every layer's rows in one collective (``_exchange_layers``): one all-to-all
+for the weights, one all-reduce over edp and one all-to-all for the gradients per step, however
+many MoE layers there are.
 
 Why replicas follow their homes instead of stepping themselves: a home's gradient is then the
 whole expert's gradient, the optimizer state (AdamW moments and step, LoRA adapters' state,
@@ -26,8 +32,10 @@ copies would move.
 Rank 0 writes ``rebalance.jsonl`` in the run folder: per step the copies each rank of its ep group
 received per layer after capacity drops (``rank_copies``), the replica bytes every rank moved
 (weights out and gradients home, to other ranks), the seconds of ``after_step`` on rank 0 (plan
-and weight refresh: ``after_step_s``), whether it re-planned (``rebalanced``) and then the new
-placement (``replicas``, per layer, rank and spare slot).
+and starting the weight refresh: ``after_step_s``), whether it re-planned (``rebalanced``) and then
+the new placement (``replicas``, per layer, rank and spare slot). The records are gathered over ep
+on re-planning steps and by ``flush`` at the end of training, not every step: one all-gather per
+plan.
 
 Shape legend: E logical experts, L home experts per rank, R spare slots per rank, P ranks in the
 ep group, X elements of one expert's flattened parameters.
@@ -38,6 +46,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +112,10 @@ class Rebalancer:
         is_main = bool(self.layers) and dist.get_rank() == 0
         self.log_path = run_dir / "rebalance.jsonl" if run_dir is not None and is_main else None
         self.step_bytes = 0
+        self._pending: list[_StepRecord] = []
+        self._landing: Callable[[], None] | None = None
+        for _, d in self.layers:
+            d.bank_ready = self.wait_refresh
         self.refresh_replicas()
 
     # ----- weights out, gradients home -------------------------------------------------------------
@@ -111,34 +124,70 @@ class Rebalancer:
         return replica_routes(d.placement, rank=d.ep_rank)
 
     @torch.no_grad()
-    def refresh_replicas(self) -> None:
-        """Every replica takes its home expert's current weights (and adapters). Collective over ep."""
+    def refresh_replicas(self, *, async_op: bool = False) -> None:
+        """Every replica takes its home expert's current weights (and adapters): one all-to-all over
+        ep for every layer. With ``async_op`` it travels while the next step starts; the first
+        forward through a replica bank (or any later call here) waits for it (``wait_refresh``)."""
+        self.wait_refresh()
+        if not self.layers:
+            return
+        blocks, all_routes = [], []
         for layer, d in self.layers:
             routes = self._routes(d)
-            names = list(d.bank)
-            home = [local_tensor(getattr(layer.experts, n)).detach() for n in names]
-            send_LX = _rows(home, routes.send_home_idx)
-            recv_RX = self._exchange(d, send_LX, output_splits=routes.recv_splits, input_splits=routes.send_splits)
-            for bank_slot, row in zip(routes.recv_bank_idx, _unflatten(recv_RX, [d.bank[n] for n in names]),
-                                      strict=True):
-                for n, value in zip(names, row, strict=True):
-                    d.bank[n][bank_slot].copy_(value)
+            blocks.append(_rows([local_tensor(getattr(layer.experts, n)).detach() for n in d.bank],
+                                routes.send_home_idx))
+            all_routes.append(routes)
+        d0 = self.layers[0][1]
+        unpack, sent = _exchange_layers(blocks, [r.send_splits for r in all_routes],
+                                        [r.recv_splits for r in all_routes], group=d0.ep_group, rank=d0.ep_rank,
+                                        async_op=async_op)
+        self.step_bytes += sent
+
+        def land() -> None:
+            for (_, d), routes, recv_RX in zip(self.layers, all_routes, unpack(), strict=True):
+                names = list(d.bank)
+                for bank_slot, row in zip(routes.recv_bank_idx, _unflatten(recv_RX, [d.bank[n] for n in names]),
+                                          strict=True):
+                    for n, value in zip(names, row, strict=True):
+                        d.bank[n][bank_slot].copy_(value)
+
+        self._landing = land
+        if not async_op:
+            self.wait_refresh()
+
+    @torch.no_grad()
+    def wait_refresh(self) -> None:
+        """Wait for a refresh in flight and write it into the replica banks (no-op if none)."""
+        land, self._landing = self._landing, None
+        if land is not None:
+            land()
 
     @torch.no_grad()
     def sum_replica_grads(self) -> None:
         """Add every replica's gradient to its home's (after the data-parallel reduction of the
-        homes, before clipping). Collective over edp and ep. Clears the bank's gradients."""
+        homes, before clipping): one all-reduce over edp and one all-to-all over ep for every
+        layer. Clears the bank's gradients."""
         if not self.layers:
             return
+        self.wait_refresh()
         rule = grad_reduction(self.dims, "edp")
-        for layer, d in self.layers:
+        blocks, all_routes, all_names = [], [], []
+        for _, d in self.layers:
             routes = self._routes(d)
             names = [n for n, t in d.bank.items() if t.requires_grad]
-            grads = [_grad_or_zeros(d.bank[n]) for n in names]
-            rows_RX = _rows(grads, routes.recv_bank_idx).mul_(rule.scale)
-            if rule.group is not None:
-                dist.all_reduce(rows_RX, group=rule.group)
-            home_LX = self._exchange(d, rows_RX, output_splits=routes.send_splits, input_splits=routes.recv_splits)
+            blocks.append(_rows([_grad_or_zeros(d.bank[n]) for n in names], routes.recv_bank_idx).mul_(rule.scale))
+            all_routes.append(routes)
+            all_names.append(names)
+        if rule.group is not None:
+            flat = torch.cat([b.reshape(-1) for b in blocks])
+            dist.all_reduce(flat, group=rule.group)
+            blocks = [part.view_as(b) for part, b in zip(flat.split([b.numel() for b in blocks]), blocks, strict=True)]
+        d0 = self.layers[0][1]
+        unpack, sent = _exchange_layers(blocks, [r.recv_splits for r in all_routes],
+                                        [r.send_splits for r in all_routes], group=d0.ep_group, rank=d0.ep_rank,
+                                        async_op=False)
+        self.step_bytes += sent
+        for (layer, d), routes, names, home_LX in zip(self.layers, all_routes, all_names, unpack(), strict=True):
             targets = []
             for n in names:
                 p = getattr(layer.experts, n)
@@ -154,28 +203,25 @@ class Rebalancer:
             for n in names:
                 d.bank[n].grad = None
 
-    def _exchange(self, d: ReplicatedDispatcher, x_MX: torch.Tensor, *, output_splits: list[int],
-                  input_splits: list[int]) -> torch.Tensor:
-        """All-to-all of whole-expert rows over ep, counted in ``step_bytes`` (rows to other ranks)."""
-        recv = x_MX.new_empty(sum(output_splits), x_MX.shape[1])
-        dist.all_to_all_single(recv, x_MX.contiguous(), output_split_sizes=output_splits,
-                               input_split_sizes=input_splits, group=d.ep_group)
-        self.step_bytes += (sum(input_splits) - input_splits[d.ep_rank]) * x_MX.shape[1] * x_MX.element_size()
-        return recv
-
     # ----- planning --------------------------------------------------------------------------------
 
     def after_step(self, step: int) -> None:
-        """Re-plan on every ``rebalance_every``-th step, then refresh the replicas (the step
-        changed the homes), and log. Call after every optimizer step, taken or skipped."""
+        """Re-plan on every ``rebalance_every``-th step, then start refreshing the replicas (the
+        step changed the homes), and log. Call after every optimizer step, taken or skipped."""
         if not self.layers:
             return
         start = time.perf_counter()
         replan = step % self.every == 0
         if replan:
             self._replan()
-        self.refresh_replicas()
-        self._log(step, replan, time.perf_counter() - start)
+        self.refresh_replicas(async_op=True)
+        self._pending.append(_StepRecord(step, replan, [d.recv_copies for _, d in self.layers], self.step_bytes,
+                                         time.perf_counter() - start))
+        for _, d in self.layers:
+            d.recv_copies = 0
+        self.step_bytes = 0
+        if replan:
+            self.flush()
 
     def _replan(self) -> None:
         """A placement per layer from its global load since the last plan (one all-reduce)."""
@@ -186,26 +232,40 @@ class Rebalancer:
             d.set_placement(plan_placement(load_E, num_ranks=d.ep_size, slots_per_rank=d.slots_per_rank))
             d.load_E = torch.zeros_like(d.load_E)
 
-    def _log(self, step: int, replan: bool, seconds: float) -> None:
-        """Gather this step's received copies per rank and layer (ep group) and the replica bytes
-        of every rank, and write them on rank 0."""
+    def flush(self) -> None:
+        """Gather the steps since the last flush (each rank's received copies per layer and replica
+        bytes; one all-gather over ep, on re-planning steps and at the end of training) and write
+        them on rank 0. Collective over ep."""
+        if not self._pending:
+            return
         d0 = self.layers[0][1]
-        mine = torch.tensor([d.recv_copies for _, d in self.layers] + [self.step_bytes], dtype=torch.int64,
+        mine = torch.tensor([[*r.copies, r.replica_bytes] for r in self._pending], dtype=torch.int64,
                             device=d0.load_E.device)
         every = [torch.zeros_like(mine) for _ in range(d0.ep_size)]
         dist.all_gather(every, mine, group=d0.ep_group)
-        for _, d in self.layers:
-            d.recv_copies = 0
-        self.step_bytes = 0
+        pending, self._pending = self._pending, []
         if self.log_path is None:
             return
-        rec: dict = {"step": step, "rank_copies": [[int(t[y]) for t in every] for y in range(len(self.layers))],
-                     "replica_bytes": int(sum(int(t[-1]) for t in every)), "after_step_s": round(seconds, 6),
-                     "rebalanced": replan}
-        if replan:
-            rec["replicas"] = [d.placement.replicas for _, d in self.layers]
         with self.log_path.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+            for i, r in enumerate(pending):
+                rec: dict = {"step": r.step, "rank_copies": [[int(t[i, y]) for t in every]
+                                                             for y in range(len(self.layers))],
+                             "replica_bytes": int(sum(int(t[i, -1]) for t in every)),
+                             "after_step_s": round(r.seconds, 6), "rebalanced": r.replanned}
+                if r.replanned and i == len(pending) - 1:
+                    rec["replicas"] = [d.placement.replicas for _, d in self.layers]
+                f.write(json.dumps(rec) + "\n")
+
+
+@dataclass(frozen=True)
+class _StepRecord:
+    """What ``after_step`` saw on this rank, kept until the next ``flush``."""
+
+    step: int
+    replanned: bool
+    copies: list[int]
+    replica_bytes: int
+    seconds: float
 
 
 def rebalance_settings(cfg: JobConfig) -> dict:
@@ -238,3 +298,32 @@ def _unflatten(rows_MX: torch.Tensor, like: list[torch.Tensor]) -> list[list[tor
         out.append(parts)
     return out
 
+
+
+def _exchange_layers(blocks: list[torch.Tensor], send_splits: list[list[int]], recv_splits: list[list[int]], *,
+                     group: dist.ProcessGroup | None, rank: int,
+                     async_op: bool) -> tuple[Callable[[], list[torch.Tensor]], int]:
+    """One all-to-all over ``group`` for the rows of every layer: ``blocks[y]`` is layer y's
+    ``[M_y, X_y]`` rows grouped by destination rank (``send_splits[y]``), received grouped by
+    source (``recv_splits[y]``). Returns (a function that waits and gives each layer's received
+    ``[R_y, X_y]`` rows, as an all-to-all per layer would, and the bytes sent to other ranks).
+    One call instead of one per layer: on gloo each costs milliseconds of latency, on NCCL a launch."""
+    num_ranks, widths = len(send_splits[0]), [b.shape[1] for b in blocks]
+    pieces = [b.split(s) for b, s in zip(blocks, send_splits, strict=True)]
+    send = torch.cat([pieces[y][p].reshape(-1) for p in range(num_ranks) for y in range(len(blocks))])
+    in_splits = [sum(s[p] * w for s, w in zip(send_splits, widths, strict=True)) for p in range(num_ranks)]
+    out_splits = [sum(s[p] * w for s, w in zip(recv_splits, widths, strict=True)) for p in range(num_ranks)]
+    recv = send.new_empty(sum(out_splits))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=out_splits, input_split_sizes=in_splits,
+                                  group=group, async_op=async_op)
+
+    def unpack() -> list[torch.Tensor]:
+        if work is not None:
+            work.wait()
+        rows: list[list[torch.Tensor]] = [[] for _ in blocks]
+        for p, chunk in enumerate(recv.split(out_splits)):
+            for y, part in enumerate(chunk.split([s[p] * w for s, w in zip(recv_splits, widths, strict=True)])):
+                rows[y].append(part.view(recv_splits[y][p], widths[y]))
+        return [torch.cat(r) for r in rows]
+
+    return unpack, (sum(in_splits) - in_splits[rank]) * send.element_size()

@@ -29,6 +29,7 @@ data-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from fractions import Fraction
 
 import torch
@@ -68,6 +69,8 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         """Copies this rank's slots received in training forwards since the last read (host int)."""
         self.set_placement(home_placement(num_experts, num_ranks=num_ranks, slots_per_rank=slots_per_rank))
         self._slot_drops: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bank_ready: Callable[[], None] | None = None
+        """Waits for a bank refresh in flight (set by the rebalancer); called before the bank is read."""
 
     @classmethod
     def replacing(cls, old: AllToAllDispatcher, *, slots_per_rank: int) -> ReplicatedDispatcher:
@@ -184,6 +187,8 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         """``experts`` over this rank's S slots: home weights, then the bank, in one grouped GEMM.
         Uses GroupedExperts' own grouped and loop paths (its oracle) with the concatenated weights."""
         def run(x_MD: torch.Tensor, num_tokens_per_slot: torch.Tensor) -> torch.Tensor:
+            if self.bank_ready is not None:  # the refresh travelled with this layer's token dispatch
+                self.bank_ready()
             x_MD = to_autocast_dtype(x_MD)
 
             def cat(name: str) -> torch.Tensor | None:

@@ -91,6 +91,7 @@ def _train(rc: RebalanceCase, dims: ParallelDims, rank: int, world_size: int, *,
         rec["loss"].append(loss_sum)
         rec["aux"].append(aux_sum)
         rec["dropped"].append(dropped)
+        reb.wait_refresh()  # the replicas as the next forward reads them
         rec["replica_gap"].append(_replica_gap(model))
     rec["params"] = _expert_tensors(model, grads=False)
     rec["state_shapes"] = {k: tuple(v.shape) for k, v in model.state_dict().items()}
