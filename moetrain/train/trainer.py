@@ -405,7 +405,7 @@ class Trainer:
                                     self.checkpointer.step_path(self.step))
                         break
                     self.interrupted = False  # the signal came with the last step: the run is complete
-            self.rebalancer.flush()  # rebalance.jsonl's steps since the last plan
+            self.rebalancer.finish()  # the last replica refresh and rebalance.jsonl records
             self.checkpointer.wait()  # the last save, if written in the background, is published
         bar.close()
         return last

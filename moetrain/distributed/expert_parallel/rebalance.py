@@ -34,7 +34,7 @@ received per layer after capacity drops (``rank_copies``), the replica bytes eve
 (weights out and gradients home, to other ranks), the seconds of ``after_step`` on rank 0 (plan
 and starting the weight refresh: ``after_step_s``), whether it re-planned (``rebalanced``) and then
 the new placement (``replicas``, per layer, rank and spare slot). The records are gathered over ep
-on re-planning steps and by ``flush`` at the end of training, not every step: one all-gather per
+on re-planning steps and by ``finish`` at the end of training, not every step: one all-gather per
 plan.
 
 Shape legend: E logical experts, L home experts per rank, R spare slots per rank, P ranks in the
@@ -231,6 +231,11 @@ class Rebalancer:
         for (_, d), load_E in zip(self.layers, load_YE.tolist(), strict=True):
             d.set_placement(plan_placement(load_E, num_ranks=d.ep_size, slots_per_rank=d.slots_per_rank))
             d.load_E = torch.zeros_like(d.load_E)
+
+    def finish(self) -> None:
+        """End of training: the refresh in flight lands and the last steps' records are written."""
+        self.wait_refresh()
+        self.flush()
 
     def flush(self) -> None:
         """Gather the steps since the last flush (each rank's received copies per layer and replica
