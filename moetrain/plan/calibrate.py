@@ -24,7 +24,10 @@ those it has beside n - 1 others: 4 ranks on 2 cores share them, and the rates s
 8. (n > 1) overlap: an async all-reduce started before a matmul of about its duration, against the
    two run one after the other;
 9. host cost per operation: the config's model at small widths (``plan.host_ops``), whose step is
-   nearly all dispatch, one micro-batch and an optimizer step, over the operations they dispatch.
+   nearly all dispatch, one micro-batch and an optimizer step, over the operations they dispatch;
+10. (n > 1, E divisible by n) expert parallelism's host work: that small model as the trainer runs it
+   at dp = n, at ep = n against ep = 1: the micro-batches' difference less the all-to-alls' latency
+   per MoE layer (``ep_layer_host_s``), the optimizer steps' per expert DTensor (``dtensor_param_host_s``).
 
 The ranks' medians are averaged; the JSON holds one "cpu" ``DeviceProfile`` per n.
 """
@@ -200,6 +203,35 @@ def _op_overhead(cfg, *, repeats: int, barrier) -> float:
     return _timeit(step, repeats=repeats, barrier=barrier) / count_host_ops(model, cfg.moe).per_step(1)
 
 
+def _ep_host(cfg, world: int, *, a2a_latency_s: float, repeats: int, barrier) -> dict:
+    """Expert parallelism's host work beyond what the step-time model counts otherwise: the
+    config's model at small widths (``plan.host_ops``), as the trainer runs it at dp = ``world``,
+    once at ep = ``world`` and once at ep = 1; the difference of their micro-batches, less the
+    all-to-alls' latency, per MoE layer, and of their optimizer steps per expert DTensor."""
+    import torch.distributed as dist
+
+    from moetrain.plan.host_ops import parallel_small_step
+    from moetrain.plan.model_states import param_specs
+    from moetrain.plan.planner import resolve_vocab
+    from moetrain.plan.step_time import ALL_TO_ALLS_PER_MOE_LAYER
+
+    model = resolve_vocab(cfg)
+    num_moe = len(model.moe_layer_ids)
+    if not model.is_moe or cfg.moe.num_experts % world != 0:
+        return {}
+    times = {}
+    for ep in (1, world):
+        micro_batch, optimizer_step = parallel_small_step(model, cfg.moe, ep=ep)
+        micro_s = _timeit(micro_batch, repeats=repeats, barrier=barrier)  # gradients accumulate
+        times[ep] = (micro_s, _timeit(lambda: optimizer_step(zero_grad=False), repeats=repeats,  # noqa: B023
+                                      barrier=barrier))
+        dist.barrier()
+    num_expert_tensors = sum(1 for spec in param_specs(model, cfg.moe) if spec.expert)
+    layer_s = (times[world][0] - times[1][0]) / num_moe - ALL_TO_ALLS_PER_MOE_LAYER * a2a_latency_s
+    return {"ep_layer_host_s": max(0.0, layer_s),
+            "dtensor_param_host_s": max(0.0, (times[world][1] - times[1][1]) / num_expert_tensors)}
+
+
 def _collectives(world: int, *, repeats: int, barrier) -> dict:
     """Per collective ``[bandwidth, latency]`` from a small and a large call (bytes this rank sends,
     by the ring formulas of ``plan.comm``)."""
@@ -274,6 +306,8 @@ def _rank_main(rank: int, world: int, threads: int, init_file: str, config: str,
         if world > 1:
             res["collectives"] = _collectives(world, repeats=repeats, barrier=barrier)
             res["overlap"] = _overlap(repeats=repeats, barrier=barrier)
+            res.update(_ep_host(cfg, world, a2a_latency_s=res["collectives"]["all_to_all"][1], repeats=repeats,
+                                barrier=barrier))
         queue.put((rank, res))
     finally:
         dist.destroy_process_group()
@@ -317,7 +351,9 @@ def profile_from_measurement(m: dict) -> dict:
             "expert_gemm_efficiency": m.get("expert", m["dense"]) / peak, "attention_efficiency": m["attention"] / peak,
             "memory_bandwidth": m["elementwise_bandwidth"], "optimizer_bandwidth": m["optimizer_bandwidth"],
             "intra_node": link, "inter_node": link, "comm_overlap": m.get("overlap", 1.0), "host_sync_s": 0.0,
-            "threads_per_rank": m["threads_per_rank"], "op_overhead_s": m.get("op_overhead_s", 0.0)}
+            "threads_per_rank": m["threads_per_rank"], "op_overhead_s": m.get("op_overhead_s", 0.0),
+            "ep_layer_host_s": m.get("ep_layer_host_s", 0.0),
+            "dtensor_param_host_s": m.get("dtensor_param_host_s", 0.0)}
 
 
 def main(argv=None) -> int:
@@ -341,8 +377,10 @@ def main(argv=None) -> int:
         print(f"{n} process(es), {m['threads_per_rank']} thread(s) each: peak {m['peak'] / 1e9:.1f} GFLOP/s, "
               f"dense GEMMs {m['dense'] / 1e9:.1f}, experts {m.get('expert', 0) / 1e9:.1f}, attention "
               f"{m['attention'] / 1e9:.1f}, elementwise {m['elementwise_bandwidth'] / 1e9:.2f} GB/s, optimizer "
-              f"{m['optimizer_bandwidth'] / 1e9:.2f} GB/s, {m['op_overhead_s'] * 1e6:.1f} us per operation "
-              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+              f"{m['optimizer_bandwidth'] / 1e9:.2f} GB/s, {m['op_overhead_s'] * 1e6:.1f} us per operation, ep "
+              f"host {m.get('ep_layer_host_s', 0) * 1e3:.2f} ms per MoE layer, "
+              f"{m.get('dtensor_param_host_s', 0) * 1e3:.2f} ms per expert DTensor ({time.perf_counter() - t0:.0f} s)",
+              file=sys.stderr)
     doc = {"machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                        "torch": torch.__version__, "load_average": os.getloadavg(), "config": args.config},
            "measured": {str(n): m for n, m in measured.items()},

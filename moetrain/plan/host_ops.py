@@ -98,6 +98,44 @@ def small_step(model: ModelConfig, moe: MoEConfig):
     return micro_batch, optimizer_step
 
 
+def parallel_small_step(model: ModelConfig, moe: MoEConfig, *, ep: int):
+    """``small_step`` as the trainer runs it on every rank of the process group already initialised
+    (dp = world, ``ep``, ZeRO-0): the model parallelized, DDP's gradient reduction, the global
+    norm over every rank's gradients, AdamW over the ep-sharded (DTensor) experts. Collective."""
+    import torch.distributed as dist
+
+    from moetrain.distributed.data_parallel.finalize import finalize_grads
+    from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
+    from moetrain.distributed.parallel_dims import ParallelDims
+    from moetrain.distributed.parallelize import parallelize
+    from moetrain.models.transformer import Transformer
+    from moetrain.train.optim import build_optimizer
+
+    small, small_moe = small_widths(model, moe)
+    dims = ParallelDims(world_size=dist.get_world_size(), ep=ep, num_experts=small_moe.num_experts)
+    dims.build_mesh("cpu")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        net = Transformer(small, moe=small_moe).train()
+    wrapped = parallelize(net, dims)
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = build_optimizer(net, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    ids_BS, labels = _batch(small)
+
+    def micro_batch() -> None:
+        wrapped(ids_BS, labels).loss.backward()
+        finalize_grads(wrapped, dims)
+
+    def optimizer_step(zero_grad: bool = True) -> None:
+        """``zero_grad=False`` keeps the gradients, so that calls can repeat and be timed."""
+        clip_global_grad_norm_(params, 1.0)
+        optimizer.step()
+        if zero_grad:
+            optimizer.zero_grad(set_to_none=True)
+
+    return micro_batch, optimizer_step
+
+
 _COUNTS: dict[tuple[str, str], HostOps] = {}
 """Counts by the configs' reprs: the planner estimates many layouts of one config."""
 

@@ -37,10 +37,12 @@ after the step is exposed.
 
 **Fixed**: the optimizer step (``OPTIMIZER_BYTES_PER_ELEMENT`` per element this rank updates,
 plus gradient clipping and the weight average's update, at memory bandwidth), the step's small
-collectives (global norm, agreement on the step) and host syncs (one per MoE layer and
-micro-batch: the all-to-all's split sizes); and the host's cost per operation
-(``DeviceProfile.op_overhead_s`` x the operations ``plan.host_ops`` counts), all of it on a CPU,
-where the same cores run it, and on a GPU only what exceeds the device's work queued behind it.
+collectives (global norm, agreement on the step, and one routing-count all-reduce per MoE layer and
+micro-batch) and, at ep > 1, per MoE layer and micro-batch one host sync (the all-to-all's split
+sizes) and the dispatcher's host work (``DeviceProfile.ep_layer_host_s``); and the host's cost per
+operation (``DeviceProfile.op_overhead_s`` x the operations ``plan.host_ops`` counts, plus
+``dtensor_param_host_s`` per ep-sharded expert tensor), all of it on a CPU, where the same cores run
+it, and on a GPU only what exceeds the device's work queued behind it.
 
 What it cannot know: kernel efficiency on a device it never measured (the GPU profiles' are stated
 assumptions), imbalanced routing (the busiest expert rank sets the step), congestion, stragglers,
@@ -160,6 +162,8 @@ def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 """DDP's first bucket (the gradients ready first) is capped at 1 MiB, the others at ``bucket_cap_mb``."""
+ALL_TO_ALLS_PER_MOE_LAYER = 5
+"""Per MoE layer and micro-batch at ep > 1: forward counts, dispatch, combine; backward the two gradients."""
 STEP_COLLECTIVES = 2
 """Latency-bound all-reduces of every step: the global gradient norm, the agreement on the step."""
 
@@ -248,7 +252,7 @@ def _calls(specs: list[ParamSpec], layout: Layout, *, num_moe: int, recomputed: 
     last_bucket = (rest % bucket_cap_bytes or bucket_cap_bytes) if rest > 0 else grad_bytes
     buckets = 1 + max(0, -(-rest // bucket_cap_bytes))
     # Per MoE layer: forward counts, dispatch, combine; backward the two gradients; a recompute 3 more.
-    a2a = (num_moe * 5 + recomputed * 3) * grad_accum if ep > 1 else 0
+    a2a = (num_moe * ALL_TO_ALLS_PER_MOE_LAYER + recomputed * 3) * grad_accum if ep > 1 else 0
     calls = {"all_to_all": a2a,
              "all_reduce": buckets + expert_tensors if stage < 2 else units * (layout.hsdp_replicate > 1),
              "reduce_scatter": units if stage >= 2 else 0,
@@ -322,16 +326,20 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
     averaged = worst.average / 4 * WEIGHT_AVERAGE_BYTES_PER_ELEMENT
     optimizer_s = ((owned * (OPTIMIZER_BYTES_PER_ELEMENT - 12) + worst.grad / 4 * 12 + averaged)
                    / profile.optimizer_bandwidth)
-    host_syncs = (num_moe + recomputed) * grad_accum if layout.ep > 1 else 0
+    moe_forwards = (num_moe + recomputed) * grad_accum
+    host_syncs = moe_forwards if layout.ep > 1 else 0
     small = profile.inter_node if layout.world > per_node else profile.intra_node
-    sync_s = (STEP_COLLECTIVES * small.latency if layout.world > 1 else 0.0) + host_syncs * profile.host_sync_s
-    host_s = 0.0
+    # Each MoE forward sums its routing counts over the data-parallel ranks (the balance loss's
+    # global frequencies): one small all-reduce.
+    sync_s = (small.seconds("all_reduce", 0, STEP_COLLECTIVES + moe_forwards) if layout.world > 1 else 0.0) \
+        + host_syncs * (profile.host_sync_s + profile.ep_layer_host_s)
+    host_s = sum(1 for s in specs if s.expert) * profile.dtensor_param_host_s if layout.ep > 1 else 0.0
     if profile.op_overhead_s:
         from moetrain.plan.host_ops import count_host_ops
 
-        host_s = count_host_ops(model, moe).per_step(grad_accum) * profile.op_overhead_s
-        if profile.host_async:
-            host_s = max(0.0, host_s - forward_s - backward_s - optimizer_s)
+        host_s += count_host_ops(model, moe).per_step(grad_accum) * profile.op_overhead_s
+    if profile.host_async:
+        host_s = max(0.0, host_s - forward_s - backward_s - optimizer_s)
     return StepEstimate(forward_s=forward_s, backward_s=backward_s, comm_s=comm, exposed_s=exposed,
                         optimizer_s=optimizer_s, sync_s=sync_s, host_s=host_s,
                         tokens_per_step=T * grad_accum * layout.world, world=layout.world,

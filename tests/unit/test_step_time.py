@@ -61,6 +61,24 @@ def test_breakdown_adds_up(layout):
     assert est.tokens_per_s == pytest.approx(8 * 256 * 2 * layout.world / est.step_s)
 
 
+def test_small_collectives_and_expert_parallel_host_work_by_hand():
+    model, moe = _tiny()
+    num_moe, num_expert_tensors = len(model.moe_layer_ids), sum(1 for s in param_specs(model, moe) if s.expert)
+    assert num_moe == 4 and num_expert_tensors == 4 * 2  # gelu experts: w1 and w2
+    prof = replace(_profile(latency=1e-3), host_sync_s=2e-6, ep_layer_host_s=3e-4, dtensor_param_host_s=5e-5)
+    dp = _estimate(Layout(world=2, ep=1, zero_stage=0), prof, accum=2)
+    ep = _estimate(Layout(world=2, ep=2, zero_stage=0), prof, accum=2)
+    # Norm and step agreement, and one routing-count all-reduce per MoE layer and micro-batch.
+    assert dp.sync_s == pytest.approx((2 + 4 * 2) * 1e-3, rel=1e-12) and dp.host_s == 0.0
+    # ep adds one split-size sync and the dispatcher's host work per MoE layer and micro-batch, and
+    # the DTensor dispatch of every expert tensor in the optimizer step (in series on a CPU).
+    assert ep.sync_s == pytest.approx(dp.sync_s + 4 * 2 * (2e-6 + 3e-4), rel=1e-12)
+    assert ep.host_s == pytest.approx(8 * 5e-5, rel=1e-12)
+    hidden = _estimate(Layout(world=2, ep=2, zero_stage=0), replace(prof, host_async=True), accum=2)
+    assert hidden.host_s == 0.0 and hidden.sync_s == ep.sync_s  # host work hides; the syncs do not
+    assert _estimate(Layout(world=1, ep=1, zero_stage=0), prof).sync_s == 0.0
+
+
 def test_doubling_bandwidth_halves_communication():
     layout = Layout(world=4, ep=2, zero_stage=2)
     slow, fast = _estimate(layout, _profile(bandwidth=1e9)), _estimate(layout, _profile(bandwidth=2e9))
@@ -223,6 +241,8 @@ def test_calibration_measures_two_real_processes(tmp_path):
     p = load_profile(str(out), procs_per_node=2)
     assert p.name == "cpu" and p.threads_per_rank >= 1 and 0.0 <= p.comm_overlap <= 1.0
     assert 1e-7 < p.op_overhead_s < 1e-3 and not p.host_async
+    # DTensor dispatch of the expert weights in clipping and AdamW: slower than plain tensors.
+    assert 0.0 <= p.ep_layer_host_s < 0.1 and 0.0 < p.dtensor_param_host_s < 0.1
     assert p.peak("fp32") > 0 and p.gemm_efficiency > 0 and p.memory_bandwidth > 0
     assert set(p.intra_node.by_collective) == {"all_reduce", "all_to_all", "all_gather", "reduce_scatter"}
     assert all(bw > 0 and lat > 0 for bw, lat in p.intra_node.by_collective.values())
