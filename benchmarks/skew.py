@@ -1,6 +1,7 @@
 """Skewed routing workloads (moe.force_skew) against forced balance, at ep=2 and ep=4, in one run.
 
     python benchmarks/skew.py [--steps 8] [--json] [--rebalance] [--ep 2 4] [--skews zipf:1.2 ...]
+                              [--capacities dropless capacity1.25] [--repeats 1]
 
 For each ep in (2, 4) (that many CPU gloo processes, dp = ep), each capacity setting (dropless, and
 moe.capacity_factor 1.25) and each routing (balanced = moe.force_balance round_robin, exactly T*K/E
@@ -13,13 +14,13 @@ experts top-2, 16 sequences of 64 tokens per step, fp32) for ``--steps`` steps a
   hook would be most of a step of this model) and logging every ``TIMING_LOG_EVERY`` steps as a
   user would: the median ``step_time_s`` of its windows after the first (warm-up);
 * peak memory: ``mem/peak_bytes`` of rank 0 (the tracker's peak of params + grads + optimizer +
-  activations), which hosts experts 0..E/ep-1: the hottest rank under zipf and hot (under drift the
-  hot expert moves over the ranks);
+  activations; steps 3-8, with rebalancing the steps after the first plan), which hosts experts
+  0..E/ep-1: the hottest rank under zipf and hot (under drift the hot expert moves over the ranks);
 
 and prints each as a ratio to the balanced run of the same ep and capacity setting.
 
 ``--rebalance`` adds, for each ep, rows with expert rebalancing (settings "... rebalance":
-parallel.expert_slots_per_rank = E/ep + 1, one spare slot per rank, moe.rebalance_every 2) on
+parallel.expert_slots_per_rank = E/ep + 1, one spare slot per rank, moe.rebalance_every 4) on
 zipf:1.2 (dropless and capacity 1.25) and on a recorded trace ("trace": the full routing trace of
 an unforced run of the same model, aux loss off, recorded first; its row without rebalancing too).
 Their max_over_mean_tokens is measured from the copies each ep rank's slots received (the
@@ -27,7 +28,7 @@ rebalancer's ``rebalance.jsonl``, after capacity drops) over the steps after the
 ``max_over_mean_before`` over the steps before it (the home layout); migration_bytes is the
 replica traffic of one step over all ranks (each replica's weights out and gradient home), which
 a re-plan does not add to (homes and optimizer state never move), and migration_s the median
-seconds of rank 0's ``after_step`` on re-planning steps (plan + weight refresh). Without it,
+seconds of rank 0's ``after_step`` on re-planning steps (plan, and starting the weight refresh). Without it,
 migration_bytes is 0.
 """
 
@@ -52,7 +53,7 @@ MODEL = ["--model.dim=64", "--model.num_layers=2", "--model.num_heads=4", "--mod
          "--log.progress_bar=false", "--log.tensorboard=false", "--moe.aux_loss_coef=0"]
 
 
-REBALANCE_EVERY = 2
+REBALANCE_EVERY = 4
 TIMING_STEPS, TIMING_LOG_EVERY = 25, 5
 """The timing run: 5 windows of 5 steps, the first one (warm-up, the first re-plan) left out."""
 
@@ -65,12 +66,16 @@ def _train(run_dir: Path, ep: int, args: list[str]) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
 
 
-def timed_step_s(run_dir: Path, ep: int, args: list[str]) -> float:
+def timed_step_s(run_dir: Path, ep: int, args: list[str], repeats: int = 1) -> float:
     """Median seconds per step of the job ``args`` over ``TIMING_STEPS`` steps, measured without the
-    memory tracker, logging every ``TIMING_LOG_EVERY`` steps, the first window left out."""
-    _train(run_dir, ep, [*args, f"--train.steps={TIMING_STEPS}", f"--log.every={TIMING_LOG_EVERY}",
-                         "--log.memory=false"])
-    return timed_windows_median(run_dir)
+    memory tracker, logging every ``TIMING_LOG_EVERY`` steps, the first window left out; with
+    ``repeats`` > 1, the median of that many runs' medians."""
+    medians = []
+    for _ in range(repeats):
+        _train(run_dir, ep, [*args, f"--train.steps={TIMING_STEPS}", f"--log.every={TIMING_LOG_EVERY}",
+                             "--log.memory=false"])
+        medians.append(timed_windows_median(run_dir))
+    return statistics.median(medians)
 
 
 def timed_windows_median(run_dir: Path) -> float:
@@ -79,18 +84,24 @@ def timed_windows_median(run_dir: Path) -> float:
     return statistics.median(r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > TIMING_LOG_EVERY)
 
 
+REPEATS = [1]
+"""Timing runs per job (``--repeats``)."""
+
+
 def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float | None,
          extra: tuple[str, ...] = (), timed: bool = True) -> dict:
     from moetrain.train.routing_trace import rank_loads, straggler_factors
 
     run_dir = ROOT / "runs" / f"bench-skew-{name}"
     args = [*routing, *([] if capacity is None else [f"--moe.capacity_factor={capacity}"]), *extra]
-    recs = [r for r in _train(run_dir, ep, [*args, f"--train.steps={steps}"]) if "loss" in r and r["step"] > 2]
+    # The peak after the first re-plan when rebalancing (before it the home layout runs, bank and all).
+    first = REBALANCE_EVERY if extra else 2
+    recs = [r for r in _train(run_dir, ep, [*args, f"--train.steps={steps}"]) if "loss" in r and r["step"] > first]
     _, _, load_SLP = rank_loads(run_dir)
     out = {"max_over_mean_tokens": float(straggler_factors(load_SLP).mean()),
            "peak_bytes": max(r["mem/peak_bytes"] for r in recs if "mem/peak_bytes" in r), "run_dir": run_dir}
     if timed:
-        out["step_time_s"] = timed_step_s(run_dir.with_name(run_dir.name + "-timing"), ep, args)
+        out["step_time_s"] = timed_step_s(run_dir.with_name(run_dir.name + "-timing"), ep, args, REPEATS[0])
     if (run_dir / "rebalance.jsonl").exists():
         out.update(_rebalance_figures(run_dir / "rebalance.jsonl"))
     return out
@@ -111,23 +122,24 @@ def _rebalance_figures(path: Path) -> dict:
             "migration_s": statistics.median(r["after_step_s"] for r in recs if r["rebalanced"])}
 
 
-def _rebalance_runs(ep: int, steps: int) -> list[tuple[str, dict]]:
-    """(setting, figures) of the rebalanced runs at ``ep`` and the unrebalanced trace run."""
+def _rebalance_runs(ep: int, steps: int, capacities: list[str]) -> list[tuple[str, dict]]:
+    """(setting, figures) of the rebalanced runs at ``ep`` and the unrebalanced trace run (the
+    capacity row only with "capacity1.25" in ``capacities``)."""
     extra = (f"--parallel.expert_slots_per_rank={8 // ep + 1}", f"--moe.rebalance_every={REBALANCE_EVERY}")
     # Long enough for the timing run's replay too.
     recorded = _run(f"ep{ep}-record", ep=ep, steps=max(steps, TIMING_STEPS), routing=["--log.routing_trace=full"],
                     capacity=None, timed=False)
     trace = [f"--moe.force_skew=trace:{recorded['run_dir']}"]
     zipf = ["--moe.force_skew=zipf:1.2"]
-    return [
-        ("zipf:1.2 dropless rebalance", _run(f"ep{ep}-zipf-rebalance", ep=ep, steps=steps, routing=zipf,
-                                             capacity=None, extra=extra)),
-        ("zipf:1.2 capacity1.25 rebalance", _run(f"ep{ep}-zipf-cap-rebalance", ep=ep, steps=steps, routing=zipf,
-                                                 capacity=1.25, extra=extra)),
-        ("trace dropless", _run(f"ep{ep}-trace", ep=ep, steps=steps, routing=trace, capacity=None)),
-        ("trace dropless rebalance", _run(f"ep{ep}-trace-rebalance", ep=ep, steps=steps, routing=trace,
-                                          capacity=None, extra=extra)),
-    ]
+    rows = [("zipf:1.2 dropless rebalance", _run(f"ep{ep}-zipf-rebalance", ep=ep, steps=steps, routing=zipf,
+                                                 capacity=None, extra=extra))]
+    if "capacity1.25" in capacities:
+        rows.append(("zipf:1.2 capacity1.25 rebalance", _run(f"ep{ep}-zipf-cap-rebalance", ep=ep, steps=steps,
+                                                             routing=zipf, capacity=1.25, extra=extra)))
+    rows.append(("trace dropless", _run(f"ep{ep}-trace", ep=ep, steps=steps, routing=trace, capacity=None)))
+    rows.append(("trace dropless rebalance", _run(f"ep{ep}-trace-rebalance", ep=ep, steps=steps, routing=trace,
+                                                  capacity=None, extra=extra)))
+    return rows
 
 
 def _row(setting: str, ep: int, got: dict, base: dict) -> dict:
@@ -149,7 +161,10 @@ def main() -> None:
     p.add_argument("--rebalance", action="store_true", help="add the expert-rebalancing rows")
     p.add_argument("--ep", type=int, nargs="+", default=[2, 4], choices=[2, 4])
     p.add_argument("--skews", nargs="+", default=list(SKEWS), choices=SKEWS, help="the skews without rebalancing")
+    p.add_argument("--capacities", nargs="+", default=list(CAPACITY), choices=list(CAPACITY))
+    p.add_argument("--repeats", type=int, default=1, help="timing runs per job (the median of their medians)")
     a = p.parse_args()
+    REPEATS[0] = a.repeats
     rows = []
 
     def emit(row: dict) -> None:
@@ -157,20 +172,22 @@ def main() -> None:
         if a.json:
             print(json.dumps(row), flush=True)
 
+    if a.rebalance and "dropless" not in a.capacities:
+        p.error("--rebalance needs the dropless capacity setting (its balanced run is the rows' base)")
     for ep in a.ep:
-        for cap_name, capacity in CAPACITY.items():
-            base = _run(f"ep{ep}-{cap_name}-balanced", ep=ep, steps=a.steps,
-                        routing=["--moe.force_balance=round_robin"], capacity=capacity)
-            if cap_name == "dropless":
-                dropless_base = base
+        bases: dict[str, dict] = {}
+        for cap_name in a.capacities:
+            capacity = CAPACITY[cap_name]
+            base = bases[cap_name] = _run(f"ep{ep}-{cap_name}-balanced", ep=ep, steps=a.steps,
+                                          routing=["--moe.force_balance=round_robin"], capacity=capacity)
             for skew in ("balanced", *a.skews):
                 got = base if skew == "balanced" else _run(
                     f"ep{ep}-{cap_name}-{skew.replace(':', '_')}", ep=ep, steps=a.steps,
                     routing=[f"--moe.force_skew={skew}"], capacity=capacity)
                 emit(_row(f"{skew} {cap_name}", ep, got, base))
         if a.rebalance:
-            for setting, got in _rebalance_runs(ep, a.steps):
-                emit(_row(setting, ep, got, dropless_base if "capacity" not in setting else base))
+            for setting, got in _rebalance_runs(ep, a.steps, a.capacities):
+                emit(_row(setting, ep, got, bases["capacity1.25" if "capacity" in setting else "dropless"]))
     if not a.json:
         print("| setting | ep | max/mean rank tokens | step time vs balanced | peak memory vs balanced | step s "
               "| migration bytes |")
