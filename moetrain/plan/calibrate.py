@@ -335,6 +335,7 @@ def measure(procs: int, *, config: str = "tiny", repeats: int = 5, timeout_s: fl
         merged["collectives"] = {c: [statistics.mean(r["collectives"][c][i] for r in results) for i in (0, 1)]
                                  for c in results[0]["collectives"]}
     merged["threads_per_rank"] = threads
+    merged["procs"], merged["cpu_count"] = procs, os.cpu_count() or 1
     return merged
 
 
@@ -352,6 +353,7 @@ def profile_from_measurement(m: dict) -> dict:
             "memory_bandwidth": m["elementwise_bandwidth"], "optimizer_bandwidth": m["optimizer_bandwidth"],
             "intra_node": link, "inter_node": link, "comm_overlap": m.get("overlap", 1.0), "host_sync_s": 0.0,
             "threads_per_rank": m["threads_per_rank"], "op_overhead_s": m.get("op_overhead_s", 0.0),
+            "core_share": min(1.0, m["cpu_count"] / (m["procs"] * m["threads_per_rank"])) if "procs" in m else 1.0,
             "ep_layer_host_s": m.get("ep_layer_host_s", 0.0),
             "dtensor_param_host_s": m.get("dtensor_param_host_s", 0.0)}
 

@@ -62,6 +62,10 @@ class DeviceProfile:
     backward) beyond its collectives' latency: the dispatcher's index work and host reads of the split
     sizes, the functional collectives' autograd. Exposed on every device: it sits between the host sync
     of the split sizes and the all-to-all the device waits for."""
+    core_share: float = 1.0
+    """Cores per thread when every rank computes: cores / (processes x threads), at most 1 (CPU profiles
+    of more threads than cores; 1 for one device per rank). A rank that computes while its peers wait
+    in a collective gets the cores they leave, 1 / core_share times its calibrated rate."""
     dtensor_param_host_s: float = 0.0
     """At ep > 1: host seconds per ep-sharded expert parameter tensor (a DTensor) per optimizer step:
     sharding propagation of each operation of clipping and AdamW on it. Host time like ``op_overhead_s``."""

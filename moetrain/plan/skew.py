@@ -27,7 +27,8 @@ dropless, under capacity factors, and with R spare expert slots per rank:
 * **Step time** (with a device profile): the balanced dropless estimate of ``plan.step_time`` plus
   (f - 1) times the expert work (expert GEMMs, the expert rows' elementwise passes) and the
   all-to-all, f = the hottest rank's copies / N averaged over the share vectors (each layer's
-  all-to-all waits for its hottest rank).
+  all-to-all waits for its hottest rank). The extra expert work runs while the other ranks wait:
+  on a CPU with more ranks than cores it gets their cores too (``DeviceProfile.core_share``).
 
 Shape legend: E experts, P expert-parallel ranks, V share vectors (layers, steps or drift phases).
 """
@@ -267,7 +268,8 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, skew: str | None = None, routi
                     slot_state_bytes=spare * per_slot, device_bytes=device,
                     fits=None if device_memory is None else device <= device_memory, placement=held)
         if balanced:
-            r.step_s = balanced["step_s"] + (f_mean - 1) * balanced["skewable_s"]
+            r.step_s = balanced["step_s"] + (f_mean - 1) * (balanced["skewable_compute_s"] * profile.core_share
+                                                            + balanced["all_to_all_s"])
             r.step_ratio_vs_balanced = r.step_s / balanced["step_s"]
         rows.append(r)
     return SkewPlan(source=skew if skew is not None else f"trace {routing_trace}", world=nproc, ep=ep,
@@ -293,8 +295,8 @@ def _balanced_row(cfg: JobConfig, model, specs, *, nproc: int, micro: int, accum
 
 
 def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, profile) -> dict[str, float]:
-    """The balanced dropless step and its part that scales with a rank's received copies: the expert
-    GEMMs, the routed expert rows' elementwise passes and the all-to-all (seconds per step)."""
+    """The balanced dropless step and its parts that scale with a rank's received copies: the expert
+    GEMMs and the routed expert rows' elementwise passes, and the all-to-all (seconds per step)."""
     from moetrain.plan.step_time import ELEMENTWISE_PASSES, estimate_step_time, step_work
 
     t, moe = cfg.train, replace(cfg.moe, capacity_factor=None)
@@ -312,7 +314,8 @@ def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, pr
     hidden = (4 if moe.activation == "swiglu" else 2) * moe.expert_hidden_dim
     rows_bytes = N * (2 * model.dim + hidden) * b * len(model.moe_layer_ids)  # input, output, hidden rows
     elementwise_s = ELEMENTWISE_PASSES * rows_bytes * accum / profile.memory_bandwidth
-    return {"step_s": est.step_s, "skewable_s": expert_s + elementwise_s + est.comm_s["all_to_all"]}
+    return {"step_s": est.step_s, "skewable_compute_s": expert_s + elementwise_s,
+            "all_to_all_s": est.comm_s["all_to_all"]}
 
 
 def format_skew_plan(plan: SkewPlan) -> str:

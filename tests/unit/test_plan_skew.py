@@ -71,6 +71,24 @@ def test_rows_agree_with_the_balanced_plan_and_each_other():
     assert plan.recommendation.startswith("parallel.expert_slots_per_rank = num_experts / ep + 1")
 
 
+def test_a_rank_computing_alone_gets_the_cores_its_waiting_peers_leave():
+    from dataclasses import replace
+
+    from moetrain.plan.planner import resolve_vocab
+    from moetrain.plan.skew import _step_parts
+
+    cfg = load_config(None, TINY)
+    shared = replace(H100_SXM, core_share=0.5)  # 4 single-thread ranks on 2 cores
+    plan = make_skew_plan(cfg, nproc=4, skew="zipf:1.2", profile=H100_SXM)
+    own, half = plan.rows[0], make_skew_plan(cfg, nproc=4, skew="zipf:1.2", profile=shared).rows[0]
+    parts = _step_parts(cfg, resolve_vocab(cfg), nproc=4, micro=plan.micro_batch_size, accum=plan.grad_accum,
+                        profile=H100_SXM)
+    f = own.max_over_mean
+    assert f > 2 and half.step_s < own.step_s
+    assert own.step_s - half.step_s == pytest.approx((f - 1) * parts["skewable_compute_s"] * 0.5, rel=1e-9)
+    assert half.step_s > own.step_s - (f - 1) * parts["skewable_compute_s"]  # the all-to-all still waits
+
+
 def plan_memory(cfg) -> float:
     """A device between the one-spare-slot row and the dropless row of zipf:1.2."""
     rows = {r.setting: r for r in make_skew_plan(cfg, nproc=4, skew="zipf:1.2").rows}

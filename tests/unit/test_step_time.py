@@ -186,6 +186,7 @@ def test_gpu_defaults_name_their_sources():
 def test_calibration_files_round_trip_and_name_what_is_missing(tmp_path):
     measured = {"peak": 50e9, "dense": 40e9, "expert": 30e9, "attention": 20e9, "elementwise_bandwidth": 5e9,
                 "optimizer_bandwidth": 2e9, "threads_per_rank": 1, "overlap": 0.25, "op_overhead_s": 7e-6,
+                "procs": 2, "cpu_count": 1, "ep_layer_host_s": 3e-3, "dtensor_param_host_s": 2e-4,
                 "collectives": {"all_reduce": [1e9, 1e-4], "all_to_all": [2e9, 5e-5],
                                 "all_gather": [1e9, 1e-4], "reduce_scatter": [1e9, 1e-4]}}
     path = tmp_path / "cal.json"
@@ -193,6 +194,8 @@ def test_calibration_files_round_trip_and_name_what_is_missing(tmp_path):
     p = load_profile(str(path), procs_per_node=2)
     assert p.gemm_efficiency == 0.8 and p.expert_gemm_efficiency == 0.6 and p.comm_overlap == 0.25
     assert p.op_overhead_s == 7e-6 and not p.host_async  # a CPU's host work runs on the cores that compute
+    assert (p.ep_layer_host_s, p.dtensor_param_host_s) == (3e-3, 2e-4)
+    assert p.core_share == 0.5  # two single-thread ranks on one core
     assert p.intra_node.seconds("all_to_all", 2e9, 2) == pytest.approx(1 + 1e-4)
     assert p.intra_node.seconds("all_reduce", 2e9, 2) == pytest.approx(2 + 2e-4)
     assert DeviceProfile.from_dict(json.loads(json.dumps(asdict(p)))) == p
