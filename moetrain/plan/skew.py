@@ -26,9 +26,10 @@ dropless, under capacity factors, and with R spare expert slots per rank:
   planner's model states for the layout plus the spare slots' states.
 * **Step time** (with a device profile): the balanced dropless estimate of ``plan.step_time`` plus
   (f - 1) times the expert work (expert GEMMs, the expert rows' elementwise passes) and the
-  all-to-all, f = the hottest rank's copies / N averaged over the share vectors (each layer's
-  all-to-all waits for its hottest rank). The extra expert work runs while the other ranks wait:
-  on a CPU with more ranks than cores it gets their cores too (``DeviceProfile.core_share``).
+  all-to-all's bytes over the link (not its calls' latency), f = the hottest rank's copies / N
+  averaged over the share vectors (each layer's all-to-all waits for its hottest rank). The extra
+  expert work runs while the other ranks wait: on a CPU with more ranks than cores it gets their
+  cores too (``DeviceProfile.core_share``).
 
 Shape legend: E experts, P expert-parallel ranks, V share vectors (layers, steps or drift phases).
 """
@@ -296,7 +297,10 @@ def _balanced_row(cfg: JobConfig, model, specs, *, nproc: int, micro: int, accum
 
 def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, profile) -> dict[str, float]:
     """The balanced dropless step and its parts that scale with a rank's received copies: the expert
-    GEMMs and the routed expert rows' elementwise passes, and the all-to-all (seconds per step)."""
+    GEMMs and the routed expert rows' elementwise passes, and the all-to-all's bytes over the link
+    (seconds per step)."""
+    from moetrain.plan.activations import moe_layers_recomputed
+    from moetrain.plan.comm import comm_per_step
     from moetrain.plan.step_time import ELEMENTWISE_PASSES, estimate_step_time, step_work
 
     t, moe = cfg.train, replace(cfg.moe, capacity_factor=None)
@@ -314,8 +318,14 @@ def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, pr
     hidden = (4 if moe.activation == "swiglu" else 2) * moe.expert_hidden_dim
     rows_bytes = N * (2 * model.dim + hidden) * b * len(model.moe_layer_ids)  # input, output, hidden rows
     elementwise_s = ELEMENTWISE_PASSES * rows_bytes * accum / profile.memory_bandwidth
+    # The all-to-all's bytes grow with the hottest rank's copies; its calls' latency does not.
+    vol = comm_per_step(param_specs(model, moe), layout, model, moe, tokens_per_micro_batch=micro * cfg.data.seq_len,
+                        grad_accum=accum, compute_bytes=b,
+                        ac_moe_layers_recomputed=moe_layers_recomputed(model, t.activation_checkpointing,
+                                                                       t.activation_checkpointing_every),
+                        procs_per_node=nproc)
     return {"step_s": est.step_s, "skewable_compute_s": expert_s + elementwise_s,
-            "all_to_all_s": est.comm_s["all_to_all"]}
+            "all_to_all_s": profile.intra_node.seconds("all_to_all", vol.all_to_all, 0)}
 
 
 def format_skew_plan(plan: SkewPlan) -> str:
