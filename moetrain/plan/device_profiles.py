@@ -125,8 +125,8 @@ expert GEMMs 60%, attention 50% (FlashAttention-2 reports 50-73% of peak, Dao 20
 us per InfiniBand collective call; 20 us per host sync; 10 us of host time per dispatched operation (eager
 PyTorch's Python, autograd and launch path), hidden while the GPU has queued work; at ep > 1, 1 ms of host
 work per MoE layer and micro-batch in the all-to-all dispatcher and 0.1 ms per expert DTensor per optimizer
-step (about a third of what ``plan.calibrate`` measures on the 2-core CPU bench at 2 processes, 2.6-3.7 ms
-and 0.26-0.32 ms (docs/step-time.md), for a server core taken as 3x faster at Python). ``benchmarks/gpu.sh``
+step (about a third of what ``plan.calibrate`` measures on the 2-core CPU bench at 2 processes, 2.6-4.1 ms
+and 0.2-0.3 ms (docs/step-time.md), for a server core taken as 3x faster at Python). ``benchmarks/gpu.sh``
 measures the GEMM rate."""
 H200 = replace(H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8, optimizer_bandwidth=4.8e12 * 0.8)
 """NVIDIA H200 SXM: the H100's compute (the same datasheet rates), NVLink 4 and NDR networking,
