@@ -118,7 +118,7 @@ def parallel_small_step(model: ModelConfig, moe: MoEConfig, *, ep: int):
         torch.manual_seed(0)
         net = Transformer(small, moe=small_moe).train()
     wrapped = parallelize(net, dims)
-    params = [p for p in net.parameters() if p.requires_grad]
+    params: list[torch.Tensor] = [p for p in net.parameters() if p.requires_grad]
     optimizer = build_optimizer(net, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
     ids_BS, labels = _batch(small)
 
