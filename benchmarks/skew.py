@@ -40,6 +40,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,12 +85,8 @@ def timed_windows_median(run_dir: Path) -> float:
     return statistics.median(r["step_time_s"] for r in recs if "step_time_s" in r and r["step"] > TIMING_LOG_EVERY)
 
 
-REPEATS = [1]
-"""Timing runs per job (``--repeats``)."""
-
-
 def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float | None,
-         extra: tuple[str, ...] = (), timed: bool = True) -> dict:
+         extra: tuple[str, ...] = (), timed: bool = True, repeats: int = 1) -> dict:
     from moetrain.train.routing_trace import rank_loads, straggler_factors
 
     run_dir = ROOT / "runs" / f"bench-skew-{name}"
@@ -101,7 +98,7 @@ def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float 
     out = {"max_over_mean_tokens": float(straggler_factors(load_SLP).mean()),
            "peak_bytes": max(r["mem/peak_bytes"] for r in recs if "mem/peak_bytes" in r), "run_dir": run_dir}
     if timed:
-        out["step_time_s"] = timed_step_s(run_dir.with_name(run_dir.name + "-timing"), ep, args, REPEATS[0])
+        out["step_time_s"] = timed_step_s(run_dir.with_name(run_dir.name + "-timing"), ep, args, repeats)
     if (run_dir / "rebalance.jsonl").exists():
         out.update(_rebalance_figures(run_dir / "rebalance.jsonl"))
     return out
@@ -122,7 +119,7 @@ def _rebalance_figures(path: Path) -> dict:
             "migration_s": statistics.median(r["after_step_s"] for r in recs if r["rebalanced"])}
 
 
-def _rebalance_runs(ep: int, steps: int, capacities: list[str]) -> list[tuple[str, dict]]:
+def _rebalance_runs(ep: int, steps: int, capacities: list[str], repeats: int) -> list[tuple[str, dict]]:
     """(setting, figures) of the rebalanced runs at ``ep`` and the unrebalanced trace run (the
     capacity row only with "capacity1.25" in ``capacities``)."""
     extra = (f"--parallel.expert_slots_per_rank={8 // ep + 1}", f"--moe.rebalance_every={REBALANCE_EVERY}")
@@ -131,14 +128,14 @@ def _rebalance_runs(ep: int, steps: int, capacities: list[str]) -> list[tuple[st
                     capacity=None, timed=False)
     trace = [f"--moe.force_skew=trace:{recorded['run_dir']}"]
     zipf = ["--moe.force_skew=zipf:1.2"]
-    rows = [("zipf:1.2 dropless rebalance", _run(f"ep{ep}-zipf-rebalance", ep=ep, steps=steps, routing=zipf,
-                                                 capacity=None, extra=extra))]
+    run = partial(_run, ep=ep, steps=steps, repeats=repeats)
+    rows = [("zipf:1.2 dropless rebalance", run(f"ep{ep}-zipf-rebalance", routing=zipf, capacity=None, extra=extra))]
     if "capacity1.25" in capacities:
-        rows.append(("zipf:1.2 capacity1.25 rebalance", _run(f"ep{ep}-zipf-cap-rebalance", ep=ep, steps=steps,
-                                                             routing=zipf, capacity=1.25, extra=extra)))
-    rows.append(("trace dropless", _run(f"ep{ep}-trace", ep=ep, steps=steps, routing=trace, capacity=None)))
-    rows.append(("trace dropless rebalance", _run(f"ep{ep}-trace-rebalance", ep=ep, steps=steps, routing=trace,
-                                                  capacity=None, extra=extra)))
+        rows.append(("zipf:1.2 capacity1.25 rebalance", run(f"ep{ep}-zipf-cap-rebalance", routing=zipf,
+                                                            capacity=1.25, extra=extra)))
+    rows.append(("trace dropless", run(f"ep{ep}-trace", routing=trace, capacity=None)))
+    rows.append(("trace dropless rebalance", run(f"ep{ep}-trace-rebalance", routing=trace, capacity=None,
+                                                 extra=extra)))
     return rows
 
 
@@ -164,7 +161,6 @@ def main() -> None:
     p.add_argument("--capacities", nargs="+", default=list(CAPACITY), choices=list(CAPACITY))
     p.add_argument("--repeats", type=int, default=1, help="timing runs per job (the median of their medians)")
     a = p.parse_args()
-    REPEATS[0] = a.repeats
     rows = []
 
     def emit(row: dict) -> None:
@@ -176,17 +172,17 @@ def main() -> None:
         p.error("--rebalance needs the dropless capacity setting (its balanced run is the rows' base)")
     for ep in a.ep:
         bases: dict[str, dict] = {}
+        run = partial(_run, ep=ep, steps=a.steps, repeats=a.repeats)
         for cap_name in a.capacities:
             capacity = CAPACITY[cap_name]
-            base = bases[cap_name] = _run(f"ep{ep}-{cap_name}-balanced", ep=ep, steps=a.steps,
-                                          routing=["--moe.force_balance=round_robin"], capacity=capacity)
+            base = bases[cap_name] = run(f"ep{ep}-{cap_name}-balanced", routing=["--moe.force_balance=round_robin"],
+                                         capacity=capacity)
             for skew in ("balanced", *a.skews):
-                got = base if skew == "balanced" else _run(
-                    f"ep{ep}-{cap_name}-{skew.replace(':', '_')}", ep=ep, steps=a.steps,
-                    routing=[f"--moe.force_skew={skew}"], capacity=capacity)
+                got = base if skew == "balanced" else run(f"ep{ep}-{cap_name}-{skew.replace(':', '_')}",
+                                                          routing=[f"--moe.force_skew={skew}"], capacity=capacity)
                 emit(_row(f"{skew} {cap_name}", ep, got, base))
         if a.rebalance:
-            for setting, got in _rebalance_runs(ep, a.steps, a.capacities):
+            for setting, got in _rebalance_runs(ep, a.steps, a.capacities, a.repeats):
                 emit(_row(setting, ep, got, bases["capacity1.25" if "capacity" in setting else "dropless"]))
     if not a.json:
         print("| setting | ep | max/mean rank tokens | step time vs balanced | peak memory vs balanced | step s "

@@ -75,17 +75,28 @@ def _batch(model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return ids_BS, torch.randint(2, SMALL_VOCAB, (1, seq), generator=gen)
 
 
-def small_step(model: ModelConfig, moe: MoEConfig):
-    """(micro-batch function, optimizer-step function) of the config's model at small widths."""
+def _small_model(model: ModelConfig, moe: MoEConfig) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The config's model at small widths (seeded, in training mode) and one batch for it."""
     from moetrain.models.transformer import Transformer
-    from moetrain.train.optim import build_optimizer
 
     small, small_moe = small_widths(model, moe)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         net = Transformer(small, moe=small_moe).train()
-    optimizer = build_optimizer(net, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    ids_BS, labels = _batch(small)
+    return net, _batch(small)
+
+
+def _optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
+    """AdamW as ``train.optim`` builds it (over DTensor experts once ``net`` is parallelized)."""
+    from moetrain.train.optim import build_optimizer
+
+    return build_optimizer(net, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+
+
+def small_step(model: ModelConfig, moe: MoEConfig):
+    """(micro-batch function, optimizer-step function) of the config's model at small widths."""
+    net, (ids_BS, labels) = _small_model(model, moe)
+    optimizer = _optimizer(net)
 
     def micro_batch() -> None:
         net(ids_BS, labels).loss.backward()
@@ -108,19 +119,13 @@ def parallel_small_step(model: ModelConfig, moe: MoEConfig, *, ep: int):
     from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
-    from moetrain.models.transformer import Transformer
-    from moetrain.train.optim import build_optimizer
 
-    small, small_moe = small_widths(model, moe)
-    dims = ParallelDims(world_size=dist.get_world_size(), ep=ep, num_experts=small_moe.num_experts)
+    dims = ParallelDims(world_size=dist.get_world_size(), ep=ep, num_experts=moe.num_experts)
     dims.build_mesh("cpu")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        net = Transformer(small, moe=small_moe).train()
+    net, (ids_BS, labels) = _small_model(model, moe)
     wrapped = parallelize(net, dims)
     params: list[torch.Tensor] = [p for p in net.parameters() if p.requires_grad]
-    optimizer = build_optimizer(net, lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
-    ids_BS, labels = _batch(small)
+    optimizer = _optimizer(net)
 
     def micro_batch() -> None:
         wrapped(ids_BS, labels).loss.backward()
