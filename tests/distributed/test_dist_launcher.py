@@ -1,5 +1,6 @@
 """The forked gloo launcher itself: results come back in rank order, a failing rank fails the
-test with its traceback, and a hung collective fails after the timeout instead of blocking."""
+test with its traceback (the cause before its peers' echoes), and a hung collective fails after
+the timeout instead of blocking."""
 
 import time
 
@@ -45,3 +46,21 @@ def test_hang_fails_after_timeout():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 1"):
         run_ranks(_rank1_skips_collective, 2, timeout_s=1)
     assert time.monotonic() - t0 < 15
+
+
+def _rank1_fails_after_its_group(rank, world_size):
+    if rank == 1:
+        # The group goes first, the report a second later: rank 0's echo ("Connection closed by
+        # peer" in its collective) reaches the launcher before the cause does.
+        dist.destroy_process_group()
+        time.sleep(1.0)
+        raise ValueError("the cause, from rank 1")
+    dist.all_reduce(torch.ones(1))
+
+
+def test_the_cause_is_reported_before_the_peers_echo():
+    with pytest.raises(RankError) as info:
+        run_ranks(_rank1_fails_after_its_group, 2, timeout_s=20)
+    message = str(info.value)
+    assert message.startswith("rank 1 of 2 failed"), message[:300]
+    assert "ValueError: the cause, from rank 1" in message

@@ -8,9 +8,9 @@ world-1 group): gloo's threads and state do not survive fork. The rendezvous goe
 file store in a fresh temporary directory, so concurrent tests never race for a TCP port.
 
 A rank's return value comes back through ``torch.save`` bytes (not shared-memory tensors, whose
-file descriptors can outlive the child). A rank that raises makes ``run_ranks`` raise at once
-with that rank's traceback; a hang (a collective that never completes) fails after ``timeout_s``;
-either way every child is killed.
+file descriptors can outlive the child). A rank that raises makes ``run_ranks`` raise with the
+tracebacks of every rank that failed within a few seconds, the cause before its peers' echoes; a
+hang (a collective that never completes) fails after ``timeout_s``; either way every child is killed.
 """
 
 from __future__ import annotations
@@ -57,6 +57,31 @@ def _rank_main(fn, rank: int, world_size: int, init_file: str, results, args, kw
             dist.destroy_process_group()
 
 
+_PEER_CLOSED = "Connection closed by peer"
+
+
+def _failure_report(world_size: int, failed: dict, results, procs, grace_s: float = 5.0) -> str:
+    """Every failing rank's traceback, the cause first. The first report to arrive is often a
+    peer's "Connection closed by peer" from the collective it was in when the failing rank tore
+    its group down, so the others get ``grace_s`` to report (or die) before the verdict."""
+    deadline = time.monotonic() + grace_s
+    while len(failed) < world_size and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = results.get(timeout=0.2)
+        except queue.Empty:
+            if all(p.exitcode is not None for r, p in enumerate(procs) if r not in failed):
+                break
+            continue
+        if not ok:
+            failed[rank] = payload
+    died = {r: p.exitcode for r, p in enumerate(procs) if r not in failed and p.exitcode not in (None, 0)}
+    order = sorted(failed, key=lambda r: (_PEER_CLOSED in failed[r], r))
+    parts = [f"rank {r} of {world_size} failed:\n{failed[r]}" for r in order]
+    if died:
+        parts.insert(0, f"ranks {sorted(died)} died without a result (exit codes {list(died.values())})")
+    return "\n".join(parts)
+
+
 def run_ranks(fn, world_size: int, *args, timeout_s: float = 90.0, threads: int = 1, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` forked gloo ranks and return
     the per-rank results in rank order. ``fn`` must be a module-level function."""
@@ -89,7 +114,7 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 90.0, threads: int 
                                     f"{[procs[r].exitcode for r in dead]})") from None
                 continue
             if not ok:
-                raise RankError(f"rank {rank} of {world_size} failed:\n{payload}")
+                raise RankError(_failure_report(world_size, {rank: payload}, results, procs))
             done[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         for p in procs:
             p.join(timeout=10)
