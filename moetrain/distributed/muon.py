@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
-from torch.optim.adam import adam
 
 from moetrain.distributed.comm.collectives import all_gather_single
+from moetrain.distributed.local_adamw import adamw_local_step
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.moe.router import TopKRouter
 from moetrain.models.transformer import Transformer
@@ -137,7 +137,7 @@ class Muon(torch.optim.Optimizer):
             if group["muon"]:
                 self._muon_step(group)
             else:
-                self._adamw_step(group)
+                adamw_local_step(self, group)
         return loss
 
     def _muon_step(self, group: dict) -> None:
@@ -190,27 +190,6 @@ class Muon(torch.optim.Optimizer):
                                            stride=p.stride())
                 return whole.redistribute(p.device_mesh, p.placements).to_local()  # a local slice
         return o
-
-    def _adamw_step(self, group: dict) -> None:
-        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if not state:  # torch.optim.AdamW's state, so its checkpoints and this one's agree
-                state["step"] = torch.tensor(0.0)
-                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
-            steps.append(state["step"])
-        beta1, beta2 = group["betas"]
-        # foreach=False: one group may mix DTensors and plain tensors (torch.optim.AdamW's note).
-        adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, decoupled_weight_decay=True,
-             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-             eps=group["eps"], maximize=False)
 
 
 def _whole_placements(p: DTensor) -> list:

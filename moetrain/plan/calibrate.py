@@ -173,16 +173,18 @@ def _optimizer_bandwidth(cfg, *, repeats: int, barrier) -> float:
     """Bytes/s of AdamW + clipping over the model's parameters, at ``OPTIMIZER_BYTES_PER_ELEMENT``."""
     import torch
 
+    from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
+    from moetrain.distributed.local_adamw import LocalAdamW
     from moetrain.plan.model_states import param_specs
     from moetrain.plan.planner import resolve_vocab
 
     params = [torch.nn.Parameter(torch.randn(s.shape)) for s in param_specs(resolve_vocab(cfg), cfg.moe)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-4, foreach=False)  # as train.optim builds it
+    opt = LocalAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # as train.optim builds it
 
     def step() -> None:
-        torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=False)
+        clip_global_grad_norm_(params, 1.0)  # as the trainer clips
         opt.step()
 
     numel = sum(p.numel() for p in params)

@@ -95,6 +95,8 @@ def _optimizer(net: torch.nn.Module) -> torch.optim.Optimizer:
 
 def small_step(model: ModelConfig, moe: MoEConfig):
     """(micro-batch function, optimizer-step function) of the config's model at small widths."""
+    from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
+
     net, (ids_BS, labels) = _small_model(model, moe)
     optimizer = _optimizer(net)
 
@@ -102,7 +104,7 @@ def small_step(model: ModelConfig, moe: MoEConfig):
         net(ids_BS, labels).loss.backward()
 
     def optimizer_step() -> None:
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        clip_global_grad_norm_(list(net.parameters()), 1.0)  # as the trainer clips
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 

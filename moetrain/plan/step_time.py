@@ -73,10 +73,10 @@ from moetrain.plan.model_states import ADAM_STATE_BYTES, Layout, ParamSpec, para
 ELEMENTWISE_PASSES = 5
 """Passes over each saved activation byte: written and read in forward; read, its gradient written
 and read in backward."""
-OPTIMIZER_BYTES_PER_ELEMENT = 80 + 12
-"""AdamW (per tensor, as ``train.optim`` builds it): lerp of exp_avg 12, scale of exp_avg_sq 8, its
-addcmul 12, weight decay 8, sqrt/bias-correction/eps of the denominator 24, the addcdiv update 16;
-global-norm clipping: the norm 4 and the scaling 8."""
+OPTIMIZER_BYTES_PER_ELEMENT = 28 + 12
+"""AdamW (fused, as ``train.optim`` builds it: ``LocalAdamW``): one pass reading the parameter, its
+gradient and both moments and writing the three, 28; global-norm clipping: the norm 4 and the
+scaling 8."""
 WEIGHT_AVERAGE_BYTES_PER_ELEMENT = 12
 """optim.ema_decay's lerp: the average and the weight read, the average written (fp32)."""
 ATTENTION_BACKWARD_RATIO = 2.5

@@ -11,6 +11,7 @@ from torch import nn
 from moetrain.config.optim import OptimConfig
 from moetrain.distributed.data_parallel.ddp import onebit_data_parallel
 from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
+from moetrain.distributed.local_adamw import LocalAdamW
 from moetrain.distributed.muon import Muon, muon_param_ids
 
 
@@ -49,10 +50,11 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
                     eps: float, name: str = "adamw", momentum: float = 0.95, nesterov: bool = True,
                     ns_steps: int = 5, data_parallel: nn.Module | None = None,
                     onebit_warmup_steps: int = 1) -> torch.optim.Optimizer:
-    """AdamW over ``model``'s parameters; 1-bit Adam (AdamW for ``onebit_warmup_steps`` steps, then
-    compressed momenta: ``moetrain.distributed.data_parallel.onebit_adam``) when ``data_parallel``, the wrapped
-    model, runs dp.grad_compression "onebit". ``name="muon"``: ``Muon`` (momentum, nesterov,
-    ns_steps) for the hidden and expert matrices, AdamW for the rest (``moetrain.distributed.muon``)."""
+    """AdamW over ``model``'s parameters (fused, on each rank's local shards: ``LocalAdamW``);
+    1-bit Adam (AdamW for ``onebit_warmup_steps`` steps, then compressed momenta:
+    ``moetrain.distributed.data_parallel.onebit_adam``) when ``data_parallel``, the wrapped model,
+    runs dp.grad_compression "onebit". ``name="muon"``: ``Muon`` (momentum, nesterov, ns_steps) for
+    the hidden and expert matrices, AdamW for the rest (``moetrain.distributed.muon``)."""
     wrapper = onebit_data_parallel(data_parallel) if data_parallel is not None else None
     if name == "muon":
         if wrapper is not None:
@@ -66,9 +68,7 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
     if wrapper is not None:
         return OneBitAdam(groups, data_parallel=wrapper, warmup_steps=onebit_warmup_steps, lr=lr, betas=betas,
                           eps=eps, weight_decay=weight_decay)
-    # foreach=False: the fused multi-tensor path does not accept a mix of DTensor expert
-    # weights and plain tensors in one group.
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=False)
+    return LocalAdamW(groups, lr=lr, betas=betas, eps=eps)
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int,

@@ -57,12 +57,13 @@ def _rank_main(fn, rank: int, world_size: int, init_file: str, results, args, kw
             dist.destroy_process_group()
 
 
-_PEER_CLOSED = "Connection closed by peer"
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+"""What gloo says on the ranks whose peer went away: echoes of a failure elsewhere."""
 
 
 def _failure_report(world_size: int, failed: dict, results, procs, grace_s: float = 5.0) -> str:
     """Every failing rank's traceback, the cause first. The first report to arrive is often a
-    peer's "Connection closed by peer" from the collective it was in when the failing rank tore
+    peer's "Connection closed (or reset) by peer" from the collective it was in when the failing rank tore
     its group down, so the others get ``grace_s`` to report (or die) before the verdict."""
     deadline = time.monotonic() + grace_s
     while len(failed) < world_size and time.monotonic() < deadline:
@@ -75,7 +76,7 @@ def _failure_report(world_size: int, failed: dict, results, procs, grace_s: floa
         if not ok:
             failed[rank] = payload
     died = {r: p.exitcode for r, p in enumerate(procs) if r not in failed and p.exitcode not in (None, 0)}
-    order = sorted(failed, key=lambda r: (_PEER_CLOSED in failed[r], r))
+    order = sorted(failed, key=lambda r: (any(m in failed[r] for m in _PEER_GONE), r))
     parts = [f"rank {r} of {world_size} failed:\n{failed[r]}" for r in order]
     if died:
         parts.insert(0, f"ranks {sorted(died)} died without a result (exit codes {list(died.values())})")

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config.loader import load_config
+from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.models.transformer import Transformer
 from moetrain.plan.host_ops import count_host_ops, small_widths
 from moetrain.plan.model_states import Layout, param_specs
@@ -47,7 +48,7 @@ def _full_width_counts(model, moe) -> tuple[int, int]:
         net(ids_BS, labels).loss.backward()
 
     def step():
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        clip_global_grad_norm_(list(net.parameters()), 1.0)  # as the trainer clips
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -72,10 +73,13 @@ def test_the_small_width_count_is_the_real_models(job):
     assert got.per_step(3) == 3 * got.micro_batch + got.optimizer
 
 
-def test_more_layers_more_operations():
+def test_more_layers_more_operations_in_the_micro_batch_not_in_the_optimizer_step():
+    # The optimizer step is multi-tensor (norms, scaling, fused AdamW): its operations count the
+    # parameter groups, not the parameters.
     cfg = load_config("tiny", [])
     two, four = (count_host_ops(replace(resolve_vocab(cfg), num_layers=n), cfg.moe) for n in (2, 4))
-    assert four.micro_batch > two.micro_batch and four.optimizer > two.optimizer
+    assert four.micro_batch > two.micro_batch
+    assert four.optimizer == two.optimizer
 
 
 def _profile(op_overhead_s: float, host_async: bool) -> DeviceProfile:

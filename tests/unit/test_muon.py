@@ -75,7 +75,7 @@ class ReferenceMuon:
         assert len(self.matrices) + len(decay) + len(vectors) == len(named)
         self.adamw = torch.optim.AdamW([{"params": decay, "weight_decay": WD},
                                         {"params": vectors, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS,
-                                       foreach=False)
+                                       fused=True)
         self.momentum = {id(p): torch.zeros_like(p) for p in self.matrices}
 
     @torch.no_grad()

@@ -40,28 +40,26 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
 
     Collective over those axes: every rank must call it with the same parameters in the same order.
     """
-    replicated_sq = torch.zeros((), dtype=torch.float32)
-    sharded_sq: dict[object, tuple] = {}
+    # Gradients summed alike (plain ones, or DTensors over the same mesh axes) share one
+    # multi-tensor norm: a few kernel launches per group, not three per parameter.
+    groups: dict[object, tuple] = {}
     for p in params:
         g = p.grad
         if g is None:
             continue
-        sq = local_tensor(g).float().pow(2).sum()
-        if not isinstance(g, DTensor):
-            replicated_sq = replicated_sq.to(sq.device) + sq
-            continue
-        mesh = g.device_mesh
-        shard_axes = _sharded_axes(g)
-        key = (id(mesh), shard_axes)
-        if key not in sharded_sq:
-            sharded_sq[key] = (mesh, shard_axes, torch.zeros((), dtype=torch.float32, device=sq.device))
-        m, axes, acc = sharded_sq[key]
-        sharded_sq[key] = (m, axes, acc + sq)
-    total_sq = replicated_sq
-    for mesh, axes, acc in sharded_sq.values():
+        if isinstance(g, DTensor):
+            mesh, axes = g.device_mesh, _sharded_axes(g)
+            key: object = (id(mesh), axes)
+        else:
+            mesh, axes, key = None, (), None
+        groups.setdefault(key, (mesh, axes, []))[2].append(local_tensor(g))
+    total_sq = torch.zeros((), dtype=torch.float32)
+    for mesh, axes, grads in groups.values():
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32)
+        sq = torch.linalg.vector_norm(torch.stack(norms)).square()
         for axis in axes:
-            dist.all_reduce(acc, group=mesh.get_group(axis))
-        total_sq = total_sq.to(acc.device) + acc
+            dist.all_reduce(sq, group=mesh.get_group(axis))
+        total_sq = total_sq.to(sq.device) + sq
     return total_sq.sqrt()
 
 
@@ -88,10 +86,14 @@ def clip_to_norm_(params: list[torch.Tensor], norm: torch.Tensor, max_norm: floa
     (no-op for ``max_norm <= 0``); on device, no host sync."""
     if max_norm > 0:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
         for p in params:
             assert p.grad is not None, "clip_to_norm_ takes parameters with gradients"
             grad = local_tensor(p.grad)
-            grad.mul_(scale.to(grad.device))
+            by_device.setdefault(grad.device, []).append(grad)
+        for device, grads in by_device.items():
+            # One multi-tensor kernel per device, not one launch per parameter.
+            torch._foreach_mul_(grads, scale.to(device))
 
 
 def clip_model_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:

@@ -20,7 +20,7 @@ Averaging momenta is averaging gradients: with m identical on every replica befo
 mean of b1 m + (1 - b1) g_r over the replicas is b1 m + (1 - b1) mean(g_r), the AdamW momentum of
 the averaged gradient, up to the compression error that the residuals feed back.
 
-Bias correction: AdamW's, so that the warmup equals AdamW bit for bit and the first compressed step
+Bias correction: AdamW's, so that the warmup equals torch's per-tensor AdamW bit for bit and the first compressed step
 continues it: m_hat = m / (1 - b1^t) at the current step t, v_hat = v / (1 - b2^t_v) with t_v the
 step v froze at, ``warmup_steps``. (DeepSpeed applies none, in either stage; its freeze_step is
 thousands of steps, where both corrections are 1.) A checkpoint of an uncompressed run resumed past

@@ -19,7 +19,7 @@ from moetrain.distributed.data_parallel.ddp import MoEDataParallel, apply_data_p
 from moetrain.distributed.data_parallel.grads import clip_global_grad_norm_
 from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
 from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
-from moetrain.train.optim import build_optimizer
+from moetrain.train.optim import build_optimizer, param_groups
 from moetrain.utils.tensors import local_tensor
 from tests.distributed.workers.zero_parity import GLOBAL_BATCH, Run, build, make_batches, model_configs
 
@@ -44,7 +44,11 @@ def _train(mode: str, rank: int, world_size: int, *, ep: int, warmup: int, steps
     model = build(run)
     apply_expert_parallel(model, dims)
     ddp = apply_data_parallel(model, dims, grad_compression=mode)
-    opt = build_optimizer(model, **HYPER, data_parallel=ddp, onebit_warmup_steps=warmup)
+    if mode == "onebit":
+        opt = build_optimizer(model, **HYPER, data_parallel=ddp, onebit_warmup_steps=warmup)
+    else:  # torch's per-tensor AdamW, which OneBitAdam's warmup repeats operation for operation
+        opt = torch.optim.AdamW(param_groups(model, weight_decay=HYPER["weight_decay"]), lr=HYPER["lr"],
+                                betas=HYPER["betas"], eps=HYPER["eps"], foreach=False)
     batches = make_batches(run, steps)
     B = GLOBAL_BATCH // world_size
     names = {p: n for n, p in model.named_parameters()}
