@@ -178,7 +178,8 @@ def _optimizer_bandwidth(cfg, *, repeats: int, barrier) -> float:
     from moetrain.plan.model_states import param_specs
     from moetrain.plan.planner import resolve_vocab
 
-    params = [torch.nn.Parameter(torch.randn(s.shape)) for s in param_specs(resolve_vocab(cfg), cfg.moe)]
+    params: list[torch.Tensor] = [torch.nn.Parameter(torch.randn(s.shape))
+                                   for s in param_specs(resolve_vocab(cfg), cfg.moe)]
     for p in params:
         p.grad = torch.randn_like(p)
     opt = LocalAdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # as train.optim builds it
