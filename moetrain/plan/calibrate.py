@@ -27,7 +27,8 @@ those it has beside n - 1 others: 4 ranks on 2 cores share them, and the rates s
    nearly all dispatch, one micro-batch and an optimizer step, over the operations they dispatch;
 10. (n > 1, E divisible by n) expert parallelism's host work: that small model as the trainer runs it
    at dp = n, at ep = n against ep = 1: the micro-batches' difference less the all-to-alls' latency
-   per MoE layer (``ep_layer_host_s``), the optimizer steps' per expert DTensor (``dtensor_param_host_s``).
+   per MoE layer (``ep_layer_host_s``), the optimizer steps' less the experts' norm all-reduce per
+   expert DTensor (``dtensor_param_host_s``).
 
 The ranks' medians are averaged; the JSON holds one "cpu" ``DeviceProfile`` per n.
 """
@@ -206,11 +207,14 @@ def _op_overhead(cfg, *, repeats: int, barrier) -> float:
     return _timeit(step, repeats=repeats, barrier=barrier) / count_host_ops(model, cfg.moe).per_step(1)
 
 
-def _ep_host(cfg, world: int, *, a2a_latency_s: float, repeats: int, barrier) -> dict:
+def _ep_host(cfg, world: int, *, a2a_latency_s: float, all_reduce_latency_s: float, repeats: int,
+             barrier) -> dict:
     """Expert parallelism's host work beyond what the step-time model counts otherwise: the
     config's model at small widths (``plan.host_ops``), as the trainer runs it at dp = ``world``,
     once at ep = ``world`` and once at ep = 1; the difference of their micro-batches, less the
-    all-to-alls' latency, per MoE layer, and of their optimizer steps per expert DTensor."""
+    all-to-alls' latency, per MoE layer, and of their optimizer steps, less the all-reduce of the
+    experts' squared gradient norm over ep (which ep = 1 does not have, and the model counts as a
+    sync), per expert DTensor."""
     import torch.distributed as dist
 
     from moetrain.plan.host_ops import parallel_small_step
@@ -232,7 +236,8 @@ def _ep_host(cfg, world: int, *, a2a_latency_s: float, repeats: int, barrier) ->
     num_expert_tensors = sum(1 for spec in param_specs(model, cfg.moe) if spec.expert)
     layer_s = (times[world][0] - times[1][0]) / num_moe - ALL_TO_ALLS_PER_MOE_LAYER * a2a_latency_s
     return {"ep_layer_host_s": max(0.0, layer_s),
-            "dtensor_param_host_s": max(0.0, (times[world][1] - times[1][1]) / num_expert_tensors)}
+            "dtensor_param_host_s": max(0.0, (times[world][1] - times[1][1] - all_reduce_latency_s)
+                                        / num_expert_tensors)}
 
 
 def _collectives(world: int, *, repeats: int, barrier) -> dict:
@@ -309,7 +314,8 @@ def _rank_main(rank: int, world: int, threads: int, init_file: str, config: str,
         if world > 1:
             res["collectives"] = _collectives(world, repeats=repeats, barrier=barrier)
             res["overlap"] = _overlap(repeats=repeats, barrier=barrier)
-            res.update(_ep_host(cfg, world, a2a_latency_s=res["collectives"]["all_to_all"][1], repeats=repeats,
+            res.update(_ep_host(cfg, world, a2a_latency_s=res["collectives"]["all_to_all"][1],
+                                all_reduce_latency_s=res["collectives"]["all_reduce"][1], repeats=repeats,
                                 barrier=barrier))
         queue.put((rank, res))
     finally:

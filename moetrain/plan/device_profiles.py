@@ -67,8 +67,9 @@ class DeviceProfile:
     of more threads than cores; 1 for one device per rank). A rank that computes while its peers wait
     in a collective gets the cores they leave, 1 / core_share times its calibrated rate."""
     dtensor_param_host_s: float = 0.0
-    """At ep > 1: host seconds per ep-sharded expert parameter tensor (a DTensor) per optimizer step:
-    sharding propagation of each operation of clipping and AdamW on it. Host time like ``op_overhead_s``."""
+    """At ep > 1: host seconds per ep-sharded expert parameter tensor (a DTensor) per optimizer step
+    beyond a plain tensor's: its local views and placement check in the fused AdamW step and in the
+    multi-tensor clipping (no DTensor operation runs there). Host time like ``op_overhead_s``."""
 
     def peak(self, dtype: str, *, tf32: bool = False) -> float:
         """The rate of train.dtype's matmuls: TF32's for fp32 under train.tf32 where the device has it."""
@@ -113,7 +114,7 @@ _NVLINK4 = Link(bandwidth=450e9 * 0.8, latency=10e-6)
 _NDR_IB = Link(bandwidth=50e9 * 0.8, latency=25e-6)
 H100_SXM = DeviceProfile(
     name="h100", peak_flops=peak_flops_by_precision("h100-sxm"), gemm_efficiency=0.7, host_sync_s=20e-6,
-    op_overhead_s=10e-6, host_async=True, ep_layer_host_s=1e-3, dtensor_param_host_s=0.1e-3,
+    op_overhead_s=10e-6, host_async=True, ep_layer_host_s=1e-3, dtensor_param_host_s=2e-6,
     expert_gemm_efficiency=0.6, attention_efficiency=0.5, memory_bandwidth=3.35e12 * 0.8,
     optimizer_bandwidth=3.35e12 * 0.8, intra_node=_NVLINK4, inter_node=_NDR_IB, comm_overlap=1.0)
 """NVIDIA H100 SXM5 in an 8-GPU HGX/DGX node. Datasheet (NVIDIA H100 Tensor Core GPU datasheet, peaks from
@@ -124,10 +125,11 @@ nccl-tests bus bandwidth shows on such nodes); GEMMs reach 70% of peak (large bf
 expert GEMMs 60%, attention 50% (FlashAttention-2 reports 50-73% of peak, Dao 2023); 10 us per NVLink and 25
 us per InfiniBand collective call; 20 us per host sync; 10 us of host time per dispatched operation (eager
 PyTorch's Python, autograd and launch path), hidden while the GPU has queued work; at ep > 1, 1 ms of host
-work per MoE layer and micro-batch in the all-to-all dispatcher and 0.1 ms per expert DTensor per optimizer
-step (about a third of what ``plan.calibrate`` measures on the 2-core CPU bench at 2 processes, 2.6-4.1 ms
-and 0.2-0.3 ms (docs/step-time.md), for a server core taken as 3x faster at Python). ``benchmarks/gpu.sh``
-measures the GEMM rate."""
+work per MoE layer and micro-batch in the all-to-all dispatcher and 2 us per expert DTensor per optimizer
+step (about a third of what the 2-core CPU bench measures: 2.6-4.1 ms per layer by ``plan.calibrate`` at 2
+processes (docs/step-time.md), and 4.8 us per expert DTensor in the fused optimizer step at world 1, for a
+server core taken as 3x faster at Python; torch's per-tensor AdamW cost 0.2-0.3 ms per expert DTensor).
+``benchmarks/gpu.sh`` measures the GEMM rate."""
 H200 = replace(H100_SXM, name="h200", memory_bandwidth=4.8e12 * 0.8, optimizer_bandwidth=4.8e12 * 0.8)
 """NVIDIA H200 SXM: the H100's compute (the same datasheet rates), NVLink 4 and NDR networking,
 4.8 TB/s HBM3e (141 GB) (NVIDIA H200 Tensor Core GPU datasheet); the H100_SXM's assumed efficiencies."""

@@ -244,8 +244,9 @@ def test_calibration_measures_two_real_processes(tmp_path):
     p = load_profile(str(out), procs_per_node=2)
     assert p.name == "cpu" and p.threads_per_rank >= 1 and 0.0 <= p.comm_overlap <= 1.0
     assert 1e-7 < p.op_overhead_s < 1e-3 and not p.host_async
-    # DTensor dispatch of the expert weights in clipping and AdamW: slower than plain tensors.
-    assert 0.0 <= p.ep_layer_host_s < 0.1 and 0.0 < p.dtensor_param_host_s < 0.1
+    # The fused optimizer step over ep-sharded experts costs little more than over plain tensors:
+    # well under torch's per-tensor AdamW (0.2-0.3 ms per expert DTensor at 2 processes).
+    assert 0.0 <= p.ep_layer_host_s < 0.1 and 0.0 <= p.dtensor_param_host_s < 0.1
     assert p.peak("fp32") > 0 and p.gemm_efficiency > 0 and p.memory_bandwidth > 0
     assert set(p.intra_node.by_collective) == {"all_reduce", "all_to_all", "all_gather", "reduce_scatter"}
     assert all(bw > 0 and lat > 0 for bw, lat in p.intra_node.by_collective.values())
