@@ -22,24 +22,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from moetrain.config.loader import load_config
 from moetrain.distributed import ParallelDims, clip_global_grad_norm_, parallelize
 from moetrain.models.transformer import Transformer
+from moetrain.plan.host_ops import OpCounter
 from moetrain.plan.planner import resolve_vocab
 from moetrain.train.optim import build_optimizer, param_groups
 from moetrain.utils.tensors import local_tensor
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 @torch.no_grad()
@@ -66,7 +56,7 @@ def _median_s(fn, repeats: int) -> float:
 
 
 def _ops(fn) -> int:
-    with _Ops() as ops:
+    with OpCounter() as ops:
         fn()
     return ops.count
 

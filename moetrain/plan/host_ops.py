@@ -39,7 +39,10 @@ class HostOps:
         return self.micro_batch * grad_accum + self.optimizer
 
 
-class _Counter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen operations dispatched inside it, at the top level (an operation on a
+    DTensor or another tensor subclass counts once, before the subclass turns it into others)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -156,7 +159,7 @@ def count_host_ops(model: ModelConfig, moe: MoEConfig) -> HostOps:
         optimizer_step()  # AdamW creates its state in the first step: count a later one
         counts = []
         for fn in (micro_batch, optimizer_step):
-            with _Counter() as counter:
+            with OpCounter() as counter:
                 fn()
             counts.append(counter.count)
         _COUNTS[key] = HostOps(micro_batch=counts[0], optimizer=counts[1])
