@@ -23,14 +23,10 @@ from collections.abc import Callable
 from typing import overload
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
 from moetrain.utils.tensors import local_tensor
-
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # a torch build without distributed support has no DTensor parameters
-    DTensor = ()  # type: ignore[assignment,misc]
 
 
 def _check_placed_alike(p: torch.Tensor) -> None:

@@ -62,9 +62,10 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _failure_report(world_size: int, failed: dict, results, procs, grace_s: float = 5.0) -> str:
-    """Every failing rank's traceback, the cause first. The first report to arrive is often a
-    peer's "Connection closed (or reset) by peer" from the collective it was in when the failing rank tore
-    its group down, so the others get ``grace_s`` to report (or die) before the verdict."""
+    """Every rank that died without a result and every failing rank's traceback, the cause first.
+    The first report to arrive is often a peer's "Connection closed (or reset) by peer" from the
+    collective it was in when the failing rank tore its group down (or died), so the others get
+    ``grace_s`` to report (or die) before the verdict."""
     deadline = time.monotonic() + grace_s
     while len(failed) < world_size and time.monotonic() < deadline:
         try:
@@ -109,10 +110,8 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 90.0, threads: int 
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in done and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RankError(f"ranks {dead} died without a result (exit codes "
-                                    f"{[procs[r].exitcode for r in dead]})") from None
+                if any(r not in done and p.exitcode not in (None, 0) for r, p in enumerate(procs)):
+                    raise RankError(_failure_report(world_size, {}, results, procs)) from None
                 continue
             if not ok:
                 raise RankError(_failure_report(world_size, {rank: payload}, results, procs))
