@@ -93,7 +93,6 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
 def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
     """Train this rank's part of ``cfg``; rank 0 then writes the report and prints the summary.
     Returns the exit code (143 after a SIGTERM, whose checkpoint is saved) and the world size."""
-    from moetrain.train.report import write_report
     from moetrain.train.trainer import Trainer
 
     trainer = Trainer(cfg)
@@ -111,6 +110,9 @@ def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
     if trainer.interrupted:  # 128 + 15 tells the launcher the run did not finish
         return 143, trainer.world_size
     if trainer.is_main:
+        # Imported here: matplotlib costs every rank a third of a second at start-up otherwise.
+        from moetrain.train.report import write_report
+
         pngs = write_report(trainer.run_dir) if cfg.log.report else []
         print()
         if "test_accuracy" in final:  # a classifier's last eval covers the test split
