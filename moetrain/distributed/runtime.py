@@ -129,10 +129,12 @@ def check_launcher_nodes(world_size: int, device_type: str) -> None:
     local = launcher_ranks_per_node(world_size)
     if local is None or local == world_size:
         return
+    from moetrain.distributed.comm.collectives import all_gather_single  # collectives imports this module
+
     node = int(os.environ.get("GROUP_RANK", dist.get_rank() // local))
     mine = torch.tensor([local, node], dtype=torch.int64, device=device_type)
     every = torch.empty(world_size * 2, dtype=torch.int64, device=device_type)
-    dist.all_gather_into_tensor(every, mine)
+    all_gather_single(every, mine)
     sizes, nodes = every.view(-1, 2).T.tolist()
     errors = []
     if len(set(sizes)) > 1:

@@ -19,7 +19,7 @@ those it has beside n - 1 others: 4 ranks on 2 cores share them, and the rates s
    bytes read + written over their time, mixed as the head's and the blocks' saved activations are;
 6. optimizer bandwidth: an AdamW step (as ``train.optim`` builds it) and global-norm clipping over
    the model's parameters, ``OPTIMIZER_BYTES_PER_ELEMENT`` per element over their time;
-7. (n > 1) all_reduce, all_to_all_single, all_gather_into_tensor and reduce_scatter_tensor at 4 KiB
+7. (n > 1) all_reduce, all_to_all_single, all_gather_single and reduce_scatter_single at 4 KiB
    and 16 MiB: latency = the small call's time, bandwidth = extra bytes sent / extra time;
 8. (n > 1) overlap: an async all-reduce started before a matmul of about its duration, against the
    two run one after the other;
@@ -263,10 +263,12 @@ def _collective_call(name: str, full, part):
     import torch
     import torch.distributed as dist
 
+    from moetrain.distributed.comm.collectives import all_gather_single, reduce_scatter_single
+
     return {"all_reduce": lambda: dist.all_reduce(full),
             "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
-            "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-            "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full)}[name]
+            "all_gather": lambda: all_gather_single(full, part),
+            "reduce_scatter": lambda: reduce_scatter_single(part, full)}[name]
 
 
 def _overlap(*, repeats: int, barrier) -> float:

@@ -8,8 +8,10 @@ import torch.distributed as dist
 
 from moetrain.distributed.parallel_dims import ParallelDims
 
-# torch 2.13 renamed all_gather_into_tensor (same arguments) and deprecates the old name.
+# torch 2.13 renamed all_gather_into_tensor and reduce_scatter_tensor (same arguments) and
+# deprecates the old names.
 all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 
 
 def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
