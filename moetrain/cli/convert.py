@@ -75,7 +75,8 @@ def run_export(args: argparse.Namespace, overrides: list[str]) -> int:
     out = export_model(args.run_dir, args.to, max_shard_bytes=parse_size(args.max_shard_size))
     shards = sorted(out.glob("model-*-of-*.safetensors"))
     weights = f"{len(shards)} safetensors shards, {INDEX}" if shards else WEIGHTS
-    print(f"exported {args.run_dir} to {out} ({weights}, config.yaml)")
+    tokenizer = ", tokenizer.json" if (out / "tokenizer.json").is_file() else ""
+    print(f"exported {args.run_dir} to {out} ({weights}, config.yaml{tokenizer})")
     return 0
 
 

@@ -8,12 +8,13 @@
 ``generate`` continues a prompt in one process, one token per forward with a key/value cache
 (``moetrain.interop.generation`` loads the model and its tokenizer). RUN is a run folder (its
 newest checkpoint), a checkpoint or a moetrain export, whatever parallel layout wrote it; the
-tokenizer is the run's, or ``--tokenizer`` (a ``tokenizer.json``, or "bytes"), which an export of a
-Hugging Face model needs. It prints the prompt and its continuation, then one line of figures: new
-tokens, seconds, tokens/s overall and of the decoding steps after the first. ``--speculative``
-decodes greedily with the model's multi-token modules (``model.mtp_depth``) drafting the next
-tokens and one forward verifying them (``generate_speculative``): the same tokens as greedy
-decoding, and the drafts' acceptance rate on the figures line.
+tokenizer is the run's (the tokenizer.json saved in its run folder or export: no corpus needed), or
+``--tokenizer`` (a ``tokenizer.json``, or "bytes"), which an export of a Hugging Face model needs.
+It prints the prompt and its continuation, then one line of figures: new tokens, seconds, tokens/s
+overall and of the decoding steps after the first. ``--speculative`` decodes greedily with the
+model's multi-token modules (``model.mtp_depth``) drafting the next tokens and one forward
+verifying them (``generate_speculative``): the same tokens as greedy decoding, and the drafts'
+acceptance rate on the figures line.
 
 ``eval`` measures a saved run's checkpoint at any process count (``moetrain.train.evaluate``):
 classifier accuracy, macro-F1 and per-class F1, or LM loss and perplexity.
@@ -40,7 +41,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the sampling (default 0)")
     p.add_argument("--checkpoint", default=None, help="this checkpoint folder instead of RUN's newest")
     p.add_argument("--tokenizer", default=None,
-                   help='a tokenizer.json, or "bytes" (default: the run\'s data.tokenizer)')
+                   help='a tokenizer.json, or "bytes" (default: the tokenizer.json saved with the run or '
+                        'export, else the run\'s data.tokenizer)')
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="auto: CUDA when available, else CPU (default auto)")
     p.add_argument("--dtype", default="fp32", choices=DTYPES, help="weights and cache dtype (default fp32)")

@@ -248,3 +248,61 @@ def build_tokenizer(kind: str, documents=None, *, vocab_size: int = 4096,
             raise ValueError('data.tokenizer ("bpe") needs the corpus documents to train on')
         return load_or_train_bpe(documents, vocab_size=vocab_size, cache_dir=cache_dir)
     raise ValueError(f"data.tokenizer ({kind!r}) must be one of 'bpe', 'bytes' or the path of a tokenizer.json")
+
+
+SAVED_TOKENIZER = "tokenizer.json"
+"""The tokenizer a run trained with, in its run folder and in its exports (``save_tokenizer``)."""
+
+_SIBLING_FILES = ("special_tokens_map.json", "generation_config.json")
+"""Files of a pretrained tokenizer's folder copied with it (tokenizer_config.json is written)."""
+
+
+def save_tokenizer(tokenizer: Tokenizer | None, folder: str | os.PathLike, *, durable: bool = False) -> list[str]:
+    """Write ``tokenizer`` into ``folder`` so that ``load_saved_tokenizer(folder)`` gives the same ids,
+    ``vocab_size``, ``eos_id`` and decode without the corpus; the names of the files written.
+
+    A BPE (trained or pretrained) is its ``tokenizer.json`` beside a ``tokenizer_config.json`` that
+    names its end-of-text token, where ``PretrainedTokenizer`` (and Hugging Face's AutoTokenizer)
+    read it: a pretrained tokenizer whose eos came from a config.json not copied here keeps it.
+    The byte tokenizer is rebuilt from its name and pre-tokenised data has none: nothing is
+    written, and a tokenizer.json left by an earlier run in ``folder`` is removed so that it is
+    not read as this run's. tokenizer.json is written last: a folder with one is complete.
+    """
+    folder = Path(folder)
+    target = folder / SAVED_TOKENIZER
+    if not isinstance(tokenizer, BPETokenizer):
+        target.unlink(missing_ok=True)
+        return []
+    source = tokenizer.path if isinstance(tokenizer, PretrainedTokenizer) else None
+    if source is not None and source.resolve() == target.resolve():
+        return []  # the run trains with the tokenizer of its own folder: already in place
+    raw, config = None, {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if source is not None and (source.parent / "tokenizer_config.json").is_file():
+        raw = (source.parent / "tokenizer_config.json").read_bytes()
+        config = json.loads(raw)
+    if tokenizer.eos_id is not None and _token_text(config.get("eos_token")) is None:
+        config["eos_token"] = tokenizer._tokenizer.id_to_token(tokenizer.eos_id)
+        raw = None
+    with atomic_path(folder / "tokenizer_config.json", durable=durable) as tmp:
+        # The original's bytes where it already names the eos (a Hugging Face folder stays as it was).
+        tmp.write_bytes(raw if raw is not None else (json.dumps(config, indent=2, ensure_ascii=False) + "\n").encode())
+    written = ["tokenizer_config.json"]
+    for name in _SIBLING_FILES:
+        if source is not None and (source.parent / name).is_file():
+            with atomic_path(folder / name, durable=durable) as tmp:
+                tmp.write_bytes((source.parent / name).read_bytes())
+            written.append(name)
+        else:  # a stale one could name another eos_token_id than tokenizer_config.json
+            (folder / name).unlink(missing_ok=True)
+    with atomic_path(target, durable=durable) as tmp:
+        if source is None:
+            tokenizer._tokenizer.save(str(tmp))
+        else:
+            tmp.write_bytes(source.read_bytes())  # the same bytes: the same key (token cache) as the original
+    return [SAVED_TOKENIZER, *written]
+
+
+def load_saved_tokenizer(folder: str | os.PathLike) -> Tokenizer | None:
+    """The tokenizer ``save_tokenizer`` wrote into ``folder``; None when there is none."""
+    path = Path(folder) / SAVED_TOKENIZER
+    return PretrainedTokenizer.from_file(path) if path.is_file() else None

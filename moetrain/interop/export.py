@@ -6,6 +6,8 @@
                             model-0000i-of-0000n.safetensors + model.safetensors.index.json
     DIR/config.yaml         the run's resolved job config (model.vocab_size filled in); for a model
                             imported from Hugging Face, only its ``model`` and ``moe`` sections
+    DIR/tokenizer.json      the tokenizer the run trained with, when its run folder holds one, with
+                            its tokenizer_config.json (``moetrain.data.tokenizer.save_tokenizer``)
 
 Sources (``open_source``): an export folder, a run folder (its latest checkpoint), a folder of
 checkpoints (its latest) or one checkpoint. Reading a sharded checkpoint needs one process and no
@@ -29,6 +31,7 @@ from moetrain.config.convert import build_section
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.data.tokenizer import load_saved_tokenizer, save_tokenizer
 from moetrain.interop.sources import CheckpointTensors, ExportTensors, MergedLoRATensors
 from moetrain.train.checkpoint.files import MANIFEST, CheckpointError, resolve_checkpoint
 from moetrain.utils.files import atomic_write_text
@@ -56,6 +59,14 @@ def _checkpoint_of(path: Path) -> Path:
                                   "exist): train with checkpoint.every > 0 or checkpoint.save_final = true")
         return resolve_checkpoint(folder)
     return resolve_checkpoint(path)
+
+
+def source_folder(source: str | os.PathLike) -> Path | None:
+    """The folder that holds ``source``'s config.yaml, and with it the tokenizer the run saved: an
+    export or run folder itself, the run of a folder of checkpoints or of a checkpoint
+    (RUN/checkpoints/step_N); None when none of them has one (checkpoints kept outside the run)."""
+    path = Path(source)
+    return next((p for p in (path, path.parent, path.parent.parent) if (p / CONFIG).is_file()), None)
 
 
 def open_source(source: str | os.PathLike) -> tuple[dict, ExportTensors | CheckpointTensors, dict]:
@@ -185,5 +196,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         for n in names:
             w.write(n, tensors.get(n))
         w.close()
-    write_config_yaml(out, config, info)
+    folder = source_folder(source)
+    save_tokenizer(load_saved_tokenizer(folder) if folder is not None else None, out, durable=True)
+    write_config_yaml(out, config, info)  # last: an export with a config.yaml is complete
     return out

@@ -16,8 +16,8 @@ import sys
 
 from moetrain.config.convert import build_section
 from moetrain.config.data import DataConfig
-from moetrain.data.tokenizer import Tokenizer, build_tokenizer
-from moetrain.interop.export import build_model, load_source, model_configs
+from moetrain.data.tokenizer import ByteTokenizer, Tokenizer, build_tokenizer, load_saved_tokenizer
+from moetrain.interop.export import build_model, load_source, model_configs, source_folder
 from moetrain.models.transformer import Transformer
 
 
@@ -38,17 +38,26 @@ def load_generation_model(source: str) -> tuple[Transformer, dict]:
 
 
 def load_tokenizer(config: dict, tokenizer: str | None, *, source: str) -> Tokenizer:
-    """``tokenizer`` (a tokenizer.json path or "bytes"), else the one the run's data section names."""
+    """``tokenizer`` (a tokenizer.json path or "bytes"), else the run's own: the tokenizer.json saved
+    beside the config.yaml of ``source`` (its run folder or export; no corpus needed), else the
+    one the data section names: "bytes" by name, any other prepared from the run's corpus (a
+    run saved before runs carried their tokenizer)."""
     if tokenizer is not None:
         if tokenizer != "bytes" and not tokenizer.endswith(".json"):
             raise ValueError(f'--tokenizer ({tokenizer!r}) must be a tokenizer.json or "bytes"')
         return build_tokenizer(tokenizer)
+    folder = source_folder(source)
+    saved = load_saved_tokenizer(folder) if folder is not None else None
+    if saved is not None:
+        return saved
     if "data" not in config:
         raise ValueError(f"{source!r} holds no data config (an export of a Hugging Face model?): pass --tokenizer "
                          "PATH/tokenizer.json")
+    if (config["data"] or {}).get("tokenizer") == "bytes":
+        return ByteTokenizer()
     from moetrain.data.prepare import prepare_data
 
-    # The run's own tokenizer: a BPE is read from the data cache (trained and cached on first use).
+    # A BPE is read from the data cache (trained and cached on first use).
     data = prepare_data(build_section(DataConfig, "data", config["data"]))
     if data.tokenizer is None:
         raise ValueError(f"{source!r} trained on pre-tokenised data (no tokenizer): pass --tokenizer "

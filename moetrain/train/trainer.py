@@ -30,6 +30,7 @@ from moetrain.config import JobConfig
 from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.convert import config_to_dict
 from moetrain.config.loader import save_config
+from moetrain.data.tokenizer import save_tokenizer
 from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.data_parallel import ddp as data_parallel
@@ -110,6 +111,8 @@ class Trainer:
     def build_data(self) -> None:
         self.classifier = is_classifier(self.cfg)
         self.data = build_task_data(self.cfg, is_main=self.is_main)
+        if self.is_main:  # beside config.yaml: generate and export decode without the corpus
+            save_tokenizer(self.data.tokenizer, self.run_dir)
         self.train_loader, self.val_loader = build_loaders(self.cfg, self.data, grad_accum=self.grad_accum,
                                                            dp_rank=self.dp_rank, dp_size=self.dp_size)
         if self.classifier:
