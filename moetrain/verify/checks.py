@@ -25,6 +25,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from moetrain.config.job import JobConfig
+
 UNIT_ROUNDOFF = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 """Unit roundoff of each compute dtype: half the gap between 1 and the next representable number."""
 
@@ -202,7 +204,32 @@ def _finite(t: torch.Tensor) -> float:
     return v if math.isfinite(v) else math.inf
 
 
-def counts_from_shares(shares_LE: list[list[float]], routed: int) -> torch.Tensor:
-    """Routed copies per expert from metrics.jsonl's per-layer shares (rounded to 5 digits there,
-    exact again once multiplied by the step's routed copies while those stay below 50,000)."""
-    return (torch.tensor(shares_LE, dtype=torch.float64) * routed).round()
+def routed_counts(cfg: JobConfig) -> dict[str, list[int]]:
+    """By per-layer key of metrics.jsonl, the count each MoE layer's value is a share of in one
+    step's record (verify logs every step), in the logged layer order: the MoE blocks of
+    ``model.num_layers`` by index (dense blocks log no row), then multi-token depths 1..D, whose
+    blocks are MoE blocks in an MoE model (models/transformer.py).
+
+    ``expert_share``: routed copies, B * S * K in a main layer, B * (S - k) * K at depth k, which
+    routes only the S - k positions with a token k places ahead (models/mtp.py; with keep_length
+    too, its token mask, and tensor parallelism refuses a capacity factor that would route the
+    padding). ``dropped_fraction``: the same copies; expert choice: tokens (B * S, B * (S - k)),
+    which no expert took. Expert choice's shares are 1/E in every layer, whatever the total.
+    B is the global batch: the counts are summed over the micro-batches and ranks. A classifier
+    does not route its padding, so its counts fall below these (not modelled: they vary by batch)."""
+    B, S, m = cfg.train.global_batch_size, cfg.data.seq_len, cfg.model
+    positions_L = [S] * len(m.moe_layer_ids) + ([S - k for k in range(1, m.mtp_depth + 1)] if m.is_moe else [])
+    copies_L = [B * p * cfg.moe.top_k for p in positions_L]
+    return {"expert_share": copies_L,
+            "dropped_fraction": [B * p for p in positions_L] if cfg.moe.is_expert_choice else copies_L}
+
+
+def counts_from_shares(shares_L: list, routed_L: list[int]) -> torch.Tensor:
+    """Counts from metrics.jsonl's per-layer shares, ``[L]`` or ``[L, E]`` (rounded to 5 digits
+    there, exact again once multiplied by the layer's count ``routed_L[l]`` while it stays below
+    50,000), as float64 ``[L]`` or ``[L, E]``."""
+    shares = torch.tensor(shares_L, dtype=torch.float64)
+    if shares.shape[0] != len(routed_L):
+        raise ValueError(f"{shares.shape[0]} layers of shares against {len(routed_L)} layer counts")
+    routed = torch.tensor(routed_L, dtype=torch.float64).reshape(-1, *[1] * (shares.dim() - 1))
+    return (shares * routed).round()

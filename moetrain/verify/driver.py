@@ -25,7 +25,7 @@ from moetrain.config.job import JobConfig
 from moetrain.config.loader import save_config
 from moetrain.config.model import ModelConfig
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares
+from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares, routed_counts
 from moetrain.verify.flips import FLIP_WHY, Flips, flipped_experts, loosened_rows
 from moetrain.verify.init_export import PLACEHOLDER, cut_export
 from moetrain.verify.launcher import Launcher
@@ -188,8 +188,8 @@ def _flips(plan: Plan, ctx: _Context, records: dict[int, dict], step: int) -> Fl
     precision lets routing flip (fp32 counts are exact: nothing is loosened)."""
     if not (ctx.precision.low_precision and plan.cfg.model.is_moe):
         return None
-    routed = plan.cfg.train.global_batch_size * plan.cfg.data.seq_len * plan.cfg.moe.top_k
-    return flipped_experts(records, ctx.ref_records, routed=routed, up_to=step)
+    routed_L = routed_counts(plan.cfg)["expert_share"]
+    return flipped_experts(records, ctx.ref_records, routed_L=routed_L, up_to=step)
 
 
 def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None],
@@ -212,17 +212,21 @@ def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: 
 
 
 ROUTING_MOVE_LOW_PRECISION = 0.01
-"""Share of a step's routed copies that may change expert when the step runs in bf16 (or
+"""Share of a layer's routed copies in a step that may change expert when the step runs in bf16 (or
 dispatches in a low-precision dtype): another reduction order changes a router input by an ulp
 (2^-8 relative), enough to flip the few top-k choices whose scores are that close."""
 
 
-def _routing_tol(precision: Precision, routed: int) -> Tolerance:
+def _routing_tol(precision: Precision, routed_L: list[int]) -> tuple[Tolerance, torch.Tensor | None]:
+    """The tolerance shown and the bound of each layer's counts (None: exact). Per layer, 1% of that
+    layer's own copies: near-ties flip in proportion to the copies a layer routes, and a depth-k
+    multi-token layer routes fewer than a main one."""
     if not precision.low_precision:
-        return Tolerance(0.0, 0.0, "integer counts from fp32 router scores: exact")
-    return Tolerance(max(2.0, ROUTING_MOVE_LOW_PRECISION * routed), 0.0,
-                     f"{ROUTING_MOVE_LOW_PRECISION:.0%} of the step's routed copies may flip between near-tied "
-                     "experts under low-precision rounding")
+        return Tolerance(0.0, 0.0, "integer counts from fp32 router scores: exact"), None
+    bound_L = (ROUTING_MOVE_LOW_PRECISION * torch.tensor(routed_L, dtype=torch.float64)).clamp(min=2.0)
+    return Tolerance(float(bound_L.max()), 0.0,
+                     f"{ROUTING_MOVE_LOW_PRECISION:.0%} of each layer's routed copies in the step may flip between "
+                     "near-tied experts under low-precision rounding"), bound_L
 
 
 def _scalar_tol(precision: Precision, key: str) -> Tolerance:
@@ -253,15 +257,27 @@ def compare_step(out: Comparison, tag: str, got: dict | None, want: dict | None,
                 out.values(f"{tag} {key}", value, want[key], _scalar_tol(precision, key), step=step)
     if not plan.cfg.model.is_moe:
         return
-    routed = plan.cfg.train.global_batch_size * plan.cfg.data.seq_len * plan.cfg.moe.top_k
-    tol = _routing_tol(precision, routed)
+    routed = routed_counts(plan.cfg)
     for key, quantity in (("expert_share", "tokens per expert"), ("dropped_fraction", "dropped tokens")):
         if key in want:
             if key not in got:
                 out.missing(f"{tag} {quantity}", f"not logged at the layout at step {step}", step=step)
             else:
-                out.values(f"{tag} {quantity}", counts_from_shares(got[key], routed),
-                           counts_from_shares(want[key], routed), tol, step=step)
+                _compare_counts(out, f"{tag} {quantity}", got[key], want[key], routed[key], precision, step=step)
+
+
+def _compare_counts(out: Comparison, quantity: str, got: list, want: list, routed_L: list[int],
+                    precision: Precision, *, step: int) -> None:
+    """Per-layer shares ``[L]`` or ``[L, E]`` of the two runs compared as counts of each layer's
+    ``routed_L`` (``routed_counts``)."""
+    if not len(got) == len(want) == len(routed_L):
+        out.missing(quantity, f"{len(got)} MoE layers logged at the layout, {len(want)} at world 1, "
+                    f"{len(routed_L)} in the job", step=step)
+        return
+    tol, bound_L = _routing_tol(precision, routed_L)
+    got_L, want_L = counts_from_shares(got, routed_L), counts_from_shares(want, routed_L)
+    bounds = None if bound_L is None else bound_L.reshape(-1, *[1] * (want_L.dim() - 1)).expand_as(want_L)
+    out.values(quantity, got_L, want_L, tol, step=step, abs_bounds=bounds)
 
 
 STATE_GROUPS = (

@@ -46,18 +46,21 @@ class Flips:
     pairs: frozenset[tuple[int, int]] = field(default_factory=frozenset)
 
 
-def flipped_experts(got: Mapping[int, dict], want: Mapping[int, dict], *, routed: int, up_to: int) -> Flips:
+def flipped_experts(got: Mapping[int, dict], want: Mapping[int, dict], *, routed_L: list[int], up_to: int) -> Flips:
     """The experts whose counts differ between the records ``got`` and ``want`` (by step) at any
-    step 1..``up_to`` (the moments of a checkpoint after ``up_to`` hold every one of them)."""
+    step 1..``up_to`` (the moments of a checkpoint after ``up_to`` hold every one of them).
+    ``routed_L``: each logged layer's routed copies in a step (checks.routed_counts)."""
     pairs: set[tuple[int, int]] = set()
     num_layers = 0
     for step in range(1, up_to + 1):
         g, w = got.get(step) or {}, want.get(step) or {}
         if "expert_share" not in g or "expert_share" not in w:
             continue
-        a_LE, b_LE = counts_from_shares(g["expert_share"], routed), counts_from_shares(w["expert_share"], routed)
-        if a_LE.shape != b_LE.shape:
+        if not len(g["expert_share"]) == len(w["expert_share"]) == len(routed_L):
             continue  # the counts row fails this step already
+        a_LE, b_LE = counts_from_shares(g["expert_share"], routed_L), counts_from_shares(w["expert_share"], routed_L)
+        if a_LE.shape != b_LE.shape:
+            continue  # as above (a different number of experts)
         num_layers = a_LE.shape[0]
         pairs |= {(int(layer), int(e)) for layer, e in (a_LE != b_LE).nonzero().tolist()}
     return Flips(num_layers, frozenset(pairs))

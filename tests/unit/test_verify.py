@@ -121,7 +121,7 @@ def test_precision_bounds_grow_with_the_rounding():
 def test_counts_come_back_exact_from_rounded_shares():
     counts = torch.tensor([[517.0, 3.0, 1000.0, 528.0]])
     shares = [[round(v, 5) for v in (counts / counts.sum()).tolist()[0]]]
-    assert torch.equal(counts_from_shares(shares, 2048), counts)
+    assert torch.equal(counts_from_shares(shares, [2048]), counts)
 
 
 def test_json_report(tmp_path):
@@ -246,7 +246,7 @@ def test_bf16_moments_loosen_only_the_slices_of_experts_whose_counts_differ():
     counts = torch.full((1, 4), routed / 4)
     moved = counts + torch.tensor([[0.0, -1.0, 1.0, 0.0]])
     flips = flipped_experts({1: {"expert_share": (moved / routed).tolist()}},
-                            {1: {"expert_share": (counts / routed).tolist()}}, routed=routed, up_to=1)
+                            {1: {"expert_share": (counts / routed).tolist()}}, routed_L=[routed], up_to=1)
     assert flips.num_layers == 1 and flips.pairs == {(0, 1), (0, 2)}
     prefix = "optim.state.layers.1.feed_forward"
     want = {f"{prefix}.experts.w1.exp_avg": torch.ones(4, 2, 2),
@@ -273,3 +273,75 @@ def test_bf16_moments_loosen_only_the_slices_of_experts_whose_counts_differ():
     plain = Comparison()  # fp32 (no flips passed): the flipped expert's 0.5 fails
     compare_state(plain, "", {**want, w1: off(1, 0.5)}, want, plan, Precision("fp32"), step=1)
     assert not plain.results[0].ok
+
+
+MTP_JOB = ["--model.mtp_depth=2", "--model.dense_layers=[0]", "--model.vocab_size=512", "--data.vocab_size=512",
+           "--data.seq_len=8", "--train.global_batch_size=2", "--train.micro_batch_size=2"]
+"""tiny with a dense block 0, three MoE blocks and two multi-token modules, 2 sequences of 8 tokens:
+per step 2 * 8 * 2 = 32 routed copies in a main MoE layer, 2 * 7 * 2 = 28 at depth 1, 24 at depth 2."""
+
+
+@pytest.mark.parametrize("keep_length", [False, True])
+def test_each_logged_layer_counts_its_own_routed_copies_mtp_depth_k_its_s_minus_k_positions(keep_length):
+    # One real training step; the balancer's integer counts are the reference the logged shares and
+    # drop fractions must come back to. keep_length (set by tensor parallelism, which refuses a
+    # capacity factor with multi-token modules) routes the same copies.
+    from moetrain.models.transformer import Transformer
+    from moetrain.train.balancing import install_balancing
+    from moetrain.train.optim import build_optimizer
+    from moetrain.verify.checks import routed_counts
+
+    cfg = load_config("tiny", [*MTP_JOB, *([] if keep_length else ["--moe.capacity_factor=1.0"])])
+    model = Transformer(cfg.model, moe=cfg.moe, seed=0)
+    for module in model.mtp:
+        module.keep_length = keep_length
+    opt = build_optimizer(model, lr=1e-3, weight_decay=0.0, betas=(0.9, 0.95), eps=1e-8)
+    balancer = install_balancing(opt, model)
+    ids = torch.randint(0, 512, (2, 8), generator=torch.Generator().manual_seed(0))
+    model(ids, ids).total_loss.backward()
+    opt.step()
+    counts_LE, dropped_L = balancer.window_routed_LE.double().clone(), balancer.window_local_L4[:, 0].clone()
+    m = balancer.metrics()
+
+    routed = routed_counts(cfg)
+    assert routed["expert_share"] == [32, 32, 32, 28, 24] == counts_LE.sum(dim=1).tolist()
+    assert routed["dropped_fraction"] == routed["expert_share"]  # token choice: copies, not tokens
+    assert torch.equal(counts_from_shares(m["expert_share"], routed["expert_share"]), counts_LE)
+    assert (dropped_L.sum() > 0) is not keep_length  # with a capacity some copies are dropped
+    assert torch.equal(counts_from_shares(m["dropped_fraction"], routed["dropped_fraction"]), dropped_L)
+
+
+def test_a_one_copy_flip_in_a_multi_token_layer_is_one_count_at_its_layer_and_experts():
+    # World 1's counts by layer; the layout moves one copy of depth 2's layer (row 4, 24 copies) from
+    # expert 0 to expert 1 and drops 2 more of its copies. Scaled by the main layers' 32 copies those
+    # would read as 3 -> 1 and 5 -> 7, and 3 drops.
+    from moetrain.verify.checks import routed_counts
+    from moetrain.verify.driver import Plan, _routing_tol, compare_step
+    from moetrain.verify.flips import flipped_experts
+
+    cfg = load_config("tiny", MTP_JOB)
+    plan = Plan(cfg, [], [], 1)
+    routed_L = torch.tensor([32.0, 32.0, 32.0, 28.0, 24.0])
+    counts_LE = torch.tensor([[4.0] * 8] * 3 + [[4.0, 3.0] * 4] + [[2.0, 4.0] + [3.0] * 6])
+    moved_LE = counts_LE.clone()
+    moved_LE[4, :2] = torch.tensor([1.0, 5.0])
+    dropped_L = torch.tensor([0.0, 0.0, 0.0, 0.0, 2.0])
+
+    def record(counts, dropped) -> dict:
+        return {"expert_share": [[round(v, 5) for v in row] for row in (counts / routed_L[:, None]).tolist()],
+                "dropped_fraction": [round(v, 5) for v in (dropped / routed_L).tolist()]}
+
+    want, got = record(counts_LE, torch.zeros(5)), record(moved_LE, dropped_L)
+    for precision, ok in ((Precision("fp32"), False), (Precision("bf16"), True)):
+        out = Comparison()
+        compare_step(out, "", got, want, plan, precision, step=1)
+        rows = {r.quantity.strip(): r for r in out.results}
+        assert rows["tokens per expert"].max_abs == 1.0 and rows["tokens per expert"].ok is ok
+        assert rows["dropped tokens"].max_abs == 2.0 and rows["dropped tokens"].ok is ok
+    same = Comparison()
+    compare_step(same, "", want, want, plan, Precision("fp32"), step=1)
+    assert all(r.ok for r in same.results)
+    flips = flipped_experts({1: got}, {1: want}, routed_L=routed_counts(cfg)["expert_share"], up_to=1)
+    assert flips.num_layers == 5 and flips.pairs == {(4, 0), (4, 1)}
+    tol, bound_L = _routing_tol(Precision("bf16"), [4096, 4064])  # 1% of each layer's own copies
+    assert bound_L is not None and bound_L.tolist() == pytest.approx([40.96, 40.64]) and tol.abs == bound_L.max()
