@@ -19,7 +19,7 @@ import pytest
 from tests.helpers.dist_launcher import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-OVERRIDES = ["--train.steps=6", "--data.seq_len=64", "--train.global_batch_size=16", "--train.micro_batch_size=2",
+OVERRIDES = ["--train.steps=6", "--data.seq_len=64", "--train.global_batch_size=8", "--train.micro_batch_size=2",
              "--train.eval_every=0", "--checkpoint.every=3", "--checkpoint.keep_last=0",
              "--moe.router_bias_update_rate=0.01", "--log.every=1", "--log.progress_bar=false",
              "--log.tensorboard=false"]
