@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.mark.parametrize("layout", ["--parallel.tp=2", "--parallel.pp=2"])
 def test_a_tp_or_pp_run_evaluates_at_one_process(tmp_path, shakespeare_cached, capsys, layout):
     run_dir = tmp_path / "run"
-    whole_stream = ("--train.eval_every=2", "--train.eval_steps=1000000", layout)
+    whole_stream = ("--train.eval_every=2", "--train.eval_steps=1000000", "--data.val_fraction=0.005", layout)
     run_ranks(train_job, 2, job_overrides(run_dir, steps=2, extra=whole_stream), timeout_s=240)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     trained = [rec["val_loss"] for rec in records if "val_loss" in rec][-1]
