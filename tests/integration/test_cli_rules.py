@@ -7,7 +7,11 @@ pp) and the model built on the meta device (tensor-parallel shapes, LoRA targets
 
 ParallelDims's node rules (ranks per node, hierarchical ep groups of whole nodes) read the
 launcher's LOCAL_WORLD_SIZE: `--nproc N` starts one node of N, where they hold by construction.
-Each case costs one interpreter start (~0.5 s; the world-size rules import torch, ~2 s)."""
+
+Every case runs the command's ``main`` in this process, with the launcher replaced by one that
+fails the test: an interpreter per case (~2.5 s with torch's import) would make these cases the
+suite's largest group. A few cases, one per kind of rule, also run as the real command line (its
+exit status and stderr)."""
 
 from __future__ import annotations
 
@@ -127,19 +131,39 @@ RULES = {
 }
 
 
+def _assert_refused_once(code: int, stderr: str, message: str, run_dir: Path) -> None:
+    assert code == 2, stderr
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("moetrain: error: ")]
+    assert len(errors) == 1 and message in errors[0], stderr
+    assert stderr.count(message) == 1, stderr  # once, not once per rank
+    assert not run_dir.exists()
+
+
 @pytest.mark.parametrize("nproc, overrides, message", RULES.values(), ids=RULES.keys())
-def test_rule_refuses_once_before_launch(tmp_path, nproc, overrides, message):
+def test_rule_refuses_once_before_launch(tmp_path, monkeypatch, capsys, nproc, overrides, message):
+    from moetrain.cli import main
+    from moetrain.cli import train as train_cli
+
+    def no_launch(*_args, **_kwargs):
+        raise AssertionError("the job was launched: the rule did not refuse it")
+
+    monkeypatch.setattr(train_cli, "launch", no_launch)
+    monkeypatch.chdir(tmp_path)  # relative paths in the overrides, as the command line's cwd
+    run_dir = tmp_path / "run"
+    code = main(["train", "--config", "tiny", "--nproc", str(nproc), *overrides, f"--log.run_dir={run_dir}"])
+    _assert_refused_once(code, capsys.readouterr().err, message, run_dir)
+
+
+@pytest.mark.parametrize("name", ["dense-ep", "tp-pp-world", "pp-sample", "tp-heads"])
+def test_the_command_line_refuses_once_without_a_traceback(tmp_path, name):
+    nproc, overrides, message = RULES[name]
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "moetrain.cli", "train", "--config", "tiny", "--nproc", str(nproc), *overrides,
            f"--log.run_dir={run_dir}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "Traceback" not in r.stderr and "ChildFailedError" not in r.stderr, r.stderr
-    errors = [line for line in r.stderr.splitlines() if line.startswith("moetrain: error: ")]
-    assert len(errors) == 1 and message in errors[0], r.stderr
-    assert r.stderr.count(message) == 1, r.stderr  # once, not once per rank
-    assert not run_dir.exists()
+    _assert_refused_once(r.returncode, r.stderr, message, run_dir)
 
 
 def _required_fields(function) -> set[str]:
