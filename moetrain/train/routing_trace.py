@@ -167,7 +167,9 @@ class RoutingRecorder:
                 tensors[f"ids.{n}"] = ids_TK
         specs = [TensorSpec(k, tuple(v.shape), v.dtype) for k, v in tensors.items()]
         name = step_file(self.step, self.rank)
-        with ShardedWriter(self.folder, specs, metadata={"step": str(self.step)}, weights=name) as w:
+        # Not durable: a log like metrics.jsonl, and an fsync of every rank on every logged step
+        # would stall the next collective wherever the run folder is on a network filesystem.
+        with ShardedWriter(self.folder, specs, metadata={"step": str(self.step)}, weights=name, durable=False) as w:
             for k, v in tensors.items():
                 w.write(k, v)
             w.close()

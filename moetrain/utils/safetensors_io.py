@@ -202,14 +202,16 @@ class ShardedWriter:
     (every name, shape and dtype is known up front), then each tensor's bytes as ``write`` gets
     them: memory holds one tensor. The files appear under their names only once all are
     complete (``close``); the index is renamed into place last. Use as a context manager: an
-    exception removes the partial files."""
+    exception removes the partial files. ``durable`` (checkpoints, exports) also fsyncs every
+    file and the folder, so that what was renamed into place survives a power loss."""
 
     def __init__(self, folder: str | os.PathLike, specs: Sequence[TensorSpec], *, metadata: dict[str, str],
-                 max_shard_bytes: int | None = None, weights: str = WEIGHTS) -> None:
+                 max_shard_bytes: int | None = None, weights: str = WEIGHTS, durable: bool = True) -> None:
         names = [s.name for s in specs]
         assert len(set(names)) == len(names), "duplicate tensor names"
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.durable = durable
         self.shards = plan_shards(specs, max_shard_bytes)
         num = len(self.shards)
         stem = weights.removesuffix(".safetensors")
@@ -259,7 +261,8 @@ class ShardedWriter:
     def _finish_file(self) -> None:
         assert self._handle is not None, "called with a shard open"
         self._handle.flush()
-        os.fsync(self._handle.fileno())
+        if self.durable:
+            os.fsync(self._handle.fileno())
         self._handle.close()
         self._handle = None
 
@@ -283,12 +286,13 @@ class ShardedWriter:
         if len(self.files) > 1:
             weight_map = {spec.name: self.files[i] for i, spec in self._order}
             total = sum(spec.nbytes for _, spec in self._order)
-            atomic_write_text(stale_index, json.dumps({"metadata": {"total_size": total},
-                                                       "weight_map": weight_map}, indent=2) + "\n", durable=True)
+            text = json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n"
+            atomic_write_text(stale_index, text, durable=self.durable)
             out.append(stale_index)
         elif stale_index.exists():
             stale_index.unlink()  # a sharded output written here before would shadow the single file
-        fsync_dir(self.folder)
+        if self.durable:
+            fsync_dir(self.folder)
         return out
 
 

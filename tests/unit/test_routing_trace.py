@@ -39,7 +39,12 @@ def _geometry(tokens: int) -> Geometry:
                     dp_rank=0)
 
 
-def test_counts_on_log_steps_only_and_not_in_eval(tmp_path):
+def test_counts_on_log_steps_only_and_not_in_eval(tmp_path, monkeypatch):
+    import os
+
+    fsyncs = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(fd), real_fsync(fd)))
     model = _model()
     rec = RoutingRecorder(model, mode="counts", every=2, run_dir=tmp_path, geometry=_geometry(8), num_micro=1,
                           rank=0, world_size=1, ep=2, is_main=True, start_step=0)
@@ -61,6 +66,14 @@ def test_counts_on_log_steps_only_and_not_in_eval(tmp_path):
     for i in range(2):
         assert torch.equal(_read(tensors[f"counts.{i}"], path).long(), expected[4][i])
     rec.remove()
+    # A trace is a log: written atomically, never fsynced (a durable write of the same tensors is).
+    assert fsyncs == []
+    from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
+
+    with ShardedWriter(tmp_path / "durable", [TensorSpec("x", (2,), torch.int32)], metadata={}) as w:
+        w.write("x", torch.zeros(2, dtype=torch.int32))
+        w.close()
+    assert len(fsyncs) == 2  # the file and its folder
 
 
 def test_rank_loads_and_straggler_factor_worked_by_hand(tmp_path):
