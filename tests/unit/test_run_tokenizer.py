@@ -1,6 +1,6 @@
-"""A run carries its tokenizer: the trainer saves it beside config.yaml, ``moetrain export`` copies it,
-and ``moetrain generate`` reads it back with the same ids, vocab_size, eos and decode, without the
-corpus or its cache (one process, tiny models)."""
+"""A run carries its tokenizer: the trainer saves it beside config.yaml, ``moetrain export`` and
+``convert --to-hf`` (for ``AutoTokenizer``) copy it, and ``moetrain generate`` reads it back with the
+same ids, vocab_size, eos and decode, without the corpus or its cache (one process, tiny models)."""
 
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_a_pretrained_tokenizer_keeps_the_eos_of_the_files_beside_it(tmp_path):
     assert save_tokenizer(ByteTokenizer(), run) == [] and not (run / "tokenizer.json").exists()
 
 
-def _train(run_dir: Path, corpus: Path, cache: Path, tokenizer: str):
+def _train(run_dir: Path, corpus: Path, cache: Path, tokenizer: str, *overrides: str):
     from moetrain.config.loader import load_config
     from moetrain.train.trainer import Trainer
 
@@ -88,7 +88,7 @@ def _train(run_dir: Path, corpus: Path, cache: Path, tokenizer: str):
         "--data.vocab_size=300", "--data.seq_len=32", "--data.val_fraction=0.1",
         "--train.steps=1", "--train.global_batch_size=2", "--train.micro_batch_size=2", "--train.eval_every=0",
         "--train.device=cpu", "--checkpoint.every=0", f"--log.run_dir={run_dir}", "--log.progress_bar=false",
-        "--log.tensorboard=false"]))
+        "--log.tensorboard=false", *overrides]))
     try:
         trainer.fit()
         return trainer.data.tokenizer
@@ -141,3 +141,30 @@ def test_a_bytes_run_saves_no_tokenizer_and_still_generates(tmp_path, capsys, mo
 def _refuse(*args, **kwargs):
     raise AssertionError("prepare_data was called: the tokenizer needs no corpus")
 
+
+def test_the_hugging_face_export_of_a_bpe_run_carries_its_tokenizer(tmp_path, capsys):
+    """A run that trained its BPE on the corpus (no data.tokenizer file to copy) converts to a folder
+    whose tokenizer AutoTokenizer loads with the run's ids and end of text, from the run folder or a
+    checkpoint of it; a byte-tokenizer run has none to write, and the summary says so."""
+    from transformers import AutoTokenizer
+
+    run, corpus = tmp_path / "run", _corpus(tmp_path / "corpus.txt")
+    mixtral = "--moe.activation=swiglu"  # what Hugging Face's MoE families hold
+    trained = _train(run, corpus, tmp_path / "cache", "bpe", mixtral)
+    for source in (run, next((run / "checkpoints").glob("step*"))):
+        out = tmp_path / f"hf-{source.name}"
+        capsys.readouterr()
+        assert main(["convert", str(source), "--to-hf", str(out)]) == 0
+        assert "tokenizer files: tokenizer.json, tokenizer_config.json" in capsys.readouterr().out
+        hf = AutoTokenizer.from_pretrained(out)
+        assert hf(SAMPLE)["input_ids"] == trained.encode(SAMPLE)
+        assert hf.eos_token_id == trained.eos_id == 0
+        assert hf.decode(trained.encode(SAMPLE)) == SAMPLE
+        assert json.loads((out / "config.json").read_text())["eos_token_id"] == trained.eos_id
+
+    _train(tmp_path / "bytes", corpus, tmp_path / "cache", "bytes", mixtral)
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "bytes"), "--to-hf", str(tmp_path / "hf-bytes")]) == 0
+    assert "no tokenizer files: the byte tokenizer" in capsys.readouterr().out
+    assert not list((tmp_path / "hf-bytes").glob("tokenizer*"))
+    assert json.loads((tmp_path / "hf-bytes" / "config.json").read_text())["eos_token_id"] is None

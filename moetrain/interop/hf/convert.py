@@ -3,7 +3,8 @@
     import_hf(HF_DIR, OUT)        config.json + safetensors (per-expert or fused, one file or an
                                   index of shards) -> a moetrain export (model.safetensors + config.yaml)
     export_hf(SRC, OUT)           a run, checkpoint or export -> config.json + safetensors that
-                                  ``AutoModelForCausalLM.from_pretrained(OUT)`` loads
+                                  ``AutoModelForCausalLM.from_pretrained(OUT)`` loads, and the run's
+                                  tokenizer files that ``AutoTokenizer.from_pretrained(OUT)`` loads
 
 Every output tensor is planned first (name, shape, dtype: the safetensors headers come before
 the data), then computed and written one at a time from lazily read inputs: memory holds one
@@ -33,11 +34,18 @@ import torch
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.interop.export import export_metadata, model_configs, open_source, write_config_yaml
+from moetrain.data.tokenizer import SAVED_TOKENIZER, load_saved_tokenizer
+from moetrain.interop.export import (
+    export_metadata,
+    model_configs,
+    open_source,
+    source_folder,
+    write_config_yaml,
+)
 from moetrain.interop.hf.family import Copy, Entry, Family, has_fused_experts
 from moetrain.interop.hf.registry import choose_family, family_of, read_hf_config
 from moetrain.interop.sources import CheckpointTensors, ExportTensors
-from moetrain.utils.files import atomic_write_text
+from moetrain.utils.files import atomic_path, atomic_write_text
 from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
 
 RECORD = "moetrain_conversion.json"
@@ -60,6 +68,10 @@ class ConversionReport:
     """Tensors written in another dtype than their source's."""
     kept_fp32: list[str] = field(default_factory=list)
     """fp32 buffers (router selection bias) left in fp32 by a lower-precision export."""
+    tokenizer_files: list[str] = field(default_factory=list)
+    """The tokenizer files an export wrote (also in ``files``)."""
+    no_tokenizer: str = ""
+    """Why an export wrote none, for the user who expects ``AutoTokenizer`` to load the folder."""
 
     def lines(self) -> list[str]:
         out = [(f"{self.family} ({self.layout} experts): {self.num_tensors} tensors, {self.num_bytes / 2**20:.1f} MiB "
@@ -67,6 +79,10 @@ class ConversionReport:
         if self.cast:
             out.append(f"cast {len(self.cast)} tensors to the export dtype; kept in fp32: "
                        + (", ".join(self.kept_fp32) if self.kept_fp32 else "none"))
+        if self.tokenizer_files:
+            out.append(f"tokenizer files: {', '.join(self.tokenizer_files)}")
+        elif self.no_tokenizer:
+            out.append(f"no tokenizer files: {self.no_tokenizer}")
         return out
 
 
@@ -293,12 +309,13 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: 
     hf_config["dtype"] = hf_config["torch_dtype"] = str(bulk[0][0] if bulk else torch.float32).removeprefix("torch.")
     out = Path(out_dir)
     files = _write(out, jobs, metadata={"format": "pt"}, max_shard_bytes=max_shard_bytes)
-    tokenizer_files = _copy_tokenizer(config, out, hf_config)
+    tokenizer_files = _copy_tokenizer(config, source, out, hf_config)
     atomic_write_text(out / "config.json", json.dumps(hf_config, indent=2, sort_keys=True) + "\n", durable=True)
     report = ConversionReport(out=out, family=fam.title, layout="fused" if fused else "per-expert",
                               num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
                               files=[p.name for p in files] + tokenizer_files, cast=sorted(set(cast)),
-                              kept_fp32=sorted(set(kept)))
+                              kept_fp32=sorted(set(kept)), tokenizer_files=tokenizer_files,
+                              no_tokenizer="" if tokenizer_files else _why_no_tokenizer(config))
     record = {"source": str(source), "family": fam.model_type, "layout": report.layout,
               "dtype": hf_config["dtype"], "cast": report.cast, "kept_fp32": report.kept_fp32}
     atomic_write_text(out / RECORD, json.dumps(record, indent=2) + "\n", durable=True)
@@ -309,24 +326,48 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 """The files of a Hugging Face tokenizer folder that travel with an export."""
 
 
-def _copy_tokenizer(config: dict, out: Path, hf_config: dict) -> list[str]:
-    """A run that tokenised with a Hugging Face ``tokenizer.json`` (``--init-from-hf``) goes back with
-    it: the tokenizer files beside it are copied into ``out``, and the special-token ids of the
-    config.json beside it (the model it came from) are written into ``hf_config``. The files
-    written; none for moetrain's own tokenisers, which Hugging Face cannot load."""
+def _copy_tokenizer(config: dict, source: str | os.PathLike, out: Path, hf_config: dict) -> list[str]:
+    """The run's tokenizer as Hugging Face tokenizer files in ``out``; the files written.
+
+    A run that tokenised with a Hugging Face ``tokenizer.json`` (``--init-from-hf``) goes back with
+    it: the tokenizer files beside it are copied, and the special-token ids of the config.json
+    beside it (the model it came from) are written into ``hf_config``. Otherwise the tokenizer the
+    run saved beside its config.yaml (a trained BPE: ``save_tokenizer``) is copied and its
+    end-of-text id written. None for the byte tokenizer, which has no tokenizer.json."""
     tokenizer = str((config.get("data") or {}).get("tokenizer") or "")
-    if not tokenizer.endswith(".json") or not Path(tokenizer).is_file():
+    if tokenizer.endswith(".json") and Path(tokenizer).is_file():
+        copied = _copy_tokenizer_files(Path(tokenizer), out)
+        if (Path(tokenizer).parent / "config.json").is_file():
+            origin = json.loads((Path(tokenizer).parent / "config.json").read_text())
+            for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if origin.get(key) is not None:
+                    hf_config[key] = origin[key]
+        return copied
+    folder = source_folder(source)
+    saved = load_saved_tokenizer(folder) if folder is not None else None
+    if folder is None or saved is None:
         return []
-    folder = Path(tokenizer).parent
+    copied = _copy_tokenizer_files(folder / SAVED_TOKENIZER, out)
+    if saved.eos_id is not None:  # transformers' generate stops on the config's eos_token_id
+        hf_config["eos_token_id"] = saved.eos_id
+    return copied
+
+
+def _copy_tokenizer_files(tokenizer: Path, out: Path) -> list[str]:
+    """``tokenizer`` and the TOKENIZER_FILES beside it, copied byte for byte into ``out``."""
     copied = []
     for name in TOKENIZER_FILES:
-        src = Path(tokenizer) if name == "tokenizer.json" else folder / name
+        src = tokenizer if name == "tokenizer.json" else tokenizer.parent / name
         if src.is_file():
-            atomic_write_text(out / name, src.read_text(encoding="utf-8"), durable=True)
+            with atomic_path(out / name, durable=True) as tmp:
+                tmp.write_bytes(src.read_bytes())
             copied.append(name)
-    if (folder / "config.json").is_file():
-        origin = json.loads((folder / "config.json").read_text())
-        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
-            if origin.get(key) is not None:
-                hf_config[key] = origin[key]
     return copied
+
+
+def _why_no_tokenizer(config: dict) -> str:
+    if "data" not in config:
+        return "the source has no data config (a model imported from Hugging Face?): copy its tokenizer files"
+    if (config["data"] or {}).get("tokenizer") == "bytes":
+        return "the byte tokenizer (ids 0-255 are the UTF-8 bytes) has no tokenizer.json"
+    return "the run saved no tokenizer.json beside its config.yaml (pre-tokenised data, or an older run)"
