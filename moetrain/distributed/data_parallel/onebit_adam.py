@@ -121,46 +121,60 @@ class OneBitAdam(torch.optim.AdamW):
             with torch.enable_grad():
                 loss = closure()
         compressing = self.compressing
-        pending = []  # (group, param, m, v, step t, v frozen)
+        # Multi-tensor operations over each group's local tensors: a handful of kernels per group
+        # and stage, not a dozen per parameter (the same elementwise arithmetic, so the warmup
+        # stays torch's per-tensor AdamW bit for bit).
+        buckets: dict[tuple[int, float, bool], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
         averaged_params, averaged_m = [], []
-        for group in self.param_groups:
+        for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._state_of(p)
-                state["step"] += 1
-                grad = local_tensor(p.grad)
-                m, v = local_tensor(state["exp_avg"]), local_tensor(state["exp_avg_sq"])
-                # On the local gradient in the compression stage (step 2), the averaged one in warmup.
-                m.lerp_(grad, 1 - beta1)
-                frozen = compressing and self.data_parallel.has_replicas(p)
-                if frozen:
+            params = [p for p in group["params"] if p.grad is not None]
+            states = [self._state_of(p) for p in params]
+            if not params:
+                continue
+            torch._foreach_add_([s["step"] for s in states], 1)
+            grads = [local_tensor(p.grad) for p in params]
+            ms = [local_tensor(s["exp_avg"]) for s in states]
+            vs = [local_tensor(s["exp_avg_sq"]) for s in states]
+            # On the local gradient in the compression stage (step 2), the averaged one in warmup.
+            torch._foreach_lerp_(ms, grads, 1 - beta1)
+            frozen = [compressing and self.data_parallel.has_replicas(p) for p in params]
+            live = [i for i, f in enumerate(frozen) if not f]
+            if live:
+                live_v, live_g = [vs[i] for i in live], [grads[i] for i in live]
+                torch._foreach_mul_(live_v, beta2)
+                torch._foreach_addcmul_(live_v, live_g, live_g, value=1 - beta2)
+            steps = torch.stack([s["step"] for s in states]).tolist()  # CPU step counts: no device sync
+            for p, t, m, v, f in zip(params, steps, ms, vs, frozen, strict=True):
+                if f:
                     averaged_params.append(p)
                     averaged_m.append(m)
-                else:
-                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                pending.append((group, p, m, v, state["step"].item(), frozen))
+                buckets.setdefault((index, t, f), []).append((local_tensor(p), m, v))
         if averaged_m:
             # Step 3: every rank ends with the same m (collective: dp, then edp).
             self.data_parallel.onebit_average_(averaged_params, averaged_m)
-        for group, p, m, v, t, frozen in pending:
-            if frozen:
-                m.mul_(v > 0)  # the momentum mask (module docstring)
-            self._update(local_tensor(p), m, v, group, t=t, t_v=self.warmup_steps if frozen else t)
+        for (index, t, frozen_v), members in buckets.items():
+            ps, ms, vs = (list(x) for x in zip(*members, strict=True))
+            if frozen_v:
+                # The momentum mask (module docstring): sign(v) is 1 where v > 0 and 0 where v == 0.
+                torch._foreach_mul_(ms, torch._foreach_sign(vs))
+            self._update(ps, ms, vs, self.param_groups[index], t=t, t_v=self.warmup_steps if frozen_v else t)
         self._follow_stage()
         return loss
 
     @staticmethod
-    def _update(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, group: dict, *, t: float, t_v: float) -> None:
+    def _update(ps: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], group: dict, *, t: float,
+                t_v: float) -> None:
         """AdamW's update, operation for operation as torch's single-tensor AdamW (so the warmup
         matches it bit for bit), with the variance's bias correction at its own step t_v."""
         lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if wd != 0:
-            p.mul_(1 - lr * wd)
+            torch._foreach_mul_(ps, 1 - lr * wd)
         step_size = lr / (1 - beta1 ** t)
-        denom = (v.sqrt() / (1 - beta2 ** t_v) ** 0.5).add_(eps)
-        p.addcdiv_(m, denom, value=-step_size)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, (1 - beta2 ** t_v) ** 0.5)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(ps, ms, denom, value=-step_size)
 
 
 def _follow_stage_after_load(optimizer: torch.optim.Optimizer) -> None:
