@@ -313,8 +313,7 @@ class Trainer:
             self._last_good = self.snapshot()
 
     def snapshot(self) -> dict:
-        """The state after the current step that a checkpoint holds besides the weights and the
-        optimizer (``Checkpointer.snapshot``)."""
+        """What a checkpoint of the current step holds besides weights and optimizer (``Checkpointer.snapshot``)."""
         return self.checkpointer.snapshot(step=self.step, skipped_total=self.skips.total)
 
     # --- evaluation -------------------------------------------------------------------------------
@@ -340,23 +339,21 @@ class Trainer:
     # --- logging ----------------------------------------------------------------------------------
 
     def collect_metrics(self) -> dict:
-        """Turn the window's device sums into numbers: the one host sync per log step."""
+        """Turn the window's device sums into numbers: one all-reduce and host sync for the losses."""
         w = self.window
         good = w.steps - w.skipped
+        loss, aux, per_depth = float("nan"), float("nan"), []  # nan: every step of the window was skipped
         if good > 0:
             assert w.loss is not None and w.aux is not None  # every good step added both
-            loss = mean_over_dp(w.loss / (good * self.grad_accum), self.dims).item()
-            aux = mean_over_dp(w.aux / (good * self.grad_accum), self.dims).item()
-        else:
-            loss = aux = float("nan")  # every step of the window was skipped
+            # The loss, the aux loss and each multi-token depth's loss (mtp_loss_1 ... mtp_loss_D).
+            sums = torch.cat([w.loss.reshape(1), w.aux.reshape(1), *([] if w.mtp is None else [w.mtp.reshape(-1)])])
+            loss, aux, *per_depth = mean_over_dp(sums / (good * self.grad_accum), self.dims).tolist()
         m = {"loss": loss, "aux_loss": aux, "lr": self.scheduler.get_last_lr()[0],
              "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
              **w.throughput(seq_len=self.cfg.data.seq_len, num_ranks=self.world_size,
                             flops_per_token=self.flops_per_token, peak_flops=self.peak_flops),
              "skipped_steps": w.skipped, "skipped_steps_total": self.skips.total}
-        if good > 0 and w.mtp is not None:  # each multi-token depth's loss, mtp_loss_1 ... mtp_loss_D
-            per_depth = mean_over_dp(w.mtp / (good * self.grad_accum), self.dims).tolist()
-            m.update({f"mtp_loss_{k}": v for k, v in enumerate(per_depth, start=1)})
+        m.update({f"mtp_loss_{k}": v for k, v in enumerate(per_depth, start=1)})
         if self.cfg.train.dtype == "fp16":
             m["loss_scale"] = self.scaler.scale
         if self.pipeline is not None:  # every stage's layers, and the per-stage timings

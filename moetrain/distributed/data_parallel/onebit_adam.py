@@ -129,9 +129,9 @@ class OneBitAdam(torch.optim.AdamW):
         for index, group in enumerate(self.param_groups):
             beta1, beta2 = group["betas"]
             params = [p for p in group["params"] if p.grad is not None]
-            states = [self._state_of(p) for p in params]
             if not params:
                 continue
+            states = [self._state_of(p) for p in params]
             torch._foreach_add_([s["step"] for s in states], 1)
             grads = [local_tensor(p.grad) for p in params]
             ms = [local_tensor(s["exp_avg"]) for s in states]
