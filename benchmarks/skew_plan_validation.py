@@ -1,6 +1,6 @@
 """The skew planner (``moetrain plan --skew``) against measured runs at ep=2 and ep=4 on CPU processes.
 
-    python benchmarks/skew_plan_validation.py [--steps 8] [--calibration FILE] [--json]
+    python benchmarks/skew_plan_validation.py [--steps 8] [--repeats 3] [--recalibrate | --calibration FILE] [--json]
 
 The model of benchmarks/skew.py (2 MoE layers of 8 experts top-2, dim 64, expert hidden 128, 16
 sequences x 64 tokens per step, fp32, aux loss off), dp = ep = 2 and 4 gloo processes. Without
@@ -15,7 +15,10 @@ plan of the same layout and skew (``plan.skew.make_skew_plan``) beside:
   plan's;
 * step time: ``benchmarks.skew.timed_step_s``, a second run of the job without the memory tracker
   (its per-operation Python hook would be most of a step of this model), logging every 5 steps,
-  the median ``step_time_s`` of its 5-step windows after the first, against the plan's step;
+  the median ``step_time_s`` of its 5-step windows after the first (with ``--repeats`` N, the median
+  of N such runs' medians: whole runs of this host-bound model differ by up to 1.5x), against the
+  plan's step; ``--recalibrate`` measures each ep's process count again right before its rows, so a
+  machine whose speed drifts over the minutes of the script is predicted in the phase it is measured;
 * memory: rank 0's ``mem/activation_peak_bytes`` (rank 0 hosts experts 0..E/ep-1, the hottest under
   zipf and hot) against the plan's activation peak of the hottest rank.
 """
@@ -46,7 +49,7 @@ def _overrides(ep: int, steps: int) -> list[str]:
             "--log.memory=true"]
 
 
-def _measure(name: str, ep: int, steps: int, extra: list[str], *, reuse: bool) -> dict:
+def _measure(name: str, ep: int, steps: int, extra: list[str], *, reuse: bool, repeats: int) -> dict:
     from moetrain.train.routing_trace import rank_loads
 
     run_dir = OUT / name
@@ -61,19 +64,19 @@ def _measure(name: str, ep: int, steps: int, extra: list[str], *, reuse: bool) -
                else r.get("dropped_fraction", 0.0) for r in recs]
     timing = run_dir.with_name(run_dir.name + "-timing")
     reused = reuse and (timing / "metrics.jsonl").is_file()
-    step_s = timed_windows_median(timing) if reused else timed_step_s(timing, ep, extra)
+    step_s = timed_windows_median(timing) if reused else timed_step_s(timing, ep, extra, repeats)
     return {"hot_copies": float(load_SLP.amax(-1).mean()),  # one micro-batch per step (grad_accum 1)
             "dropped": statistics.mean(dropped), "step_s": step_s,
             "activation_peak": max(r["mem/activation_peak_bytes"] for r in recs if "mem/activation_peak_bytes" in r)}
 
 
-def _calibrate(path: Path) -> None:
+def _calibrate(path: Path, procs: tuple[int, ...] = (2, 4)) -> None:
     from moetrain.config.loader import load_config, save_config
 
     config = OUT / "model.yaml"
     save_config(load_config(None, _overrides(2, 8)), config)
     subprocess.run([sys.executable, "-m", "moetrain.plan.calibrate", "--out", str(path), "--config", str(config),
-                    "--procs", "2", "4"], cwd=ROOT, check=True)
+                    "--procs", *map(str, procs)], cwd=ROOT, check=True)
 
 
 def _predict(ep: int, steps: int, skew: str, capacity: float | None, calibration: Path):
@@ -92,19 +95,27 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--calibration", default=None, help="a calibration file (default: measure one first)")
+    p.add_argument("--recalibrate", action="store_true", help="calibrate each ep right before its rows")
+    p.add_argument("--repeats", type=int, default=3, help="timing runs per row (the median of their medians)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--reuse", action="store_true", help="read the runs already in runs/skew-plan-validation")
     a = p.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     calibration = Path(a.calibration) if a.calibration else OUT / "calibration.json"
-    if a.calibration is None:
+    if a.calibration and a.recalibrate:
+        raise ValueError("--calibration and --recalibrate exclude each other")
+    if a.calibration is None and not a.recalibrate:
         _calibrate(calibration)
     rows = []
     for ep in (2, 4):
+        if a.recalibrate:
+            calibration = OUT / f"calibration-ep{ep}.json"
+            if not (a.reuse and calibration.is_file()):
+                _calibrate(calibration, (ep,))
         for name, extra, capacity, skew in RUNS:
             cap = [] if capacity is None else [f"--moe.capacity_factor={capacity}"]
             got = _measure(f"ep{ep}-{name.replace(':', '_').replace(' ', '-')}", ep, a.steps, extra + cap,
-                           reuse=a.reuse)
+                           reuse=a.reuse, repeats=a.repeats)
             dropless, want = _predict(ep, a.steps, skew, capacity, calibration)
             row = {"ep": ep, "setting": name,
                    "hot_copies": [round(max(dropless.copies_per_rank)), round(got["hot_copies"])],
