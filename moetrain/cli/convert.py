@@ -4,7 +4,7 @@
     moetrain export RUN_DIR --to DIR [--max-shard-size 5GB]   (consolidated safetensors + config.yaml)
     moetrain convert RUN_DIR --to-hf DIR [--family F] [--fused] [--dtype bf16] [--max-shard-size 5GB]
                                    (Hugging Face Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / DeepSeek-V3)
-    moetrain convert --from-hf DIR --to DIR          (a Hugging Face model as a moetrain export)
+    moetrain convert --from-hf DIR --to DIR          (a Hugging Face model and tokenizer as a moetrain export)
     moetrain upcycle --from-hf DENSE_DIR --num-experts E --top-k K --to DIR [--granularity G] [--noise STD]
                                                      (a dense Llama / Qwen3 as an MoE export, experts = its FFN)
 """

@@ -8,8 +8,9 @@
 ``generate`` continues a prompt in one process, one token per forward with a key/value cache
 (``moetrain.interop.generation`` loads the model and its tokenizer). RUN is a run folder (its
 newest checkpoint), a checkpoint or a moetrain export, whatever parallel layout wrote it; the
-tokenizer is the run's (the tokenizer.json saved in its run folder or export: no corpus needed), or
-``--tokenizer`` (a ``tokenizer.json``, or "bytes"), which an export of a Hugging Face model needs.
+tokenizer is the run's (the tokenizer.json saved in its run folder or export, or copied by
+``convert --from-hf``: no corpus needed), or ``--tokenizer`` (a ``tokenizer.json``, or "bytes"),
+which a Hugging Face model imported without a tokenizer.json needs.
 It prints the prompt and its continuation, then one line of figures: new tokens, seconds, tokens/s
 overall and of the decoding steps after the first. ``--speculative`` decodes greedily with the
 model's multi-token modules (``model.mtp_depth``) drafting the next tokens and one forward

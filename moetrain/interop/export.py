@@ -7,7 +7,8 @@
     DIR/config.yaml         the run's resolved job config (model.vocab_size filled in); for a model
                             imported from Hugging Face, only its ``model`` and ``moe`` sections
     DIR/tokenizer.json      the tokenizer the run trained with, when its run folder holds one, with
-                            its tokenizer_config.json (``moetrain.data.tokenizer.save_tokenizer``)
+                            its tokenizer_config.json (``moetrain.data.tokenizer.save_tokenizer``);
+                            for an imported model, its Hugging Face folder's
 
 Sources (``open_source``): an export folder, a run folder (its latest checkpoint), a folder of
 checkpoints (its latest) or one checkpoint. Reading a sharded checkpoint needs one process and no

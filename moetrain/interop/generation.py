@@ -51,8 +51,8 @@ def load_tokenizer(config: dict, tokenizer: str | None, *, source: str) -> Token
     if saved is not None:
         return saved
     if "data" not in config:
-        raise ValueError(f"{source!r} holds no data config (an export of a Hugging Face model?): pass --tokenizer "
-                         "PATH/tokenizer.json")
+        raise ValueError(f"{source!r} holds no data config and no tokenizer.json (a Hugging Face model imported "
+                         "without one?): pass --tokenizer PATH/tokenizer.json")
     if (config["data"] or {}).get("tokenizer") == "bytes":
         return ByteTokenizer()
     from moetrain.data.prepare import prepare_data

@@ -1,7 +1,9 @@
 """Streaming conversion between Hugging Face folders and moetrain exports, both ways.
 
     import_hf(HF_DIR, OUT)        config.json + safetensors (per-expert or fused, one file or an
-                                  index of shards) -> a moetrain export (model.safetensors + config.yaml)
+                                  index of shards) -> a moetrain export (model.safetensors + config.yaml),
+                                  with HF_DIR's tokenizer.json and the files beside it, where
+                                  ``moetrain generate OUT`` reads them
     export_hf(SRC, OUT)           a run, checkpoint or export -> config.json + safetensors that
                                   ``AutoModelForCausalLM.from_pretrained(OUT)`` loads, and the run's
                                   tokenizer files that ``AutoTokenizer.from_pretrained(OUT)`` loads
@@ -34,7 +36,7 @@ import torch
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.data.tokenizer import SAVED_TOKENIZER, load_saved_tokenizer
+from moetrain.data.tokenizer import SAVED_TOKENIZER, PretrainedTokenizer, load_saved_tokenizer, save_tokenizer
 from moetrain.interop.export import (
     export_metadata,
     model_configs,
@@ -69,9 +71,10 @@ class ConversionReport:
     kept_fp32: list[str] = field(default_factory=list)
     """fp32 buffers (router selection bias) left in fp32 by a lower-precision export."""
     tokenizer_files: list[str] = field(default_factory=list)
-    """The tokenizer files an export wrote (also in ``files``)."""
+    """The tokenizer files a conversion wrote (also in ``files``)."""
     no_tokenizer: str = ""
-    """Why an export wrote none, for the user who expects ``AutoTokenizer`` to load the folder."""
+    """Why a conversion wrote none, for the user who expects ``AutoTokenizer`` (export) or
+    ``moetrain generate`` (import) to find one."""
 
     def lines(self) -> list[str]:
         out = [(f"{self.family} ({self.layout} experts): {self.num_tensors} tensors, {self.num_bytes / 2**20:.1f} MiB "
@@ -216,7 +219,8 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
               max_shard_bytes: int | None = None) -> ConversionReport:
     """``moetrain convert --from-hf HF_DIR --to OUT``: the family comes from config.json's
     ``model_type``. Parameters are written in ``dtype`` (fp32 by default: moetrain trains fp32
-    master weights); buffers keep the model's dtype (the fp32 selection bias)."""
+    master weights); buffers keep the model's dtype (the fp32 selection bias). The tokenizer goes
+    with them where there is a tokenizer.json (``_import_tokenizer``)."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
     family = family_of(hf)
@@ -232,10 +236,36 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     out = Path(out_dir)
     info = {"source": str(hf_dir), "hf_family": family.model_type}
     files = _write(out, jobs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes)
+    tokenizer_files, no_tokenizer = _import_tokenizer(hf_dir, out)
+    # config.yaml last: an export folder with one is complete.
     write_config_yaml(out, {"model": _plain(model), "moe": _plain(moe)}, info)
     return ConversionReport(out=out, family=family.title, layout="fused" if fused else "per-expert",
                             num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
-                            files=[p.name for p in files])
+                            files=[p.name for p in files] + tokenizer_files, tokenizer_files=tokenizer_files,
+                            no_tokenizer=no_tokenizer)
+
+
+def _import_tokenizer(hf_dir: Path, out: Path) -> tuple[list[str], str]:
+    """``hf_dir``'s tokenizer saved into the export ``out`` as a run saves its own (``save_tokenizer``:
+    tokenizer.json and the files beside it byte for byte), where ``moetrain generate`` and
+    ``load_saved_tokenizer`` find it with the same ids and end-of-text id; ``(files written, why
+    none)``. An end-of-text id named only by hf_dir's config.json (not copied: the export has
+    config.yaml) is written into tokenizer_config.json. A tokenizer moetrain cannot read is left
+    behind with the reason: the weights convert without it."""
+    path = hf_dir / SAVED_TOKENIZER
+    tokenizer, why = None, ""
+    if not path.is_file():
+        unread = [n for n in ("tokenizer.model", "vocab.json", "merges.txt") if (hf_dir / n).is_file()]
+        why = (f"{str(hf_dir)!r} has no tokenizer.json"
+               + (f" (only {', '.join(unread)}, which moetrain does not read)" if unread else "")
+               + ": moetrain generate needs --tokenizer PATH/tokenizer.json")
+    else:
+        try:
+            tokenizer = PretrainedTokenizer.from_file(path)
+        except ValueError as e:
+            why = f"{e}: moetrain generate needs --tokenizer PATH/tokenizer.json"
+    # With None, a tokenizer.json an earlier conversion left in ``out`` is removed, not read as this model's.
+    return save_tokenizer(tokenizer, out, durable=True), why
 
 
 def _plain(cfg) -> dict:
@@ -367,7 +397,8 @@ def _copy_tokenizer_files(tokenizer: Path, out: Path) -> list[str]:
 
 def _why_no_tokenizer(config: dict) -> str:
     if "data" not in config:
-        return "the source has no data config (a model imported from Hugging Face?): copy its tokenizer files"
+        return ("the source has no data config and no tokenizer.json beside its config.yaml (imported from a "
+                "Hugging Face folder without one?): copy its tokenizer files")
     if (config["data"] or {}).get("tokenizer") == "bytes":
         return "the byte tokenizer (ids 0-255 are the UTF-8 bytes) has no tokenizer.json"
     return "the run saved no tokenizer.json beside its config.yaml (pre-tokenised data, or an older run)"
