@@ -32,8 +32,9 @@ different tokens.
 
 Streamed like ``moetrain convert --from-hf``: the header is planned first, then one output
 tensor at a time is computed from lazily read inputs; the largest is one layer's expert stack
-``[E, D, F/G]`` (E/G times a dense MLP weight). The tokenizer files of DENSE_DIR are copied
-beside the weights, so a run starts with
+``[E, D, F/G]`` (E/G times a dense MLP weight). DENSE_DIR's tokenizer.json and the files beside it
+are saved into the export as ``convert --from-hf`` saves them (the end-of-text id kept), so
+``moetrain generate DIR`` reads it and a run starts with
 
     moetrain train --config DIR/config.yaml --checkpoint.init_from=DIR --data.tokenizer=DIR/tokenizer.json ...
 
@@ -46,7 +47,6 @@ import dataclasses
 import math
 import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -58,11 +58,11 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import export_metadata, write_config_yaml
 from moetrain.interop.hf.convert import (
-    TOKENIZER_FILES,
     Job,
     _check_against_model,
     _check_hf_names,
     _import_jobs,
+    _import_tokenizer,
     _plain,
     _write,
     model_state_specs,
@@ -70,7 +70,6 @@ from moetrain.interop.hf.convert import (
 from moetrain.interop.hf.family import Copy
 from moetrain.interop.hf.registry import family_of, read_hf_config
 from moetrain.interop.sources import ExportTensors
-from moetrain.utils.files import atomic_write_with
 from moetrain.utils.safetensors_io import TensorSpec
 from moetrain.utils.seeds import seeded_generator
 
@@ -90,6 +89,8 @@ class UpcycleReport:
     num_bytes: int
     files: list[str]
     tokenizer_files: list[str] = field(default_factory=list)
+    no_tokenizer: str = ""
+    """Why no tokenizer was saved into the export (``convert``'s ``_import_tokenizer``)."""
 
     def lines(self) -> list[str]:
         split = (f", each dense FFN cut into {self.granularity} slices of hidden {self.expert_hidden_dim}"
@@ -99,6 +100,8 @@ class UpcycleReport:
                f"{size} under {self.out}"]
         if self.tokenizer_files:
             out.append(f"tokenizer files: {', '.join(self.tokenizer_files)}")
+        elif self.no_tokenizer:
+            out.append(f"no tokenizer files: {self.no_tokenizer}")
         return out
 
 
@@ -188,15 +191,6 @@ def _expert_stack(name: str, src: ExportTensors, dense_name: str, *, down: bool,
     return _experts(name, src.get(dense_name), down=down, **kw).to(dtype)
 
 
-def _copy_tokenizer(hf_dir: Path, out: Path) -> list[str]:
-    copied = []
-    for name in TOKENIZER_FILES:
-        if (hf_dir / name).is_file():
-            atomic_write_with(out / name, partial(shutil.copyfile, hf_dir / name), shared=True)
-            copied.append(name)
-    return copied
-
-
 def upcycle_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, num_experts: int, top_k: int,
                granularity: int = 1, noise: float = 0.0, seed: int = 0, moe_every: int = 1, moe_layer_offset: int = 0,
                dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None) -> UpcycleReport:
@@ -233,10 +227,11 @@ def upcycle_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, num_exp
     info = {"source": str(hf_dir), "upcycled_from": family.model_type, "granularity": granularity,
             "noise": noise, "seed": seed}
     files = _write(out, jobs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes)
-    tokenizer_files = _copy_tokenizer(hf_dir, out)
+    tokenizer_files, no_tokenizer = _import_tokenizer(hf_dir, out)
     # config.yaml last: an export folder with one is complete.
     write_config_yaml(out, {"model": _plain(model), "moe": _plain(moe)}, info)
     return UpcycleReport(out=out, family=family.title, moe_layers=model.moe_layer_ids, num_experts=num_experts,
                          top_k=top_k, granularity=granularity, expert_hidden_dim=moe.expert_hidden_dim,
                          num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
-                         files=[p.name for p in files], tokenizer_files=tokenizer_files)
+                         files=[p.name for p in files], tokenizer_files=tokenizer_files,
+                         no_tokenizer=no_tokenizer)

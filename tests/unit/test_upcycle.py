@@ -7,12 +7,18 @@ virtual groups), and every option a user can get wrong is refused naming it."""
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 import transformers
+import yaml
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from moetrain.cli import main as cli_main
 from moetrain.interop.export import build_model, read_export
+from moetrain.interop.generation import load_tokenizer
 from moetrain.interop.upcycle import upcycle_hf
 from moetrain.utils.safetensors_io import SafetensorsFolder
 from tests.helpers.hf_tiny_dense import DENSE_FAMILIES, input_ids, tiny_dense
@@ -123,10 +129,34 @@ def test_same_seed_same_export_other_seed_other_router(tmp_path, dense):
     assert not torch.equal(a["layers.0.feed_forward.experts.w2"], c["layers.0.feed_forward.experts.w2"])
 
 
-def test_tokenizer_files_travel_with_the_export(tmp_path, dense):
-    _, _, folder = dense
-    _upcycled(tmp_path, folder, CASES["E4-K2"])
-    assert (tmp_path / "up" / "tokenizer_config.json").read_text() == "{}"
+def test_the_dense_models_tokenizer_travels_with_the_export(tmp_path, dense, capsys):
+    """tokenizer.json and tokenizer_config.json byte for byte, read by generate's loader with the ids
+    of the `tokenizers` library and the end-of-text id of the dense model's config.json; without a
+    tokenizer.json the upcycle succeeds, writes none and says why."""
+    _, hf, folder = dense
+    with_tokenizer = tmp_path / "dense"
+    shutil.copytree(folder, with_tokenizer)
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    specials = ["<unk>", "<s>", "</s>"]
+    bpe.train_from_iterator(["the king and the queen", "thou art the sword of love"],
+                            trainers.BpeTrainer(vocab_size=40, special_tokens=specials, show_progress=False))
+    bpe.save(str(with_tokenizer / "tokenizer.json"))
+    config_json = json.loads((with_tokenizer / "config.json").read_text())
+    config_json["eos_token_id"] = 2  # "</s>", named only here: the export has no config.json
+    (with_tokenizer / "config.json").write_text(json.dumps(config_json))
+    _upcycled(tmp_path, with_tokenizer, CASES["E4-K2"])
+    up = tmp_path / "up"
+    assert (up / "tokenizer.json").read_bytes() == (with_tokenizer / "tokenizer.json").read_bytes()
+    tokenizer = load_tokenizer(yaml.safe_load((up / "config.yaml").read_text()), None, source=str(up))
+    text = "the queen and the sword"
+    assert tokenizer.encode(text) == Tokenizer.from_file(str(with_tokenizer / "tokenizer.json")).encode(text).ids
+    assert tokenizer.eos_id == 2
+
+    capsys.readouterr()
+    _upcycled(tmp_path, folder, CASES["E4-K2"])  # the fixture's folder: tokenizer_config.json only
+    assert not (up / "tokenizer.json").exists()  # the previous export's is removed, not taken for this one's
+    assert "no tokenizer files" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("case", ["E4-K2", "E8-K4-G2"])
