@@ -1,7 +1,7 @@
 """Gradient compression on real gloo processes: the two-phase 1-bit all-reduce against a
-hand-computed reference, bf16 against the fp32 mean, the "onebit" wrapper's two modes (fp32
-all-reduce in 1-bit Adam's warmup, local gradients after it), byte counts, and exact resume.
-1-bit Adam itself: test_onebit_adam.py."""
+hand-computed reference and, bit for bit, its packed exchange against a per-tensor reference; bf16
+against the fp32 mean, the "onebit" wrapper's two modes (fp32 all-reduce in 1-bit Adam's warmup,
+local gradients after it), byte counts, and exact resume. 1-bit Adam itself: test_onebit_adam.py."""
 
 from __future__ import annotations
 
@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from moetrain.distributed.data_parallel.compression import chunk_len, fp32_bytes, onebit_bytes
-from tests.distributed.workers.grad_compression_worker import grads_worker, reducer_worker, resume_worker
+from tests.distributed.workers.grad_compression_worker import (
+    grads_worker,
+    packed_worker,
+    reducer_worker,
+    resume_worker,
+)
 from tests.helpers.dist_launcher import run_ranks
 
 
@@ -77,6 +82,68 @@ def test_onebit_all_reduce_matches_hand_computed(world):
             assert got["bytes"] == sum(onebit_bytes(g.numel(), world) for g in grads[0][0])
     # The sign x mean semantics: the 1024 result takes at most W distinct magnitudes (one per chunk).
     assert ranks[0][0]["result"][0].abs().unique().numel() <= world
+
+
+def _one_tensor_onebit(xs: list[torch.Tensor], worker: list[torch.Tensor], server: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor's 1-bit all-reduce over W = len(xs) ranks, chunk by chunk and on its own, as
+    compression.py's docstring describes it: ``xs[r]`` the tensor on rank r, ``worker[r]`` its
+    worker residual [N] and ``server[r]`` its server residual (rank r's chunk [L]), both updated in
+    place. A chunk's scale is the sum of |x| over its L elements (zero padded) over its real ones.
+    Returns the sum every rank ends with."""
+    world, n = len(xs), xs[0].numel()
+    length = chunk_len(n, world)
+    num_real = [min(max(n - j * length, 0), length) for j in range(world)]
+
+    def compress(c: torch.Tensor, real: int) -> torch.Tensor:
+        scale = c.abs().sum() / max(real, 1)
+        return torch.where(c >= 0, scale, -scale) * (torch.arange(length) < real)
+
+    sent: list[list[torch.Tensor]] = [[] for _ in range(world)]  # [chunk][rank]
+    for r in range(world):
+        x = torch.zeros(world * length)
+        x[:n] = xs[r].reshape(-1) + worker[r]
+        approx = [compress(x[j * length:(j + 1) * length], num_real[j]) for j in range(world)]
+        worker[r].copy_((x - torch.cat(approx))[:n])
+        for j in range(world):
+            sent[j].append(approx[j])
+    out = []
+    for j in range(world):
+        y = torch.stack(sent[j]).sum(dim=0) + server[j]
+        out.append(compress(y, num_real[j]))
+        server[j].copy_(y - out[j])
+    return torch.cat(out)[:n].view_as(xs[0])
+
+
+_PACKED_SHAPES = [(1,), (3,), (37,), (40,), (33,), (4, 5), (1024,), (1000,), (65,), (129,), (8, 16)]
+"""Sizes that are no multiple of 8 W (padded chunks, chunks of padding only), one element, and
+several tensors of the same chunk length (one segment of the packed buffers) at W = 2 and 4."""
+
+
+def test_packed_exchange_is_the_per_tensor_one_bit_for_bit():
+    g = torch.Generator().manual_seed(5)
+    num = len(_PACKED_SHAPES)
+    # All tensors, all in another order, some (a layout of their own), one, all; the reload is
+    # before the third step.
+    calls = [list(range(num)), list(reversed(range(num))), [5, 0, 9, 2, 7], [6], list(range(num))]
+    inputs = [[[torch.randn(s, generator=g) for s in _PACKED_SHAPES] for _ in range(4)] for _ in calls]
+    ranks = run_ranks(packed_worker, 4, inputs, calls, timeout_s=120)
+    for kind, groups in (("world", [[0, 1, 2, 3]]), ("pair", [[0, 1], [2, 3]])):
+        for group in groups:
+            worker = [[torch.zeros(inputs[0][0][i].numel()) for _ in group] for i in range(num)]
+            server = [[torch.zeros(chunk_len(inputs[0][0][i].numel(), len(group))) for _ in group] for i in range(num)]
+            for s, call in enumerate(calls):
+                want = {f"t{i}": _one_tensor_onebit([inputs[s][r][i] for r in group], worker[i], server[i])
+                        for i in call}
+                for j, r in enumerate(group):
+                    got = ranks[r][s][kind]
+                    assert got["result"].keys() == want.keys()
+                    assert not [n for n in want if not torch.equal(got["result"][n], want[n])], (kind, s, r)
+                    # The checkpoint format: per name, the worker residual [N], the server one [L].
+                    state = {**{f"worker.t{i}": worker[i][j] for i in range(num)},
+                             **{f"server.t{i}": server[i][j] for i in range(num)}}
+                    assert got["state"].keys() == state.keys()
+                    assert not [k for k in state if not torch.equal(got["state"][k], state[k])], (kind, s, r)
+                    assert got["bytes"] == sum(onebit_bytes(inputs[0][0][i].numel(), len(group)) for i in call)
 
 
 def test_bytes_formula_and_ratio():

@@ -16,7 +16,9 @@ Packed signs cannot be summed by an all-reduce, so each rank owns one chunk of e
 Chunks are cut per tensor, keyed by parameter name, not per DDP bucket: buckets change (DDP
 rebuilds them after the first step and after a resume), and per-tensor chunks keep the numerics,
 and the residuals, the same whatever grouping carried a tensor. That is what makes a resumed run
-continue bit for bit.
+continue bit for bit. They are cut per tensor, but they travel packed: all the tensors of one
+call go through each stage as one buffer and through one all-to-all and one all-gather
+(``onebit_packing``), with the bits of compressing each tensor by itself.
 
 Bytes per tensor of N elements at W ranks: the all-to-all's send buffer plus the all-gather's
 output, W * (L / 8 + 4) each, with chunk length L = 8 * ceil(N / (8 W)): about 2 * (N / 8 + 4 W).
@@ -27,26 +29,31 @@ Shape legend: N elements of a tensor, W ranks of the group, L elements per chunk
 
 from __future__ import annotations
 
-import math
+import itertools
 
 import torch
 import torch.distributed as dist
 
 from moetrain.distributed.comm.collectives import all_gather_single
-
-_BIT_VALUES = (1, 2, 4, 8, 16, 32, 64, 128)
-_SCALE_BYTES = 4
-
-
-def chunk_len(numel: int, world: int) -> int:
-    """Elements per chunk L: a tensor of ``numel`` split over ``world`` ranks, a multiple of 8."""
-    return 8 * max(1, math.ceil(numel / (8 * world)))
+from moetrain.distributed.data_parallel.onebit_packing import (
+    SCALE_BYTES,
+    PackedLayout,
+    bit_weights,
+    chunk_len,
+    compress,
+    decompress,
+    finite_or,
+    pack_bits,
+    repeat_rows,
+    signs,
+    unpack_bits,
+)
 
 
 def onebit_bytes(numel: int, world: int) -> int:
     """Bytes the 1-bit all-reduce of one ``numel``-element tensor moves at ``world`` ranks
     (all-to-all send buffer + all-gather output)."""
-    return 2 * world * (chunk_len(numel, world) // 8 + _SCALE_BYTES)
+    return 2 * world * (chunk_len(numel, world) // 8 + SCALE_BYTES)
 
 
 def fp32_bytes(numel: int) -> int:
@@ -60,126 +67,112 @@ def bf16_bytes(numel: int) -> int:
 
 def pack_signs(x_N: torch.Tensor) -> torch.Tensor:
     """uint8 ``[N / 8]``: bit i of byte k is 1 where ``x[8 k + i] >= 0``. N must be a multiple of 8."""
-    bits_N8 = (x_N >= 0).view(-1, 8).to(torch.uint8)
-    return (bits_N8 * _bit_weights(x_N.device)).sum(dim=1, dtype=torch.uint8)
+    return pack_bits(x_N >= 0, bit_weights(x_N.device))
 
 
 def unpack_signs(packed: torch.Tensor) -> torch.Tensor:
     """fp32 ``[..., 8 * bytes]`` of +1 / -1: the inverse of ``pack_signs`` (sign(0) = +1)."""
-    bits = (packed.unsqueeze(-1) & _bit_weights(packed.device)).ne(0)
-    return (bits.to(torch.float32) * 2 - 1).flatten(-2)
-
-
-def _bit_weights(device: torch.device) -> torch.Tensor:
-    return torch.tensor(_BIT_VALUES, dtype=torch.uint8, device=device)
-
-
-def _real_mask(numel: int, world: int, device: torch.device | str) -> torch.Tensor:
-    """bool ``[W, L]``: which positions of the padded chunks hold elements of the tensor."""
-    length = chunk_len(numel, world)
-    return (torch.arange(world * length, device=device) < numel).view(world, length)
-
-
-def compress_rows(x_WL: torch.Tensor, mask_WL: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per row: packed signs uint8 ``[W, L / 8]``, scale mean |x| over the real elements fp32
-    ``[W]``, and the decompressed rows ``[W, L]`` (zero at padding)."""
-    num_real_W = mask_WL.sum(dim=1).clamp(min=1)
-    scale_W = x_WL.abs().mul(mask_WL).sum(dim=1) / num_real_W
-    packed = pack_signs(x_WL.reshape(-1)).view(x_WL.shape[0], -1)
-    return packed, scale_W, decompress_rows(packed, scale_W, mask_WL)
-
-
-def decompress_rows(packed: torch.Tensor, scale_W: torch.Tensor, mask_WL: torch.Tensor) -> torch.Tensor:
-    return unpack_signs(packed) * scale_W.unsqueeze(1) * mask_WL
-
-
-def _rows_to_bytes(packed: torch.Tensor, scale_W: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[W, L / 8 + 4]``: each row's signs followed by its scale's bytes."""
-    return torch.cat([packed, scale_W.contiguous().view(torch.uint8).view(-1, _SCALE_BYTES)], dim=1)
-
-
-def _bytes_to_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return rows[:, :-_SCALE_BYTES], rows[:, -_SCALE_BYTES:].contiguous().view(torch.float32).view(-1)
+    return signs(unpack_bits(packed, bit_weights(packed.device)))
 
 
 class OneBitReducer:
     """The 1-bit all-reduce over ``group`` with its residuals, per named tensor: the worker
     residual (the tensor's size) and the server residual (this rank's chunk, L elements).
-    ``state_dict`` hands them to checkpoints (``MoEDataParallel`` restores or resets them)."""
+    ``state_dict`` hands them to checkpoints (``MoEDataParallel`` restores or resets them).
+
+    The residuals live in two flat buffers, in the packed layouts of ``onebit_packing`` for all
+    the tensors (ordered by chunk length); ``worker`` and ``server`` hold views of them by name."""
 
     def __init__(self, group: dist.ProcessGroup | None, shapes: dict[str, int], *,
                  device: torch.device | str = "cpu") -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.worker = {k: torch.zeros(n, device=device) for k, n in shapes.items()}
-        self.server = {k: torch.zeros(chunk_len(n, self.world), device=device) for k, n in shapes.items()}
-        # Which positions of each tensor's padded chunks are real: fixed by the shapes, built once.
-        self.masks = {k: _real_mask(n, self.world, device) for k, n in shapes.items()}
+        self.device = device
+        # A stable sort: any subset of the names comes in an order its layout accepts.
+        self._order = tuple(sorted(shapes, key=lambda k: chunk_len(shapes[k], self.world)))
+        self._index = {k: i for i, k in enumerate(self._order)}
+        self._numels = [shapes[k] for k in self._order]
+        self._layouts: dict[tuple[str, ...], PackedLayout] = {}
+        w_at = [0, *itertools.accumulate(self.world * chunk_len(n, self.world) for n in self._numels)]
+        c_at = [0, *itertools.accumulate(chunk_len(n, self.world) for n in self._numels)]
+        self._worker = torch.zeros(w_at[-1], device=device)  # tensor-major, zero at padding
+        self._server = torch.zeros(c_at[-1], device=device)  # this rank's chunk row
+        self._worker_padded: dict[str, torch.Tensor] = {}
+        self.worker: dict[str, torch.Tensor] = {}
+        self.server: dict[str, torch.Tensor] = {}
+        for k, n in shapes.items():  # the checkpoint's names and shapes: [N] and [L] per tensor
+            i = self._index[k]
+            self._worker_padded[k] = self._worker[w_at[i]:w_at[i + 1]]
+            self.worker[k] = self._worker[w_at[i]:w_at[i] + n]
+            self.server[k] = self._server[c_at[i]:c_at[i + 1]]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {**{f"worker.{k}": v for k, v in self.worker.items()},
                 **{f"server.{k}": v for k, v in self.server.items()}}
 
     def reset(self) -> None:
-        for t in (*self.worker.values(), *self.server.values()):
-            t.zero_()
+        self._worker.zero_()
+        self._server.zero_()
 
+    def _layout(self, keys: tuple[str, ...]) -> PackedLayout:
+        if keys not in self._layouts:
+            numels = [self._numels[self._index[k]] for k in keys]
+            self._layouts[keys] = PackedLayout(numels, world=self.world, rank=self.rank, device=self.device)
+        return self._layouts[keys]
+
+    @torch.no_grad()
     def all_reduce_sum(self, tensors: list[torch.Tensor], keys: list[str]) -> int:
         """Replace every tensor by the 1-bit compressed sum over the group (in place; collective,
-        same keys in the same order on every rank). Returns the bytes moved."""
-        world, rank = self.world, self.rank
-        # 1. Worker compression: every chunk of every tensor, with the worker residual added.
-        masks, rows = [], []
-        for t, key in zip(tensors, keys, strict=True):
-            n, length = t.numel(), chunk_len(t.numel(), world)
-            x_WL = torch.zeros(world * length, device=t.device)
-            x_WL[:n] = t.detach().reshape(-1).float() + self.worker[key]
-            x_WL = x_WL.view(world, length)
-            mask_WL = self.masks[key]
-            packed, scale_W, approx_WL = compress_rows(x_WL, mask_WL)
-            self.worker[key] = _finite_or(x_WL - approx_WL, self.worker[key], n)
-            masks.append(mask_WL)
-            rows.append(_rows_to_bytes(packed, scale_W))
-        send = torch.cat(rows, dim=1)  # [W, bytes]: row j goes to rank j
+        the same keys on every rank, in any order). Returns the bytes moved."""
+        by_key = dict(zip(keys, tensors, strict=True))
+        assert len(by_key) == len(keys), "a key was passed twice"
+        order = tuple(sorted(keys, key=self._index.__getitem__))
+        layout, ts = self._layout(order), [by_key[k] for k in order]
+        whole = order == self._order
+        worker = self._worker if whole else torch.cat([self._worker_padded[k] for k in order])
+        server = self._server if whole else torch.cat([self.server[k] for k in order])
+        # 1. Worker compression of every chunk of every tensor, with the worker residual added.
+        x = layout.flatten(ts).add_(worker)
+        packed, scale, approx = compress(x, layout.segments, layout.counts, layout.mask, layout.weights)
+        new_worker = finite_or(x - approx, worker)
+        send = layout.to_wire(packed, scale)  # [W, 4 K + S]: row j goes to rank j
         # 2. All-to-all: rank j receives every rank's version of its chunks.
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv.view(-1), send.view(-1), group=self.group)
-        # 3. Server: decompress and sum this rank's chunk, add the server residual, compress again.
-        own_rows, offset = [], 0
-        for t, mask_WL, key in zip(tensors, masks, keys, strict=True):
-            width = own_width(t.numel(), world)
-            packed, scale_W = _bytes_to_rows(recv[:, offset:offset + width])
-            own_mask_1L = mask_WL[rank].expand(world, -1)
-            y_1L = (decompress_rows(packed, scale_W, own_mask_1L).sum(dim=0) + self.server[key]).unsqueeze(0)
-            packed2, scale2, approx_1L = compress_rows(y_1L, mask_WL[rank:rank + 1])
-            self.server[key] = _finite_or(y_1L - approx_1L, self.server[key], y_1L.numel())
-            own_rows.append(_rows_to_bytes(packed2, scale2))
-            offset += width
-        mine = torch.cat(own_rows, dim=1).reshape(-1)
+        # 3. Server (no communication here): decompress and sum this rank's chunks, add the server
+        #    residual, compress again.
+        mine, new_server = _server_stage(layout, recv, server)
         # 4. All-gather the compressed sums; every rank decompresses every chunk.
-        gathered = mine.new_empty(world * mine.numel())
+        gathered = mine.new_empty(self.world * mine.numel())
         all_gather_single(gathered, mine, group=self.group)
-        gathered = gathered.view(world, -1)
-        offset = 0
-        for t, mask_WL in zip(tensors, masks, strict=True):
-            width = own_width(t.numel(), world)
-            packed, scale_W = _bytes_to_rows(gathered[:, offset:offset + width])
-            t.copy_(decompress_rows(packed, scale_W, mask_WL).reshape(-1)[:t.numel()].view_as(t))
-            offset += width
+        scale_WK, signs_WS = layout.from_wire(gathered.view(self.world, -1))
+        bits = unpack_bits(layout.to_tensor_major(signs_WS), layout.weights)
+        scale_R = scale_WK.t().reshape(-1)  # tensor by tensor, chunk by chunk
+        layout.unflatten_into(decompress(bits, repeat_rows(scale_R, layout.segments), layout.mask), ts)
+        self._store(order, new_worker, new_server, whole)
         return send.numel() + gathered.numel()
 
+    def _store(self, order: tuple[str, ...], worker: torch.Tensor, server: torch.Tensor, whole: bool) -> None:
+        """Write the new residuals of the tensors ``order`` names into the buffers."""
+        if whole:
+            self._worker.copy_(worker)
+            self._server.copy_(server)
+            return
+        worker_views, server_views = [self._worker_padded[k] for k in order], [self.server[k] for k in order]
+        torch._foreach_copy_(worker_views, worker.split([v.numel() for v in worker_views]))
+        torch._foreach_copy_(server_views, server.split([v.numel() for v in server_views]))
 
-def _finite_or(new: torch.Tensor, old: torch.Tensor, numel: int) -> torch.Tensor:
-    """The new residual where finite, else the old one: an fp16 overflow step (skipped by the loss
-    scaler) must not leave inf/nan in the residual for every later step. No host sync."""
-    new = new.reshape(-1)[:numel]
-    return torch.where(torch.isfinite(new), new, old)
 
-
-def own_width(numel: int, world: int) -> int:
-    """Bytes of one compressed chunk: its signs and its scale."""
-    return chunk_len(numel, world) // 8 + _SCALE_BYTES
+def _server_stage(layout: PackedLayout, recv: torch.Tensor, server: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's chunk of every tensor from the W received rows ``[W, 4 K + S]``: their sum plus
+    the server residual ``[C]``, compressed. Returns this rank's wire row ``[4 K + S]`` and the new
+    server residual."""
+    scale_WK, signs_WS = layout.from_wire(recv)
+    bits_WC = unpack_bits(signs_WS, layout.weights)
+    y = decompress(bits_WC, repeat_rows(scale_WK, layout.chunk_segments), layout.own_mask).sum(dim=0) + server
+    packed, scale, approx = compress(y, layout.chunk_segments, layout.own_counts, layout.own_mask, layout.weights)
+    return torch.cat([scale.view(torch.uint8), packed]), finite_or(y - approx, server)
 
 
 class Bf16AllReduce:

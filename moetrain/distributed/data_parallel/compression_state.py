@@ -61,17 +61,14 @@ class CompressionStateMixin:
             assert self._dense_reducer is not None, "onebit_average_ outside grad_compression onebit"
             with self.timer.span("grad_reduce"):
                 moved += self._dense_reducer.all_reduce_sum([t for _, t in dense], [n for n, _ in dense])
-            for _, t in dense:
-                t.div_(self.process_group.size())
+            torch._foreach_div_([t for _, t in dense], self.process_group.size())
         # 2. Expert shards over edp.
         experts = [(n, by_id[id(p)]) for n, p in zip(self._expert_names, self._expert_params, strict=True)
                    if id(p) in by_id]
         if experts and self._expert_reducer is not None:
             with self.timer.span("grad_reduce"):
                 moved += self._expert_reducer.all_reduce_sum([t for _, t in experts], [n for n, _ in experts])
-            edp = dist.get_world_size(self._edp_group)
-            for _, t in experts:
-                t.div_(edp)
+            torch._foreach_div_([t for _, t in experts], dist.get_world_size(self._edp_group))
         assert len(dense) + (len(experts) if self._expert_reducer is not None else 0) == len(params), \
             "onebit_average_ got a parameter without replicas"
         self._bytes_sent += moved

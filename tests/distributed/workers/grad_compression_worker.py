@@ -151,3 +151,31 @@ def resume_worker(rank: int, world_size: int, folder: str, *, steps: int = 6, st
             "nonzero_saved": any(v.any() for k, v in saved.items() if k != "layout"),
             "warnings_same_layout": records[:num_warnings], "warnings_other_layout": records[num_warnings:],
             "reset": reset}
+
+
+def packed_worker(rank: int, world_size: int, inputs: list[list[list[torch.Tensor]]],
+                  calls: list[list[int]]) -> dict:
+    """``OneBitReducer`` on ``inputs[step][rank][tensor]``, tensor i named ``t{i}``, step s passing
+    the tensors ``calls[s]`` in that order: once over the world, once over pairs of ranks ({0, 1},
+    {2, 3}, as edp groups are). Halfway, the world's reducer is replaced by a fresh one that
+    loads the saved residuals through ``state_dict``'s views (as a checkpoint load does). After
+    every step: the results and both reducers' residuals."""
+    names = [f"t{i}" for i in range(len(inputs[0][rank]))]
+    shapes = {n: t.numel() for n, t in zip(names, inputs[0][rank], strict=True)}
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    reducers = {"world": OneBitReducer(None, shapes), "pair": OneBitReducer(pairs[rank // 2], shapes)}
+    out = []
+    for s, (step, call) in enumerate(zip(inputs, calls, strict=True)):
+        if s == len(inputs) // 2:
+            saved, fresh = reducers["world"].state_dict(), OneBitReducer(None, shapes)
+            for key, value in fresh.state_dict().items():
+                value.copy_(saved[key])
+            reducers["world"] = fresh
+        record = {}
+        for kind, reducer in reducers.items():
+            tensors = [step[rank][i].clone() for i in call]
+            num_bytes = reducer.all_reduce_sum(tensors, [names[i] for i in call])
+            record[kind] = {"result": dict(zip([names[i] for i in call], tensors, strict=True)), "bytes": num_bytes,
+                            "state": {k: v.clone() for k, v in reducer.state_dict().items()}}
+        out.append(record)
+    return out
