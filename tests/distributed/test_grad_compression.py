@@ -126,8 +126,12 @@ def test_packed_exchange_is_the_per_tensor_one_bit_for_bit():
     # before the third step.
     calls = [list(range(num)), list(reversed(range(num))), [5, 0, 9, 2, 7], [6], list(range(num))]
     inputs = [[[torch.randn(s, generator=g) for s in _PACKED_SHAPES] for _ in range(4)] for _ in calls]
-    ranks = run_ranks(packed_worker, 4, inputs, calls, timeout_s=120)
-    for kind, groups in (("world", [[0, 1, 2, 3]]), ("pair", [[0, 1], [2, 3]])):
+    # Padded sizes at W = 4, in chunk-length order: 32 32 32 | 64 64 64 | 96 | 128 | 160 | 1024 1024;
+    # at most 64 a bucket: [t0 t1] [t5] [t2] [t3] [t4] [t8] [t10] [t9] [t6] [t7].
+    ranks = run_ranks(packed_worker, 4, inputs, calls, 64, timeout_s=120)
+    assert [r[0]["bucketed"]["all_to_alls"] for r in ranks] == [10] * 4
+    assert [r[0]["world"]["all_to_alls"] for r in ranks] == [1] * 4
+    for kind, groups in (("world", [[0, 1, 2, 3]]), ("bucketed", [[0, 1, 2, 3]]), ("pair", [[0, 1], [2, 3]])):
         for group in groups:
             worker = [[torch.zeros(inputs[0][0][i].numel()) for _ in group] for i in range(num)]
             server = [[torch.zeros(chunk_len(inputs[0][0][i].numel(), len(group))) for _ in group] for i in range(num)]

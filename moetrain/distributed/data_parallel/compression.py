@@ -16,9 +16,10 @@ Packed signs cannot be summed by an all-reduce, so each rank owns one chunk of e
 Chunks are cut per tensor, keyed by parameter name, not per DDP bucket: buckets change (DDP
 rebuilds them after the first step and after a resume), and per-tensor chunks keep the numerics,
 and the residuals, the same whatever grouping carried a tensor. That is what makes a resumed run
-continue bit for bit. They are cut per tensor, but they travel packed: all the tensors of one
-call go through each stage as one buffer and through one all-to-all and one all-gather
-(``onebit_packing``), with the bits of compressing each tensor by itself.
+continue bit for bit. They are cut per tensor, but they travel packed: the tensors of one call
+go through each stage as one buffer (up to ``ONEBIT_BUCKET_ELEMENTS``, then in buckets) and through
+one all-to-all and one all-gather per buffer (``onebit_packing``), with the bits of compressing
+each tensor by itself.
 
 Bytes per tensor of N elements at W ranks: the all-to-all's send buffer plus the all-gather's
 output, W * (L / 8 + 4) each, with chunk length L = 8 * ceil(N / (8 W)): about 2 * (N / 8 + 4 W).
@@ -48,6 +49,11 @@ from moetrain.distributed.data_parallel.onebit_packing import (
     signs,
     unpack_bits,
 )
+
+ONEBIT_BUCKET_ELEMENTS = 1 << 26
+"""Padded elements one packed exchange stages at most (a larger tensor goes alone). Its stages hold
+a few fp32 copies of what they stage (about 1.3 GiB at 64 Mi elements), so a model of billions of
+parameters is exchanged in buckets, two collectives each, not with temporaries of its size."""
 
 
 def onebit_bytes(numel: int, world: int) -> int:
@@ -81,10 +87,12 @@ class OneBitReducer:
     ``state_dict`` hands them to checkpoints (``MoEDataParallel`` restores or resets them).
 
     The residuals live in two flat buffers, in the packed layouts of ``onebit_packing`` for all
-    the tensors (ordered by chunk length); ``worker`` and ``server`` hold views of them by name."""
+    the tensors (ordered by chunk length); ``worker`` and ``server`` hold views of them by name.
+    The tensors of one call go in buckets of up to ``bucket_elements`` padded elements, in that
+    order."""
 
     def __init__(self, group: dist.ProcessGroup | None, shapes: dict[str, int], *,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", bucket_elements: int = ONEBIT_BUCKET_ELEMENTS) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -94,8 +102,9 @@ class OneBitReducer:
         self._index = {k: i for i, k in enumerate(self._order)}
         self._numels = [shapes[k] for k in self._order]
         self._layouts: dict[tuple[str, ...], PackedLayout] = {}
-        w_at = [0, *itertools.accumulate(self.world * chunk_len(n, self.world) for n in self._numels)]
-        c_at = [0, *itertools.accumulate(chunk_len(n, self.world) for n in self._numels)]
+        self._bucket_elements = bucket_elements
+        self._w_at = w_at = [0, *itertools.accumulate(self.world * chunk_len(n, self.world) for n in self._numels)]
+        self._c_at = c_at = [0, *itertools.accumulate(chunk_len(n, self.world) for n in self._numels)]
         self._worker = torch.zeros(w_at[-1], device=device)  # tensor-major, zero at padding
         self._server = torch.zeros(c_at[-1], device=device)  # this rank's chunk row
         self._worker_padded: dict[str, torch.Tensor] = {}
@@ -121,6 +130,18 @@ class OneBitReducer:
             self._layouts[keys] = PackedLayout(numels, world=self.world, rank=self.rank, device=self.device)
         return self._layouts[keys]
 
+    def _buckets(self, order: tuple[str, ...]) -> list[tuple[str, ...]]:
+        """``order`` cut into runs of at most ``bucket_elements`` padded elements (or one tensor)."""
+        buckets: list[tuple[str, ...]] = []
+        start, size = 0, 0
+        for i, k in enumerate(order):
+            n = self.world * chunk_len(self._numels[self._index[k]], self.world)
+            if i > start and size + n > self._bucket_elements:
+                buckets.append(order[start:i])
+                start, size = i, 0
+            size += n
+        return [*buckets, order[start:]]
+
     @torch.no_grad()
     def all_reduce_sum(self, tensors: list[torch.Tensor], keys: list[str]) -> int:
         """Replace every tensor by the 1-bit compressed sum over the group (in place; collective,
@@ -128,10 +149,23 @@ class OneBitReducer:
         by_key = dict(zip(keys, tensors, strict=True))
         assert len(by_key) == len(keys), "a key was passed twice"
         order = tuple(sorted(keys, key=self._index.__getitem__))
-        layout, ts = self._layout(order), [by_key[k] for k in order]
-        whole = order == self._order
-        worker = self._worker if whole else torch.cat([self._worker_padded[k] for k in order])
-        server = self._server if whole else torch.cat([self.server[k] for k in order])
+        return sum(self._exchange(bucket, [by_key[k] for k in bucket]) for bucket in self._buckets(order))
+
+    def _residuals(self, order: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The worker and server residuals of ``order`` in its packed layouts, and whether they are
+        views of the buffers (the tensors are neighbours there) rather than copies."""
+        first, last = self._index[order[0]], self._index[order[-1]]
+        if last - first + 1 == len(order):  # sorted and distinct: a contiguous run
+            return (self._worker[self._w_at[first]:self._w_at[last + 1]],
+                    self._server[self._c_at[first]:self._c_at[last + 1]], True)
+        return (torch.cat([self._worker_padded[k] for k in order]), torch.cat([self.server[k] for k in order]),
+                False)
+
+    def _exchange(self, order: tuple[str, ...], ts: list[torch.Tensor]) -> int:
+        """Stages 1-4 of the module docstring for the tensors ``ts`` named ``order`` (ordered by
+        chunk length), as one packed buffer. Returns the bytes moved."""
+        layout = self._layout(order)
+        worker, server, in_place = self._residuals(order)
         # 1. Worker compression of every chunk of every tensor, with the worker residual added.
         x = layout.flatten(ts).add_(worker)
         packed, scale, approx = compress(x, layout.segments, layout.counts, layout.mask, layout.weights)
@@ -150,15 +184,15 @@ class OneBitReducer:
         bits = unpack_bits(layout.to_tensor_major(signs_WS), layout.weights)
         scale_R = scale_WK.t().reshape(-1)  # tensor by tensor, chunk by chunk
         layout.unflatten_into(decompress(bits, repeat_rows(scale_R, layout.segments), layout.mask), ts)
-        self._store(order, new_worker, new_server, whole)
+        if in_place:
+            worker.copy_(new_worker)
+            server.copy_(new_server)
+        else:
+            self._store(order, new_worker, new_server)
         return send.numel() + gathered.numel()
 
-    def _store(self, order: tuple[str, ...], worker: torch.Tensor, server: torch.Tensor, whole: bool) -> None:
+    def _store(self, order: tuple[str, ...], worker: torch.Tensor, server: torch.Tensor) -> None:
         """Write the new residuals of the tensors ``order`` names into the buffers."""
-        if whole:
-            self._worker.copy_(worker)
-            self._server.copy_(server)
-            return
         worker_views, server_views = [self._worker_padded[k] for k in order], [self.server[k] for k in order]
         torch._foreach_copy_(worker_views, worker.split([v.numel() for v in worker_views]))
         torch._foreach_copy_(server_views, server.split([v.numel() for v in server_views]))

@@ -22,7 +22,8 @@ tensor, a segment of several rows sums each row whole, so the two agree at one t
 reduction's strategy depends on the number of rows; agreement there is not checked.
 
 The price of one buffer: the stages' temporaries (a few fp32 copies, a few bytes of masks and signs
-per element) are those of all the exchanged tensors at once, not of the largest one.
+per element) are those of all its tensors at once, not of the largest one; ``OneBitReducer`` bounds
+them by exchanging a large model in buckets (``ONEBIT_BUCKET_ELEMENTS``).
 
 Shape legend: W ranks, L chunk length, K tensors, R rows, E elements (tensor-major, padded),
 C elements of a chunk row, S sign bytes of a chunk row (C / 8).

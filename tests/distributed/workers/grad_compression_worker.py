@@ -154,16 +154,27 @@ def resume_worker(rank: int, world_size: int, folder: str, *, steps: int = 6, st
 
 
 def packed_worker(rank: int, world_size: int, inputs: list[list[list[torch.Tensor]]],
-                  calls: list[list[int]]) -> dict:
+                  calls: list[list[int]], bucket_elements: int) -> list[dict]:
     """``OneBitReducer`` on ``inputs[step][rank][tensor]``, tensor i named ``t{i}``, step s passing
-    the tensors ``calls[s]`` in that order: once over the world, once over pairs of ranks ({0, 1},
-    {2, 3}, as edp groups are). Halfway, the world's reducer is replaced by a fresh one that
-    loads the saved residuals through ``state_dict``'s views (as a checkpoint load does). After
-    every step: the results and both reducers' residuals."""
+    the tensors ``calls[s]`` in that order: over the world, over the world in buckets of
+    ``bucket_elements`` padded elements, and over pairs of ranks ({0, 1}, {2, 3}, as edp groups
+    are). Halfway, the world's reducer is replaced by a fresh one that loads the saved residuals
+    through ``state_dict``'s views (as a checkpoint load does). After every step: the results,
+    each reducer's residuals, bytes and all-to-all calls."""
     names = [f"t{i}" for i in range(len(inputs[0][rank]))]
     shapes = {n: t.numel() for n, t in zip(names, inputs[0][rank], strict=True)}
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    reducers = {"world": OneBitReducer(None, shapes), "pair": OneBitReducer(pairs[rank // 2], shapes)}
+    reducers = {"world": OneBitReducer(None, shapes),
+                "bucketed": OneBitReducer(None, shapes, bucket_elements=bucket_elements),
+                "pair": OneBitReducer(pairs[rank // 2], shapes)}
+    calls_made = [0]
+    all_to_all = dist.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls_made[0] += 1
+        return all_to_all(*args, **kwargs)
+
+    dist.all_to_all_single = counted  # this rank's process only
     out = []
     for s, (step, call) in enumerate(zip(inputs, calls, strict=True)):
         if s == len(inputs) // 2:
@@ -174,8 +185,10 @@ def packed_worker(rank: int, world_size: int, inputs: list[list[list[torch.Tenso
         record = {}
         for kind, reducer in reducers.items():
             tensors = [step[rank][i].clone() for i in call]
+            calls_made[0] = 0
             num_bytes = reducer.all_reduce_sum(tensors, [names[i] for i in call])
             record[kind] = {"result": dict(zip([names[i] for i in call], tensors, strict=True)), "bytes": num_bytes,
-                            "state": {k: v.clone() for k, v in reducer.state_dict().items()}}
+                            "state": {k: v.clone() for k, v in reducer.state_dict().items()},
+                            "all_to_alls": calls_made[0]}
         out.append(record)
     return out
