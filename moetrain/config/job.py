@@ -124,8 +124,9 @@ class JobConfig:
             require(par.pp == 1 and m.head == "lm", field_, value,
                     f"needs parallel.pp = 1 and model.head = 'lm' (got pp={par.pp}, head={m.head!r}): token ids are "
                     "placed by the sequences of the global batch each rank's micro-batches hold")
-        check_rebalancing(par, num_experts=self.moe.num_experts, rebalance_every=self.moe.rebalance_every if m.is_moe
-                          else 0, expert_choice=self.moe.is_expert_choice)
+        check_rebalancing(par, num_experts=self.moe.num_experts, rebalance_every=self.moe.rebalance_every,
+                          is_moe=m.is_moe, expert_choice=self.moe.is_expert_choice,
+                          grad_compression=self.dp.grad_compression)
         check_pipeline_model(m, pp=par.pp, virtual_stages=par.pp_virtual_stages)
         check_pipeline_reduction(pp=par.pp, grad_compression=self.dp.grad_compression)
         if m.head == "classifier":

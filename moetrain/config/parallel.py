@@ -85,7 +85,8 @@ class ParallelConfig:
     """Expert slots on each ep rank with expert rebalancing (moe.rebalance_every > 0): its
     moe.num_experts / ep home experts plus spare slots, each holding a replica of a hot expert of
     another rank that takes a share of that expert's tokens (docs/routing.md, "Expert
-    rebalancing"). Must be > num_experts / ep then (one spare slot per rank is usually enough);
+    rebalancing"). Must be > num_experts / ep then (one spare slot per rank is usually enough)
+    and <= num_experts;
     0 = no spare slots (rebalancing off). Each spare slot costs one expert's weights and gradient
     in memory and one expert's weights out and gradient back over ep per step."""
 
@@ -129,13 +130,14 @@ class ParallelConfig:
                 "must be an int >= 0")
 
 
-def check_rebalancing(par: ParallelConfig, *, num_experts: int, rebalance_every: int,
-                      expert_choice: bool) -> None:
+def check_rebalancing(par: ParallelConfig, *, num_experts: int, rebalance_every: int, is_moe: bool,
+                      expert_choice: bool, grad_compression: str) -> None:
     """The layouts expert rebalancing (parallel.expert_slots_per_rank, moe.rebalance_every) runs
-    under; ValueError naming the field otherwise."""
+    under; ValueError naming the field otherwise. A dense model ignores moe.rebalance_every."""
     slots = par.expert_slots_per_rank
-    if slots == 0 and rebalance_every == 0:
+    if slots == 0 and (rebalance_every == 0 or not is_moe):
         return
+    require(is_moe, "parallel.expert_slots_per_rank", slots, "needs a model with MoE layers (this one has none)")
     require(slots > 0, "moe.rebalance_every", rebalance_every,
             "needs parallel.expert_slots_per_rank > moe.num_experts / parallel.ep (spare slots for the replicas)")
     require(rebalance_every > 0, "parallel.expert_slots_per_rank", slots,
@@ -145,6 +147,11 @@ def check_rebalancing(par: ParallelConfig, *, num_experts: int, rebalance_every:
     home = num_experts // par.ep
     require(slots > home, "parallel.expert_slots_per_rank", slots,
             f"must be > moe.num_experts / parallel.ep ({home} home experts per rank): the rest are spare slots")
+    require(slots <= num_experts, "parallel.expert_slots_per_rank", slots,
+            f"must be <= moe.num_experts ({num_experts}): a rank holds each expert at most once")
+    require(grad_compression != "onebit", "dp.grad_compression", grad_compression,
+            "must be 'none' or 'bf16' with expert rebalancing: replica gradients join their homes' before 1-bit "
+            "Adam's per-rank compression, so the run would not be the one without replicas")
     unsupported = {"parallel.tp": (par.tp, 1), "parallel.etp": (par.etp, 1), "parallel.pp": (par.pp, 1),
                    "parallel.ep_hierarchical": (par.ep_hierarchical, False)}
     for name, (value, wanted) in unsupported.items():

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TextIO
 import torch
 
 from moetrain.config.moe import MoEConfig
+from moetrain.utils.files import jsonl_records_until
 
 if TYPE_CHECKING:  # imported lazily at run time: only a logging rank with TensorBoard on needs it
     from torch.utils.tensorboard import SummaryWriter
@@ -169,7 +170,7 @@ class MetricsLogger:
         if not enabled:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        kept = _records_until(self.path, keep_until_step) if keep_until_step is not None else []
+        kept = jsonl_records_until(self.path, keep_until_step) if keep_until_step is not None else []
         # Open for the whole run (line-buffered, one record per step); close() closes it.
         self._file = open(self.path, "w", buffering=1)  # noqa: SIM115
         self._file.write("".join(kept))
@@ -227,21 +228,6 @@ def _tb_write(tb: SummaryWriter, key: str, value, step: int) -> None:
         # [layer][expert] values: one histogram over the experts per layer.
         for i, row in enumerate(value):
             tb.add_histogram(f"{key}/layer{i}", torch.tensor(row, dtype=torch.float64), step, bins=len(row))
-
-
-def _records_until(path: Path, step: int) -> list[str]:
-    """The lines of ``path`` whose record's step is <= ``step``, newline-terminated."""
-    if not path.exists():
-        return []
-    kept = []
-    with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError, TypeError):
-                continue  # a line cut short by the kill that stopped the previous run
-    return kept
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:

@@ -10,10 +10,9 @@ One optimizer step, from data to update: ``train_step`` -> for each micro-batch 
 ``forward_backward`` -> ``optimizer_step`` (unscale, clip, agree with the other ranks, step) ->
 ``_account_step`` (counters, the metrics window, the last good state).
 
-Runs standalone (one process) or under torchrun (one or many nodes); the parallel layout comes
-from ``cfg.parallel`` through ``ParallelDims``, and the model code never knows about it. The
-process group lives in ``moetrain.distributed.runtime``; non-finite steps, SIGTERM and failed collectives
-in ``.faults``; the task (language model or classifier) decides data, loss and evaluation (``.task``).
+Runs standalone or under torchrun (one or many nodes); the layout comes from ``cfg.parallel`` through
+``ParallelDims`` (the model code never knows it); the process group lives in ``distributed.runtime``,
+non-finite steps, SIGTERM and failed collectives in ``.faults``, the task's data, loss and evaluation in ``.task``.
 """
 
 from __future__ import annotations
@@ -173,9 +172,10 @@ class Trainer:
         """The checkpointer, and the loop's state: from the start, or from where the checkpoint
         ``checkpoint.resume`` picks stopped (the checkpointer has loaded the rest of the state)."""
         c = self.cfg.checkpoint
+        self.rebalancer = Rebalancer(self.model, self.dims, run_dir=self.run_dir, **rebalance_settings(self.cfg))
         objects = TrainingObjects(model=self.model, optimizer=self.optimizer, parallel_model=self.parallel_model,
                                   scheduler=self.scheduler, scaler=self.scaler, train_loader=self.train_loader,
-                                  balancer=self.balancer, ema=self.ema)
+                                  balancer=self.balancer, ema=self.ema, rebalancer=self.rebalancer)
         folder = checkpoint_folder(self.run_dir, c.dir)
         self.checkpointer = Checkpointer(self.cfg, folder=folder, objects=objects, dims=self.dims, phase=self.phase,
                                          vocab_size=self.model_config.vocab_size, is_main=self.is_main)
@@ -183,7 +183,6 @@ class Trainer:
         self.skips = SkipCounter(max_consecutive=self.cfg.train.max_consecutive_skips)
         self.interrupted = False
         resumed = self.checkpointer.resume()
-        self.rebalancer = Rebalancer(self.model, self.dims, run_dir=self.run_dir, **rebalance_settings(self.cfg))
         self.resumed_from = resumed.path if resumed is not None else None
         if resumed is not None:
             self.step = resumed.step
@@ -333,8 +332,8 @@ class Trainer:
                                device=self.device, dtype=t.dtype)
 
     def averaged_weights(self):
-        """With optim.ema_decay, the weight average in the model for the block; else nothing changes."""
-        return self.ema.applied() if self.ema is not None else contextlib.nullcontext()
+        """With optim.ema_decay, the weight average in the model (replicas included) for the block."""
+        return self.rebalancer.around(self.ema.applied()) if self.ema is not None else contextlib.nullcontext()
 
     # --- logging ----------------------------------------------------------------------------------
 

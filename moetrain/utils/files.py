@@ -8,6 +8,7 @@ checkpoint manifests, exports.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import uuid
@@ -69,3 +70,20 @@ def fsync_dir(folder: str | os.PathLike) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def jsonl_records_until(path: str | os.PathLike, step: int) -> list[str]:
+    """The lines of the JSON-lines file ``path`` whose record's step is <= ``step``, newline-terminated:
+    what a log of a run resumed at ``step`` keeps of the stopped run's (nothing if there is no file)."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by the kill that stopped the previous run
+    return kept

@@ -9,7 +9,11 @@ launch of 2 gloo processes, zipf:1.2 forced skew, replicas re-planned every step
   ``moetrain experts grow`` (noisy copies, grown in the launch between two runs), and the grown model trains with
   replicas to the losses of the plain run's grown model trained without them;
 - a dense Llama upcycled (with noise) into an ep = 2 job with spare slots trains to the losses of that job
-  without them.
+  without them, and with a weight average (optim.ema_decay) evaluates to its validation losses: the
+  replicas take the averaged weights for the evaluation;
+- with the experts frozen (LoRA on attention only) the losses are those without replicas, and only the
+  steps that place replicas (the first, the re-plans) move any replica bytes;
+- resumed in its own run folder, a run's rebalance.jsonl reads like that of a run that never stopped.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ SKEW = ("--moe.force_skew=zipf:1.2", "--train.deterministic=true", "--log.memory
 REBALANCE = ("--parallel.expert_slots_per_rank=3", "--moe.rebalance_every=1")
 CKPT2 = ("--checkpoint.every=2", "--checkpoint.keep_last=0")
 GROWN = ("--moe.num_experts=8", "--moe.top_k=4")
+EMA = ("--optim.ema_decay=0.9", "--train.eval_every=1", "--train.eval_steps=2")
+FROZEN = ("--finetune.lora_rank=2", "--finetune.lora_targets=[attention]")
 # Noise on the grown copies and the upcycled experts: experts that differ from the start, so a replica
 # serving another expert's tokens would change the loss at once.
 NOISE = 0.1
@@ -143,15 +149,20 @@ def test_rebalanced_training_matches_resumes_exports_grows_and_upcycles(tmp_path
     runs = [job_overrides(plain, steps=3, ep=2, extra=(*SKEW, *CKPT2)),
             job_overrides(rebal, steps=3, ep=2, extra=(*SKEW, *REBALANCE, *CKPT2)),
             job_overrides(same, steps=3, ep=2, extra=(*SKEW, *REBALANCE, f"--checkpoint.resume={ckpt}")),
+            # Again in its own folder, as after a crash: its records of step 3 are replaced, not repeated.
+            job_overrides(rebal, steps=3, ep=2, extra=(*SKEW, *REBALANCE, f"--checkpoint.resume={ckpt}")),
             job_overrides(other, steps=3, ep=1, extra=(*SKEW, f"--checkpoint.resume={ckpt}")),
             partial(grow, ckpt, tmp_path / "grown-rebal"), partial(grow, plain_ckpt, tmp_path / "grown-plain"),
             job_overrides(tmp_path / "train-grown-rebal", steps=2, ep=2, extra=(
                 *SKEW, *GROWN, *grown_slots, f"--checkpoint.init_from={tmp_path / 'grown-rebal'}")),
             job_overrides(tmp_path / "train-grown-plain", steps=2, ep=2, extra=(
                 *SKEW, *GROWN, f"--checkpoint.init_from={tmp_path / 'grown-plain'}")),
-            _upcycled_job(tmp_path / "up", tmp_path / "up-plain", ()),
+            _upcycled_job(tmp_path / "up", tmp_path / "up-plain", EMA),
             # Re-planned every 2 of 3 steps: the last step's record is written by the trainer's finish.
-            _upcycled_job(tmp_path / "up", tmp_path / "up-rebal", (*REBALANCE[:1], "--moe.rebalance_every=2"))]
+            _upcycled_job(tmp_path / "up", tmp_path / "up-rebal", (*EMA, *REBALANCE[:1], "--moe.rebalance_every=2")),
+            job_overrides(tmp_path / "frozen-plain", steps=3, ep=2, extra=(*SKEW, *FROZEN)),
+            job_overrides(tmp_path / "frozen-rebal", steps=3, ep=2,
+                          extra=(*SKEW, *FROZEN, *REBALANCE[:1], "--moe.rebalance_every=2"))]
     run_ranks(_runs, 2, runs, timeout_s=260)
 
     _close(read_losses(rebal), read_losses(plain), "loss with vs without replicas")
@@ -174,3 +185,13 @@ def test_rebalanced_training_matches_resumes_exports_grows_and_upcycles(tmp_path
         recs = [json.loads(r) for r in (tmp_path / f"{run}-rebal" / "rebalance.jsonl").read_text().splitlines()]
         every = 2 if run == "up" else 1
         assert [(r["step"], r["rebalanced"]) for r in recs] == [(s, s % every == 0) for s in range(1, steps + 1)], run
+    val = {run: [r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+                 if "val_loss" in r] for run in ("up-plain", "up-rebal")}
+    assert len(val["up-plain"]) == 3, val
+    _close(val["up-rebal"], val["up-plain"], "validation loss of the weight average with vs without replicas")
+
+    _close(read_losses(tmp_path / "frozen-rebal"), read_losses(tmp_path / "frozen-plain"), "frozen experts")
+    recs = [json.loads(r) for r in (tmp_path / "frozen-rebal" / "rebalance.jsonl").read_text().splitlines()]
+    # Step 1: the first placement's weights; step 2: a re-plan's; step 3 nothing (frozen: no gradients
+    # to send home, no weights that changed).
+    assert [r["replica_bytes"] > 0 for r in recs] == [True, True, False], recs

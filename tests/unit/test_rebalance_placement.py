@@ -1,10 +1,17 @@
 """Expert rebalancing's placement (hand-worked plans, shares, the tables the dispatcher reads, the
 replica exchange) and its config rules."""
 
+import json
+
 import pytest
 
 from moetrain.config.parallel import ParallelConfig, check_rebalancing
-from moetrain.distributed.expert_parallel.placement import SHARE_UNITS, home_placement, plan_placement
+from moetrain.distributed.expert_parallel.placement import (
+    SHARE_UNITS,
+    Placement,
+    home_placement,
+    plan_placement,
+)
 from moetrain.distributed.expert_parallel.rebalance import replica_routes
 from moetrain.models.moe.skew import skew_weights
 
@@ -60,6 +67,9 @@ def test_replica_routes_pair_homes_with_spare_slots():
     assert (r1.send_home_idx, r1.send_splits, r1.recv_bank_idx, r1.recv_splits) == ([0], [1, 0], [0], [1, 0])
 
 
+_RULE_DEFAULTS = {"num_experts": 8, "is_moe": True, "expert_choice": False, "grad_compression": "none"}
+
+
 @pytest.mark.parametrize(("parallel", "every", "field"), [
     ({"ep": 2, "expert_slots_per_rank": 5}, 0, "parallel.expert_slots_per_rank"),
     ({"ep": 2}, 3, "moe.rebalance_every"),
@@ -72,11 +82,41 @@ def test_replica_routes_pair_homes_with_spare_slots():
 ])
 def test_rebalancing_rules_name_the_field(parallel, every, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
-        check_rebalancing(ParallelConfig(**parallel), num_experts=8, rebalance_every=every, expert_choice=False)
+        check_rebalancing(ParallelConfig(**parallel), rebalance_every=every, **_RULE_DEFAULTS)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    # A dense model: the slots are what is wrong, not moe.rebalance_every (which is set).
+    ({"is_moe": False}, r"parallel\.expert_slots_per_rank \(5\) needs a model with MoE layers"),
+    # More slots than experts: a rank would hold an expert twice, the extra slot never used.
+    ({"num_experts": 4, "slots": 6}, r"parallel\.expert_slots_per_rank \(6\) must be <= moe\.num_experts \(4\)"),
+    ({"grad_compression": "onebit"}, r"dp\.grad_compression \('onebit'\) must be 'none' or 'bf16' with expert"),
+])
+def test_rebalancing_rules_for_the_model_and_the_optimizer(change, message):
+    args = {**_RULE_DEFAULTS, **change}
+    slots = args.pop("slots", 5)
+    with pytest.raises(ValueError, match=message):
+        check_rebalancing(ParallelConfig(ep=2, expert_slots_per_rank=slots), rebalance_every=5, **args)
 
 
 def test_rebalancing_layout_accepted_and_negative_slots_refused():
-    check_rebalancing(ParallelConfig(ep=2, expert_slots_per_rank=5, zero_stage=1), num_experts=8,
-                      rebalance_every=10, expert_choice=False)
+    check_rebalancing(ParallelConfig(ep=2, expert_slots_per_rank=5, zero_stage=1), rebalance_every=10,
+                      **_RULE_DEFAULTS)
+    check_rebalancing(ParallelConfig(ep=2, expert_slots_per_rank=8), rebalance_every=10, **_RULE_DEFAULTS)
+    # A dense model ignores moe.rebalance_every without slots (a preset's moe section may set it).
+    check_rebalancing(ParallelConfig(ep=2), rebalance_every=10, **{**_RULE_DEFAULTS, "is_moe": False})
     with pytest.raises(ValueError, match=r"parallel\.expert_slots_per_rank \(-1\)"):
         ParallelConfig(expert_slots_per_rank=-1)
+
+
+def test_a_saved_placement_round_trips_and_a_tampered_one_is_refused():
+    plan = plan_placement([50, 1, 1, 1, 9, 9, 30, 2], num_ranks=4, slots_per_rank=4)
+    saved = json.loads(json.dumps(plan.to_json()))  # as a checkpoint's trainer state holds it
+    assert Placement.from_json(saved) == plan
+    moved = json.loads(json.dumps(saved))
+    moved["copies"][0][0][1] += 1  # expert 0's shares no longer sum to SHARE_UNITS
+    swapped = json.loads(json.dumps(saved))
+    swapped["replicas"][0][0] = (swapped["replicas"][0][0] + 1) % 8  # a copy on a slot holding another expert
+    for bad in (moved, swapped, {**saved, "copies": "x"}, {k: v for k, v in saved.items() if k != "replicas"}):
+        with pytest.raises(ValueError, match="expert placement"):
+            Placement.from_json(bad)

@@ -57,6 +57,35 @@ class Placement:
     def num_local_experts(self) -> int:
         return self.num_experts // self.num_ranks
 
+    def to_json(self) -> dict:
+        return {"num_ranks": self.num_ranks, "slots_per_rank": self.slots_per_rank, "num_experts": self.num_experts,
+                "replicas": [list(r) for r in self.replicas],
+                "copies": [[list(c) for c in copies] for copies in self.copies]}
+
+    @classmethod
+    def from_json(cls, saved: dict) -> Placement:
+        """A placement ``to_json`` wrote (a checkpoint's), checked before use: ValueError unless every
+        copy sits on a slot of the expert (its home, or a spare slot holding its replica) and each
+        expert's shares sum to SHARE_UNITS."""
+        try:
+            P, S, E = (int(saved[k]) for k in ("num_ranks", "slots_per_rank", "num_experts"))
+            replicas = tuple(tuple(int(e) for e in r) for r in saved["replicas"])
+            copies = tuple(tuple((int(slot), int(units)) for slot, units in c) for c in saved["copies"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"expert placement {saved!r}: not a saved placement ({error})") from None
+        L = E // P if P > 0 else 0
+        ok = P > 0 and E % P == 0 and S >= L and len(replicas) == P and len(copies) == E
+        ok = ok and all(len(r) == S - L and all(0 <= e < E for e in r) for r in replicas)
+        for e, c in enumerate(copies if ok else ()):
+            spare = [(slot // S, slot % S - L) for slot, _ in c if slot != e // L * S + e % L]
+            ok = ok and sum(u for _, u in c) == SHARE_UNITS and all(u >= 0 for _, u in c) and \
+                len(spare) == len(c) - 1 and all(0 <= q < P and 0 <= r < S - L and replicas[q][r] == e
+                                                 for q, r in spare)
+        if not ok:
+            raise ValueError(f"expert placement {saved!r}: its copies do not sit on their experts' slots "
+                             f"with shares summing to {SHARE_UNITS}")
+        return cls(P, S, E, replicas, copies)
+
     def rank_loads(self, load_E: Sequence[float]) -> list[float]:
         """Load served by each rank when expert e receives ``load_E[e]`` copies."""
         out = [0.0] * self.num_ranks

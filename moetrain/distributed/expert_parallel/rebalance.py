@@ -15,7 +15,8 @@ home experts.
                                  home's weights (the step changed them), which travel while the
                                  next step loads its batch and runs up to the first MoE layer's
                                  experts (``wait_refresh``, called by the dispatcher)
-    after a checkpoint load      ``refresh_replicas``
+    after a checkpoint load      ``load_state_dict``: the saved placements (``state_dict``, in the
+                                 checkpoint's trainer state), then ``refresh_replicas``
 
 Each of these moves every layer's rows in one collective (``_exchange_layers``): one all-to-all
 for the weights, one all-reduce over edp and one all-to-all for the gradients per step, however
@@ -35,7 +36,11 @@ received per layer after capacity drops (``rank_copies``), the replica bytes eve
 and starting the weight refresh: ``after_step_s``), whether it re-planned (``rebalanced``) and then
 the new placement (``replicas``, per layer, rank and spare slot). The records are gathered over ep
 on re-planning steps and by ``finish`` at the end of training, not every step: one all-gather per
-plan.
+plan. A run resumed in the same folder keeps the records up to its checkpoint's step.
+
+With frozen experts (LoRA elsewhere) no gradient goes home and the weights travel only after a
+re-plan; ``around`` makes the replicas follow a temporary swap of the homes' weights (the weight
+average for evaluation).
 
 Shape legend: E logical experts, L home experts per rank, R spare slots per rank, P ranks in the
 ep group, X elements of one expert's flattened parameters.
@@ -43,10 +48,13 @@ ep group, X elements of one expert's flattened parameters.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,7 +69,10 @@ from moetrain.distributed.expert_parallel.placement import Placement, plan_place
 from moetrain.distributed.expert_parallel.replicated import ReplicatedDispatcher
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.models.moe.layer import MoELayer
+from moetrain.utils.files import jsonl_records_until
 from moetrain.utils.tensors import local_tensor
+
+log = logging.getLogger("moetrain")
 
 
 @dataclass(frozen=True)
@@ -95,7 +106,8 @@ def replica_routes(placement: Placement, *, rank: int) -> ReplicaRoutes:
 
 class Rebalancer:
     """Replicas for every MoE layer of ``model`` (none when ``every`` is 0: then each call is a
-    no-op). ``run_dir``: where rank 0 writes ``rebalance.jsonl`` (None: nowhere)."""
+    no-op). ``run_dir``: where rank 0 writes ``rebalance.jsonl`` (None: nowhere); its first write
+    keeps only the records up to the step the run started from (``load_state_dict``)."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, *, slots_per_rank: int, every: int,
                  run_dir: Path | None = None) -> None:
@@ -111,11 +123,40 @@ class Rebalancer:
                     self.layers.append((layer, new))
         is_main = bool(self.layers) and dist.get_rank() == 0
         self.log_path = run_dir / "rebalance.jsonl" if run_dir is not None and is_main else None
+        self._keep_until: int | None = 0  # None once rebalance.jsonl has been started
+        # Frozen experts (LoRA elsewhere): no replica gradients to send home, and the weights change
+        # only where a re-plan moves a replica.
+        self.frozen = not any(t.requires_grad for _, d in self.layers for t in d.bank.values())
         self.step_bytes = 0
         self._pending: list[_StepRecord] = []
         self._landing: Callable[[], None] | None = None
         for _, d in self.layers:
             d.bank_ready = self.wait_refresh
+        self.refresh_replicas()
+
+    # ----- checkpoints ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Every layer's placement (JSON, the same on every rank: no communication)."""
+        return {"placements": [d.placement.to_json() for _, d in self.layers]}
+
+    def load_state_dict(self, state: dict | None, *, step: int) -> None:
+        """A resumed run's placements (a checkpoint's ``state_dict``), where they fit these layers,
+        ranks and slots; else the home layout stays until the first re-plan. The replicas then take
+        the loaded homes' weights, and rebalance.jsonl keeps the records up to ``step``. Collective
+        over ep. The load since the last plan is not saved: the next plan sees the load from here."""
+        self._keep_until = step
+        saved = (state or {}).get("placements") or []
+        if not self.layers:
+            return
+        placements = [Placement.from_json(p) for p in saved]
+        if [(p.num_ranks, p.slots_per_rank, p.num_experts) for p in placements] == \
+                [(d.ep_size, d.slots_per_rank, d.num_logical) for _, d in self.layers]:
+            for p, (_, d) in zip(placements, self.layers, strict=True):
+                d.set_placement(p)
+        elif saved:
+            log.info("the checkpoint's expert placement is for another layout: replicas start from the home "
+                     "layout and follow the first re-plan")
         self.refresh_replicas()
 
     # ----- weights out, gradients home -------------------------------------------------------------
@@ -135,7 +176,7 @@ class Rebalancer:
         for layer, d in self.layers:
             routes = self._routes(d)
             blocks.append(_rows([local_tensor(getattr(layer.experts, n)).detach() for n in d.bank],
-                                routes.send_home_idx))
+                                routes.send_home_idx, device=_device(d)))
             all_routes.append(routes)
         d0 = self.layers[0][1]
         unpack, sent = _exchange_layers(blocks, [r.send_splits for r in all_routes],
@@ -155,6 +196,16 @@ class Rebalancer:
         if not async_op:
             self.wait_refresh()
 
+    @contextlib.contextmanager
+    def around(self, swap: AbstractContextManager) -> Iterator[None]:
+        """``swap`` (the home experts' weights replaced for a block, as the weight average does for
+        evaluation) with the replicas following the homes in and back out: a refresh on entry and
+        on exit. Collective over ep."""
+        with swap:
+            self.refresh_replicas()
+            yield
+        self.refresh_replicas()
+
     @torch.no_grad()
     def wait_refresh(self) -> None:
         """Wait for a refresh in flight and write it into the replica banks (no-op if none)."""
@@ -167,7 +218,7 @@ class Rebalancer:
         """Add every replica's gradient to its home's (after the data-parallel reduction of the
         homes, before clipping): one all-reduce over edp and one all-to-all over ep for every
         layer. Clears the bank's gradients."""
-        if not self.layers:
+        if not self.layers or self.frozen:
             return
         self.wait_refresh()
         rule = grad_reduction(self.dims, "edp")
@@ -175,7 +226,8 @@ class Rebalancer:
         for _, d in self.layers:
             routes = self._routes(d)
             names = [n for n, t in d.bank.items() if t.requires_grad]
-            blocks.append(_rows([_grad_or_zeros(d.bank[n]) for n in names], routes.recv_bank_idx).mul_(rule.scale))
+            blocks.append(_rows([_grad_or_zeros(d.bank[n]) for n in names], routes.recv_bank_idx,
+                                device=_device(d)).mul_(rule.scale))
             all_routes.append(routes)
             all_names.append(names)
         if rule.group is not None:
@@ -214,7 +266,8 @@ class Rebalancer:
         replan = step % self.every == 0
         if replan:
             self._replan()
-        self.refresh_replicas(async_op=True)
+        if replan or not self.frozen:
+            self.refresh_replicas(async_op=True)
         self._pending.append(_StepRecord(step, replan, [d.recv_copies for _, d in self.layers], self.step_bytes,
                                          time.perf_counter() - start))
         for _, d in self.layers:
@@ -251,6 +304,9 @@ class Rebalancer:
         pending, self._pending = self._pending, []
         if self.log_path is None:
             return
+        if self._keep_until is not None:  # the first write: what a resumed run keeps, or nothing
+            self.log_path.write_text("".join(jsonl_records_until(self.log_path, self._keep_until)))
+            self._keep_until = None
         with self.log_path.open("a") as f:
             for i, r in enumerate(pending):
                 rec: dict = {"step": r.step, "rank_copies": [[int(t[i, y]) for t in every]
@@ -278,16 +334,21 @@ def rebalance_settings(cfg: JobConfig) -> dict:
     return {"slots_per_rank": cfg.parallel.expert_slots_per_rank, "every": cfg.moe.rebalance_every}
 
 
+def _device(d: ReplicatedDispatcher) -> torch.device:
+    """Where a layer's replica bank, and so its exchanges, live."""
+    return next(iter(d.bank.values())).device
+
+
 def _grad_or_zeros(t: torch.Tensor) -> torch.Tensor:
     return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
-def _rows(tensors: list[torch.Tensor], idx: list[int]) -> torch.Tensor:
+def _rows(tensors: list[torch.Tensor], idx: list[int], *, device: torch.device) -> torch.Tensor:
     """``[len(idx), X]``: the given experts' parameters flattened and concatenated, in fp32 or the
-    tensors' common dtype."""
+    tensors' common dtype (on ``device``, where the exchange runs, also when there are none)."""
     if not tensors:
-        return torch.zeros(len(idx), 0)
-    index = torch.tensor(idx, dtype=torch.long, device=tensors[0].device)
+        return torch.zeros(len(idx), 0, device=device)
+    index = torch.tensor(idx, dtype=torch.long, device=device)
     return torch.cat([t.index_select(0, index).reshape(len(idx), math.prod(t.shape[1:])) for t in tensors], dim=1)
 
 

@@ -29,6 +29,7 @@ from moetrain.config import JobConfig
 from moetrain.config.loader import config_to_dict
 from moetrain.distributed import runtime
 from moetrain.distributed.data_parallel.ddp import grad_compression_state, load_grad_compression_state
+from moetrain.distributed.expert_parallel.rebalance import Rebalancer
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.train.balancing import Balancer
 from moetrain.train.checkpoint.background import BackgroundSaver
@@ -69,6 +70,8 @@ class TrainingObjects:
     """Its position in the data."""
     balancer: Balancer | None
     ema: WeightAverage | None
+    rebalancer: Rebalancer | None = None
+    """Expert rebalancing: its placements go with the checkpoint (replicas in logical order are not saved)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +159,8 @@ class Checkpointer:
         o.scaler.load_state_dict(state["scaler"])
         if o.balancer is not None and "balancer" in state:
             self._load_balancer_state(o.balancer, state["balancer"])
+        if o.rebalancer is not None:
+            o.rebalancer.load_state_dict(state.get("rebalance"), step=loaded.step)
         if o.ema is not None:
             if loaded.ema_state is not None:
                 o.ema.load_state_dict(loaded.ema_state, num_updates=int(state.get("ema_updates", 0)))
@@ -179,7 +184,8 @@ class Checkpointer:
         o = self.objects
         return {"step": step, "scheduler": copy.deepcopy(o.scheduler.state_dict()),
                 "scaler": o.scaler.state_dict(), "data": o.train_loader.state_dict(),
-                "skipped_total": skipped_total, "rng": capture_rng_state()}
+                "skipped_total": skipped_total, "rng": capture_rng_state(),
+                **({"rebalance": o.rebalancer.state_dict()} if o.rebalancer is not None else {})}
 
     def save(self, snapshot: dict, *, wait: bool = False) -> Path:
         """Save ``snapshot``'s step, data position, schedule and RNG with the current weights (after
