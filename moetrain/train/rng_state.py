@@ -2,7 +2,8 @@
 as data and loading one never unpickles anything.
 
     torch          uint8 [N]     ``torch.get_rng_state()``
-    cuda<i>        uint8 [N]     ``torch.cuda.get_rng_state_all()[i]``, when CUDA is in use
+    cuda           uint8 [N]     ``torch.cuda.get_rng_state()``: this rank's own device's, when CUDA is
+                                 in use (not every visible device's: a resume may see fewer or more)
     numpy_keys     int64 [624]   numpy's MT19937 key (uint32 values)
     numpy_ints     int64 [2]     its position and has-gauss flag
     numpy_gauss    float64 [1]   its cached Gaussian
@@ -11,11 +12,13 @@ as data and loading one never unpickles anything.
     python_gauss   float64 [1]   the cached Gaussian (0.0 when there is none)
 
 Every value converts to and from its tensor exactly (uint32 and small ints in int64, doubles in
-float64), so a resumed run draws the same numbers as one that never stopped.
+float64), so a resumed run draws the same numbers as one that never stopped. Checkpoints of earlier
+versions hold ``cuda<i>`` per visible device instead; ``own_cuda_state`` picks the rank's from them.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 
 import numpy as np
@@ -23,8 +26,10 @@ import torch
 
 from moetrain.utils.seeds import derived_seed
 
+log = logging.getLogger("moetrain")
+
 _MT_WORDS = 624
-# name -> (dtype, shape); the cuda<i> entries vary in number and are checked apart.
+# name -> (dtype, shape); the cuda / cuda<i> entries are optional and checked apart.
 _LAYOUT = {
     "torch": (torch.uint8, None),
     "numpy_keys": (torch.int64, (_MT_WORDS,)),
@@ -51,9 +56,20 @@ def capture_rng_state() -> dict[str, torch.Tensor]:
         "python_gauss": torch.tensor([0.0 if gauss_next is None else gauss_next], dtype=torch.float64),
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            state[f"cuda{i}"] = s
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: the rank's (runtime sets it)
     return state
+
+
+def own_cuda_state(state: dict[str, torch.Tensor], device_index: int) -> torch.Tensor | None:
+    """The CUDA RNG state ``state`` holds for the rank's device ``device_index``: its ``cuda`` entry;
+    in an older checkpoint's ``cuda<i>`` per visible device, entry ``device_index``, or the only
+    entry (the saving process saw one device, its own); None when it cannot tell."""
+    if "cuda" in state:
+        return state["cuda"]
+    per_device = {int(name[4:]): t for name, t in state.items() if name.startswith("cuda") and name[4:].isdigit()}
+    if device_index in per_device:
+        return per_device[device_index]
+    return next(iter(per_device.values())) if len(per_device) == 1 else None
 
 
 def rng_state_problems(state: dict[str, torch.Tensor]) -> list[str]:
@@ -69,7 +85,7 @@ def rng_state_problems(state: dict[str, torch.Tensor]) -> list[str]:
     for name, t in state.items():
         if name in _LAYOUT:
             continue
-        if not (name.startswith("cuda") and name[4:].isdigit()):
+        if not (name.startswith("cuda") and (name[4:].isdigit() or name == "cuda")):
             problems.append(f"{name} is not an RNG state")
         elif not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 1:
             problems.append(f"{name} is not a uint8 vector")
@@ -87,8 +103,10 @@ def seed_rng_state(seed: int, rank: int) -> None:
     random.seed(value)
 
 
-def restore_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Set this process's RNGs to ``state`` (from ``capture_rng_state``, possibly saved and loaded)."""
+def restore_rng_state(state: dict[str, torch.Tensor], *, seed: int = 0, rank: int = 0) -> None:
+    """Set this process's RNGs to ``state`` (from ``capture_rng_state``, possibly saved and loaded).
+    An older checkpoint's CUDA states that name no device of this rank's leave its CUDA generator
+    seeded from ``(seed, rank)`` as a fresh run's, with a warning."""
     problems = rng_state_problems(state)
     if problems:
         raise ValueError("cannot restore the RNG state: " + "; ".join(problems))
@@ -98,6 +116,12 @@ def restore_rng_state(state: dict[str, torch.Tensor]) -> None:
                          numpy_ints[1], state["numpy_gauss"].item()))
     gauss_next = state["python_gauss"].item() if python_ints[1] else None
     random.setstate((python_ints[0], tuple(state["python_state"].tolist()), gauss_next))
-    cuda = [state[f"cuda{i}"] for i in range(len(state)) if f"cuda{i}" in state]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
+    if torch.cuda.is_available() and any(name.startswith("cuda") for name in state):
+        device = torch.cuda.current_device()
+        cuda = own_cuda_state(state, device)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+        else:
+            log.warning("the checkpoint's CUDA RNG states (%s) name none of this rank's device (cuda:%d): it is "
+                        "seeded as in a fresh run", sorted(n for n in state if n.startswith("cuda")), device)
+            torch.cuda.manual_seed(derived_seed(f"{seed}/rank{rank}"))

@@ -77,7 +77,7 @@ class Trainer:
         # Last: setup draws random numbers (the peak-FLOPs probe), which would advance a
         # restored or freshly seeded RNG state.
         if resumed is not None and resumed.rng_state is not None:
-            restore_rng_state(resumed.rng_state)
+            restore_rng_state(resumed.rng_state, seed=cfg.train.seed, rank=self.rank)
         else:
             seed_rng_state(cfg.train.seed, self.rank)
         self._last_good = self.snapshot()
