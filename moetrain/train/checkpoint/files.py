@@ -117,14 +117,25 @@ def resolve_checkpoint(spec: str | os.PathLike) -> Path:
 
 
 def clean_stale_tmp(folder: str | os.PathLike) -> list[Path]:
-    """Remove the temporary folders of interrupted saves (call on one rank, before any save)."""
+    """Remove the temporary folders of interrupted saves (call on one rank, before any save). A
+    published checkpoint moved aside for a same-step replacement (``.step_N.old-PID``) whose
+    replacement never took its place is a complete checkpoint: it goes back to ``step_N``."""
     folder = Path(folder)
     removed = []
     if folder.is_dir():
-        for p in folder.iterdir():
-            if _TMP_RE.match(p.name):
-                shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
+        for p in sorted(folder.iterdir()):
+            match = _TMP_RE.match(p.name)
+            if not match:
+                continue
+            final = folder / p.name[1:].split(".")[0]
+            if match.group(1) != "tmp" and not final.exists() and (p / MANIFEST).is_file():
+                os.replace(p, final)
+                fsync_dir(folder)
+                log.warning("restored %s from %s: a save of the same step was interrupted before "
+                            "replacing it", final, p)
+                continue
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
     return removed
 
 
