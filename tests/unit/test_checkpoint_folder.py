@@ -3,9 +3,17 @@ killed at, the next start finds the previous complete checkpoint or the new one,
 Here: the same-step re-save, whose old checkpoint is moved aside before the new one is renamed
 into place, killed between the two renames."""
 
+import errno
 import json
 import os
+import re
+import warnings
 
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemWriter
+
+from moetrain.train.checkpoint import state
 from moetrain.train.checkpoint.files import (
     LATEST,
     MANIFEST,
@@ -14,6 +22,7 @@ from moetrain.train.checkpoint.files import (
     latest_checkpoint,
     step_dir_name,
 )
+from moetrain.train.checkpoint.state import save_checkpoint
 
 
 def _saved(folder, step: int, marker: str):
@@ -65,3 +74,27 @@ def test_the_debris_of_a_save_killed_before_its_commit_is_removed(tmp_path):
     (tmp_path / step_dir_name(3) / MANIFEST).write_text("{}")
     assert sorted(p.name for p in clean_stale_tmp(tmp_path)) == [f".{step_dir_name(2)}.tmp", aside.name]
     assert sorted(p.name for p in tmp_path.iterdir()) == [step_dir_name(3)]
+
+
+class _FullDisk(FileSystemWriter):
+    def write_data(self, plan, planner):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_failed_write_names_the_step_the_folder_and_the_free_space_and_keeps_the_last_checkpoint(
+        tmp_path, monkeypatch):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
+        first = save_checkpoint(tmp_path, 1, model=model, optimizer=optimizer, trainer_state={"step": 1})
+        monkeypatch.setattr(state, "checkpoint_writer", lambda tmp: _FullDisk(tmp))
+        with pytest.raises(RuntimeError) as error:
+            save_checkpoint(tmp_path, 2, model=model, optimizer=optimizer, trainer_state={"step": 2})
+    message = str(error.value)
+    assert f"saving checkpoint {tmp_path / step_dir_name(2)} failed" in message
+    assert re.search(r"DCP's write failed \(\d+ MiB free on the filesystem of \S+\): rank 0: OSError: "
+                     r"\[Errno 28\] No space left on device", message), message
+    assert latest_checkpoint(tmp_path) == first and not (tmp_path / step_dir_name(2)).exists()

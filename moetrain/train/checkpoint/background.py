@@ -33,6 +33,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moetrain.train.checkpoint.files import dcp_write_error
 from moetrain.train.checkpoint.state import PendingSave, checkpoint_writer, publish_save
 
 log = logging.getLogger("moetrain")
@@ -74,11 +75,8 @@ class BackgroundSaver:
         the save failed: every rank takes part either way, so that none blocks)."""
         try:
             metadata, error = write.result(), None
-        except CheckpointException as e:  # a BaseException, the same on every rank
-            metadata, error = None, "DCP's write failed: " + "; ".join(
-                f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(e.failures.items()))
-        except Exception as e:  # noqa: BLE001 - every rank must take part in publishing
-            metadata, error = None, f"rank {dist.get_rank() if dist.is_initialized() else 0}: {type(e).__name__}: {e}"
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must take part in publishing
+            metadata, error = None, dcp_write_error(e, pending.tmp)
         # The same group as DCP's write: on every rank the thread uses it in the same order.
         return publish_save(pending, metadata, write_error=error, group=self._write_group)
 

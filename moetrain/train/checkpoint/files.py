@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from moetrain.utils.files import atomic_write_text, fsync_dir
 
@@ -137,6 +138,21 @@ def clean_stale_tmp(folder: str | os.PathLike) -> list[Path]:
             shutil.rmtree(p, ignore_errors=True)
             removed.append(p)
     return removed
+
+
+def dcp_write_error(e: BaseException, folder: Path) -> str:
+    """What a failed DCP write tells the user: each rank's error and the free space where it wrote
+    (a full disk shows only as a torch zip-writer position error: the OS error is lost on the way)."""
+    if isinstance(e, CheckpointException):  # a BaseException, the same on every rank
+        what = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(e.failures.items()))
+    else:
+        what = f"rank {rank_world()[0]}: {type(e).__name__}: {e}"
+    try:
+        free = f"{shutil.disk_usage(folder).free / 2**20:.0f} MiB free"
+    except OSError:
+        free = "free space unknown"
+    return f"DCP's write failed ({free} on the filesystem of {folder}): {what}"
+
 
 
 # --- committing a save -----------------------------------------------------------------------------

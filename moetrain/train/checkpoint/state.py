@@ -54,6 +54,7 @@ from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
 from moetrain.train.checkpoint.files import (
     CheckpointError,
     commit_checkpoint,
+    dcp_write_error,
     file_record,
     rank_world,
     read_manifest,
@@ -250,9 +251,13 @@ def save_checkpoint(folder: str | os.PathLike, step: int, *, model: nn.Module,
     pending = begin_save(folder, step, model=model, optimizer=optimizer, trainer_state=trainer_state,
                          rng_state=rng_state, keep_last=keep_last, layout=layout,
                          grad_compression_state=grad_compression_state, ema_state=ema_state)
-    # DCP writes every rank's shards (replicated entries once) and, on rank 0, the index.
-    metadata = dcp.save(pending.state, storage_writer=checkpoint_writer(pending.tmp))
-    return publish_save(pending, metadata)
+    # DCP writes every rank's shards (replicated entries once) and, on rank 0, the index. A failed
+    # write is published as failed, so every rank raises it with the step and the folder.
+    try:
+        metadata, error = dcp.save(pending.state, storage_writer=checkpoint_writer(pending.tmp)), None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must take part in publishing
+        metadata, error = None, dcp_write_error(e, pending.tmp)
+    return publish_save(pending, metadata, write_error=error)
 
 
 # --- loading ---------------------------------------------------------------------------------------
