@@ -165,7 +165,7 @@ def prepare_corpus(inputs: list[str | os.PathLike], options: PrepareOptions, *,
         tokenizer, tokenizer_sha = load_tokenizer(options.tokenizer, inputs=found, out=out,
                                                   text_field=options.text_field, vocab_size=options.vocab_size,
                                                   sample_chars=BPE_SAMPLE_CHARS, skip_bad=options.skip_bad, log=log)
-        identity = _identity(found, options, tokenizer_sha)
+        identity = _identity(found, options, tokenizer, tokenizer_sha)
         manifest_path = out / "manifest.json"
         if manifest_path.is_file():
             manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
@@ -315,15 +315,16 @@ def _input_sha256(inp: Input) -> str:
     return digest.hexdigest()
 
 
-def _identity(found: list[Input], options: PrepareOptions, tokenizer_sha: str | None) -> dict:
+def _identity(found: list[Input], options: PrepareOptions, tokenizer, tokenizer_sha: str | None) -> dict:
     """What a resumed run must share with the one it continues (stat, not content, of the inputs:
-    hashing a terabyte on every start would cost more than it protects)."""
+    hashing a terabyte on every start would cost more than it protects). The eos id with the
+    tokenizer's file: it comes from the files beside tokenizer.json and ends every document."""
     def stat(path: Path) -> list[int]:
         s = path.stat()
         return [s.st_size, s.st_mtime_ns]
 
     return {"inputs": [[str(i.path), i.kind, *stat(i.path)] for i in found], "text_field": options.text_field,
-            "tokenizer": {"spec": options.tokenizer, "sha256": tokenizer_sha},
+            "tokenizer": {"spec": options.tokenizer, "sha256": tokenizer_sha, "eos_id": tokenizer.eos_id},
             "shard_docs": options.shard_docs, "format": options.output_format}
 
 

@@ -112,8 +112,8 @@ class PretrainedTokenizer(BPETokenizer):
     ``config.json``'s ``eos_token_id`` (the first of a list); where several name one they must
     agree, and it must be in the vocabulary (ValueError naming the file otherwise). None when no
     file names one. Texts are encoded without the post-processor's special tokens (no BOS per
-    document): the token stream separates documents with eos. ``key`` is a hash of the file, so
-    the token cache follows the exact vocabulary.
+    document): the token stream separates documents with eos. ``key`` is a hash of the file plus
+    the eos id, so the token cache follows the exact vocabulary and end-of-text token.
     """
 
     def __init__(self, tokenizer, *, key: str, eos_id: int | None, path: Path) -> None:
@@ -141,7 +141,11 @@ class PretrainedTokenizer(BPETokenizer):
             raise ValueError(f"data.tokenizer ({str(path)!r}) is not a tokenizer.json the tokenizers library reads: "
                              f"{e}") from e
         digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-        return cls(tokenizer, key=key or f"hf-{digest}", eos_id=_pretrained_eos_id(tokenizer, path), path=path)
+        eos_id = _pretrained_eos_id(tokenizer, path)
+        # The eos comes from the files beside tokenizer.json and goes after every document of the token
+        # stream: the same file with another eos must not share a token cache entry.
+        key = key or f"hf-{digest}-eos{'none' if eos_id is None else eos_id}"
+        return cls(tokenizer, key=key, eos_id=eos_id, path=path)
 
 
 def _token_text(value) -> str | None:

@@ -177,3 +177,19 @@ def test_options_and_a_foreign_output_folder_are_refused(corpus, tmp_path):
     prepare_corpus(corpus["inputs"][:1], options(out, tokenizer="bytes"), log=quiet)
     with pytest.raises(ValueError, match=r"holds a prepare of other inputs or options \(manifest.json: shard_docs"):
         prepare_corpus(corpus["inputs"][:1], options(out, tokenizer="bytes", shard_docs=9), log=quiet)
+
+
+def test_a_rerun_whose_tokenizer_has_another_eos_is_refused(corpus, tmp_path):
+    """The same tokenizer.json with another end-of-text token (named by the files beside it) writes
+    other shards: a rerun over the first run's output must not accept them as its own."""
+    import shutil
+
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    shutil.copy(corpus["tokenizer"], tok / "tokenizer.json")
+    out = tmp_path / "out"
+    first = prepare_corpus(corpus["inputs"][:1], options(out, tokenizer=str(tok / "tokenizer.json")), log=quiet)
+    assert first["tokenizer"]["eos_id"] is None
+    (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN}))
+    with pytest.raises(ValueError, match=r"holds a prepare of other inputs or options \(manifest.json: tokenizer"):
+        prepare_corpus(corpus["inputs"][:1], options(out, tokenizer=str(tok / "tokenizer.json")), log=quiet)

@@ -155,3 +155,25 @@ def test_pretrained_tokenizer_key_follows_the_file(tmp_path, documents):
     assert build_tokenizer(str(folder / "tokenizer.json")).key == first
     other = _pretrained_folder(tmp_path / "b", documents, bos_post_processor=True)
     assert build_tokenizer(str(other / "tokenizer.json")).key != first
+
+
+def test_pretrained_tokenizer_key_follows_its_eos(tmp_path, documents):
+    """The eos id comes from the files beside tokenizer.json, and the token stream puts it after every
+    document: a changed eos must change the key that names the token cache."""
+    import json
+
+    from moetrain.data.tokens import load_or_build_tokens
+
+    folder = _pretrained_folder(tmp_path, documents)
+    path = str(folder / "tokenizer.json")
+    without = build_tokenizer(path)
+    tokens_without, _, file_without = load_or_build_tokens(documents, without, cache_dir=tmp_path / "cache")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN}))
+    with_eos = build_tokenizer(path)
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<s>"}))
+    with_other = build_tokenizer(path)
+    assert (without.eos_id, with_eos.eos_id, with_other.eos_id) == (None, 0, 300)
+    assert len({without.key, with_eos.key, with_other.key}) == 3
+    tokens, meta, file = load_or_build_tokens(documents, with_eos, cache_dir=tmp_path / "cache")
+    assert file != file_without and meta["eos_id"] == 0
+    assert (tokens == 0).sum() == len(list(documents)) and (tokens_without == 0).sum() == 0
