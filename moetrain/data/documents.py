@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
@@ -28,6 +29,20 @@ def read_utf8(path: Path) -> str:
                          "moetrain reads .txt/.jsonl files as UTF-8") from None
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """``text`` with every lone UTF-16 surrogate replaced by U+FFFD.
+
+    JSON may escape one ("\\ud83d": half an emoji, cut by a crawler) and ``json.loads`` keeps it,
+    giving a str that cannot be encoded as UTF-8, which every later stage does (tokenisers, cache
+    hashes). Each JSON reader passes its texts through here; UTF-8 files cannot hold one. A valid
+    pair is already one character after ``json.loads``, so any surrogate left is lone.
+    """
+    return _LONE_SURROGATE.sub("\ufffd", text)
+
+
 def _jsonl_texts(path: Path) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, start=1):
@@ -41,7 +56,7 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
             if not isinstance(text, str):
                 # A malformed input file is bad data (ValueError), not a programming error.
                 raise ValueError(f"{path}:{line_no} must be a JSON object with a string field \"text\"")  # noqa: TRY004
-            yield text
+            yield valid_text(text)
 
 
 class Documents:

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from moetrain.data.documents import valid_text
+
 INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 """File names ``moetrain data prepare`` reads; a folder holding ``state.json`` is an arrow dataset."""
 
@@ -235,4 +237,4 @@ def parse_record(item, location: str, text_field: str) -> str:
         item = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(item, str):
         raise BadInputError(f"{location} has no string field {text_field!r}")
-    return item
+    return valid_text(item)

@@ -28,6 +28,7 @@ import numpy as np
 from moetrain.config.classify import ClassifyConfig
 from moetrain.config.data import DataConfig
 from moetrain.data.cache import cached_corpus_files, fetch_corpus
+from moetrain.data.documents import valid_text
 from moetrain.data.registry import get_corpus
 
 LABELLED_SUFFIXES = (".tsv", ".jsonl", ".tab")
@@ -89,7 +90,7 @@ def read_jsonl(path: Path, *, label_field: str = "label", text_field: str = "tex
         if not isinstance(text, str) or not text.strip():
             raise ValueError(f"{path}:{line_no}: the text field {text_field!r} must be a non-empty string "
                              f"(classify.text_field), got {text!r}")
-        _add(out, str(label).strip(), text, f"{path}:{line_no}")
+        _add(out, valid_text(str(label).strip()), valid_text(text), f"{path}:{line_no}")
     return out
 
 

@@ -193,3 +193,30 @@ def test_a_rerun_whose_tokenizer_has_another_eos_is_refused(corpus, tmp_path):
     (tok / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS_TOKEN}))
     with pytest.raises(ValueError, match=r"holds a prepare of other inputs or options \(manifest.json: tokenizer"):
         prepare_corpus(corpus["inputs"][:1], options(out, tokenizer=str(tok / "tokenizer.json")), log=quiet)
+
+
+def test_a_lone_surrogate_becomes_the_replacement_character(tmp_path):
+    """A JSON "\\ud83d" (half an emoji, as web crawls hold) parses to a str that cannot be encoded as
+    UTF-8: every stage sees U+FFFD in its place instead of failing."""
+    from moetrain.data.documents import Documents
+    from moetrain.data.tokenizer import ByteTokenizer
+
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"text": "good one"}\n{"text": "bad \\ud83d half emoji"}\n{"text": "good two"}\n')
+    expected = ["good one", "bad \ufffd half emoji", "good two"]
+    for tokenizer in ("bytes", "bpe"):
+        manifest = prepare_corpus([path], options(tmp_path / tokenizer, tokenizer=tokenizer, vocab_size=280),
+                                  log=quiet)
+        assert manifest["num_documents"] == 3 and manifest["num_bad"] == 0
+        if tokenizer == "bytes":
+            assert np.concatenate(shard_tokens(tmp_path / tokenizer)).astype(np.uint8).tobytes().decode() == \
+                "".join(t + "\n" for t in expected)
+    docs = Documents([path], label="x")
+    assert list(docs) == expected
+    assert docs.fingerprint == Documents([_write_lines(tmp_path / "clean.jsonl", expected)], label="y").fingerprint
+    assert ByteTokenizer().encode(list(docs)[1]) == list(expected[1].encode())
+
+
+def _write_lines(path, texts):
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path

@@ -49,6 +49,12 @@ def test_jsonl_fields_and_errors(tmp_path):
         read_jsonl(_write(tmp_path / "c.jsonl", '{"label": 1, "text": ""}\n'))
 
 
+def test_jsonl_lone_surrogate_becomes_the_replacement_character(tmp_path):
+    # A JSON "\\ud83d" (half an emoji) parses to a str no tokenizer can encode as UTF-8.
+    ex = read_jsonl(_write(tmp_path / "s.jsonl", '{"label": "a\\udc00", "text": "bad \\ud83d emoji"}\n'))
+    assert ex.texts == ["bad \ufffd emoji"] and ex.labels == ["a\ufffd"]
+
+
 def test_orange_tab_header_rows(tmp_path):
     text = "Text\tCategory\nstring\td\nmeta\tclass\n\nsome words\tearn\n\t\nother words\tacq\n"
     ex = read_orange_tab(_write(tmp_path / "x-train.tab", text))
