@@ -26,7 +26,7 @@ What must hold, and why exactly:
 import pytest
 import torch
 
-from moetrain.distributed.expert_parallel.wire import int_wire_dtype
+from moetrain.distributed.expert_parallel.wire import TOKEN_BOUND, int_wire_dtype
 from tests.distributed.workers.chunks_worker import layer_worker, order_worker, reference
 from tests.distributed.workers.ep_parity import assert_rel_close
 from tests.helpers.dist_launcher import run_ranks
@@ -64,14 +64,15 @@ def _layer(rank, world_size, jobs):
 
 
 def _extra_count_bytes(tokens: int, *, chunks: int, capacity: bool, dedup: bool, wire: str) -> int:
-    """Count bytes a rank of 2 sends beyond the unchunked run (and receives: the ranks here
-    encode counts in the same width): C-1 more [L] blocks of copy counts, or with a capacity
-    factor C of them in an exchange of their own; once per rank C-1 more unique-row counts."""
-    def width(bound):
-        return 8 if wire == "none" else torch.tensor([], dtype=int_wire_dtype(bound)).element_size()
-    extra = (P - 1) * L * width(tokens * K) * (chunks if capacity else chunks - 1)
+    """Count bytes a rank of 2 sends beyond the unchunked run (and receives): C-1 more [L] blocks of
+    copy counts, or with a capacity factor C of them in an exchange of their own; once per rank C-1
+    more unique-row counts. Counts travel as int64, or compressed as int32 whatever the rank's token
+    count (``wire.TOKEN_BOUND``: every rank decodes with the width the others encoded with)."""
+    width = 8 if wire == "none" else torch.tensor([], dtype=int_wire_dtype(TOKEN_BOUND)).element_size()
+    assert wire == "none" or width == 4
+    extra = (P - 1) * L * width * (chunks if capacity else chunks - 1)
     if dedup:
-        extra += (P - 1) * width(tokens) * (chunks - 1)
+        extra += (P - 1) * width * (chunks - 1)
     return extra
 
 

@@ -87,7 +87,8 @@ def _expected(idx_by_rank, rank, *, wire, dedup):
     rows = tuple(int(m.any(dim=1).sum()) for m in (remote[rank], remote[peer])) if dedup else copies
     dispatch_row = {"none": 4 * DIM, "bf16": 2 * DIM, "fp8_e4m3": DIM + 4}[wire]
     combine_row = 4 * DIM if wire == "none" else 2 * DIM
-    count = 8 if wire == "none" else 1  # counts <= T*K = 32 and row ids <= 15 fit int8
+    # Counts and row ids: int64, or compressed as int32 whatever their values (wire.TOKEN_BOUND).
+    count = 8 if wire == "none" else 4
     meta = LOCAL * count + (count if dedup else 0)  # split counts (+ the unique-row count)
     sent = meta + rows[0] * dispatch_row + rows[1] * combine_row
     received = meta + rows[1] * dispatch_row + rows[0] * combine_row
@@ -183,3 +184,39 @@ def test_straight_through_backward_in_bf16():
                 start = sum(sends[s][dst] for s in range(rank))
                 grads.append(results[dst][wire]["w"][start:start + sends[rank][dst]])
             assert torch.equal(r["grad"], torch.cat(grads).to(torch.bfloat16).float()), (wire, rank)
+
+
+# ----- ranks that route different numbers of tokens ----------------------------------------------------
+
+
+def _unequal_tokens(rank, world_size, settings):
+    """An ep = 2 MoE layer where rank 0 routes 64 tokens (128 copies) and rank 1 63 (126): a
+    classifier's real tokens, or the tp rank holding MTP's padded positions. Output per setting."""
+    from moetrain.config.moe import MoEConfig
+    from moetrain.distributed import ParallelDims, apply_expert_parallel
+    from moetrain.models.moe import MoELayer
+
+    dims = ParallelDims(world_size=world_size, ep=world_size, num_experts=4)
+    dims.build_mesh("cpu")
+    x = torch.randn(1, 64, 8, generator=torch.Generator().manual_seed(rank))
+    mask = torch.ones(1, 64, dtype=torch.bool)
+    mask[0, -1] = rank == 0
+    out = {}
+    for name, moe in settings.items():
+        torch.manual_seed(0)
+        layer = apply_expert_parallel(torch.nn.Sequential(MoELayer(8, MoEConfig(**moe))), dims)[0]
+        out[name] = layer(x, mask)[0].detach()
+    return out
+
+
+def test_ranks_routing_different_token_counts_share_the_metadata_width():
+    """Copy counts either side of 127 (the int8 limit): each rank used to size the compressed
+    metadata by its own count, and the exchange failed on the size mismatch."""
+    base = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16}
+    settings = {f"{wire}{'_dedup' if dedup else ''}": {**base, "dispatch_dtype": wire, "dispatch_dedup": dedup}
+                for wire in ("none", "bf16", "fp8_e4m3") for dedup in (False, True)}
+    for rank, got in enumerate(run_ranks(_unequal_tokens, 2, settings, timeout_s=60)):
+        for name, y in got.items():
+            ref = got["none_dedup" if name.endswith("dedup") else "none"]
+            tol = TOLERANCE.get(name.removesuffix("_dedup"), 0.0)
+            assert float((y - ref).norm() / ref.norm()) <= tol, (rank, name)

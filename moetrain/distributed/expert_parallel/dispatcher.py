@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from moetrain.distributed.expert_parallel.index import group_by_local_expert
 from moetrain.distributed.expert_parallel.route import AllToAllRouting, Exchange
+from moetrain.distributed.expert_parallel.wire import TOKEN_BOUND
 from moetrain.models.moe.dispatcher import DispatchResult, ExpertsFn, RoutedOutput
 from moetrain.models.moe.token_bags import (
     TokenBags,
@@ -307,7 +308,7 @@ class AllToAllDispatcher(AllToAllRouting):
         weights = self._launch_all_to_all(outbound.weights_M, output_splits=exchange.recv_splits,
                                           input_splits=exchange.send_splits)
         rel_row_R = self._exchange_ints(outbound.unique.rel_row_M, output_splits=exchange.recv_splits,
-                                        input_splits=exchange.send_splits, bound=exchange.num_tokens - 1)
+                                        input_splits=exchange.send_splits, bound=TOKEN_BOUND)
         return InFlight(outbound, rows, UniqueArrival(weights, rel_row_R))
 
     def dispatch_postprocess(self, flight: InFlight) -> Arrival:

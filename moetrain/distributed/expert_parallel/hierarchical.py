@@ -48,6 +48,7 @@ from moetrain.distributed.comm.timer import timed_exchange
 from moetrain.distributed.expert_parallel.index import to_host
 from moetrain.distributed.expert_parallel.route import AllToAllRouting, Route
 from moetrain.distributed.expert_parallel.wire import (
+    TOKEN_BOUND,
     exchange_rows,
     ints_from_bytes,
     ints_to_bytes,
@@ -297,7 +298,7 @@ class HierarchicalDispatcher(AllToAllRouting):
         counts_QX = torch.cat([node_present_QT.sum(dim=1, keepdim=True), present_QGT.sum(dim=2)], dim=1)
         ones = [1] * Q
         peer_counts_QX = self._stage_ints(counts_QX, _Stage(self.inter_group, self.node_index, self._inter_nodes,
-                                                               ones, ones), bound=route.num_tokens)
+                                                               ones, ones), bound=TOKEN_BOUND)
         host = to_host(send_inter=counts_QX[:, 0], recv_inter=peer_counts_QX[:, 0],
                        forward_G=peer_counts_QX[:, 1:].sum(dim=0))
         recv_intra = [sum(recv_rows[q * G + h] for q in range(Q)) for h in range(G)]

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from moetrain.distributed.expert_parallel.dispatcher import AllToAllDispatcher
 from moetrain.distributed.expert_parallel.placement import SHARE_UNITS, Placement, home_placement
 from moetrain.distributed.expert_parallel.route import Route, _KeptCounts
+from moetrain.distributed.expert_parallel.wire import TOKEN_BOUND
 from moetrain.models.moe.dispatcher import (
     ExpertsFn,
     RoutedOutput,
@@ -156,7 +157,7 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         num_tokens, top_k = idx_TK.shape
         capacity = expert_capacity(num_tokens * self.dp_size, num_experts=self.num_logical, top_k=top_k,
                                    capacity_factor=capacity_factor)
-        num_routed_WE = self._all_gather(num_routed_E, bound=idx_TK.numel()).view(self.dp_size, self.num_logical)
+        num_routed_WE = self._all_gather(num_routed_E, bound=TOKEN_BOUND).view(self.dp_size, self.num_logical)
         kept_WE = self._global_keep_counts(num_routed_WE, idx_TK, weights_TK, capacity=capacity,
                                            drop_policy=drop_policy)
         return kept_WE[self.dp_rank], num_routed_WE.sum(dim=1)
@@ -168,7 +169,7 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         assert self._slot_drops is not None, "route decides the logical drops first"
         num_kept_S, routed_W = self._slot_drops
         P, S, j = self.ep_size, self.num_local_experts, self.ep_rank
-        num_recv_PS = self._exchange_counts(num_kept_S.view(P, S), bound=idx_TK.numel())
+        num_recv_PS = self._exchange_counts(num_kept_S.view(P, S), bound=TOKEN_BOUND)
         num_remote = num_kept_S.sum() - num_kept_S[j * S:(j + 1) * S].sum()
         return _KeptCounts(num_kept_S, num_recv_PS, num_remote, routed_W)
 

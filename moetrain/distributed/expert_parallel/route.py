@@ -37,6 +37,7 @@ from moetrain.distributed.expert_parallel.index import (
     kept_positions,
     to_host,
 )
+from moetrain.distributed.expert_parallel.wire import TOKEN_BOUND
 from moetrain.models.moe.dispatcher import (
     capacity_keep_mask,
     count_per_expert,
@@ -247,7 +248,7 @@ class AllToAllRouting(EpExchanges):
         # 2. Exchange counts: how many copies each ep peer sends to each of my local experts; with a
         #    capacity factor, all-gather every data-parallel rank's counts and decide the drops.
         if capacity_factor is None:
-            kept = self._dropless(local, num_copies=num_tokens * top_k)
+            kept = self._dropless(local)
         else:
             kept = self._global_drops(local.num_routed_E, idx_TK, weights_TK, capacity_factor=capacity_factor,
                                       drop_policy=drop_policy)
@@ -304,14 +305,14 @@ class AllToAllRouting(EpExchanges):
         return _LocalCounts(idx_N, order_N, num_routed_E, _ChunkIndex(bounds, chunk_of_tokens(bounds, idx_N.device),
                                                                       num_chunks))
 
-    def _dropless(self, local: _LocalCounts, *, num_copies: int) -> _KeptCounts:
+    def _dropless(self, local: _LocalCounts) -> _KeptCounts:
         """Step 2 dropless: every copy is sent. The counts are exchanged here unless chunked (then
         the per-chunk exchange tells them)."""
         P, L = self.ep_size, self.num_local_experts
         num_send_E = local.num_routed_E
         num_recv_PL = None
         if local.chunks is None:
-            num_recv_PL = self._exchange_counts(num_send_E.view(P, L), bound=num_copies)
+            num_recv_PL = self._exchange_counts(num_send_E.view(P, L), bound=TOKEN_BOUND)
         # Counted from the routing itself (independent of the split sizes that the exchange
         # uses), so the traffic ratio checks the splits.
         num_remote = (torch.div(local.idx_N, L, rounding_mode="floor") != self.ep_rank).sum()
@@ -330,7 +331,7 @@ class AllToAllRouting(EpExchanges):
         # which the host sync verifies.
         capacity = expert_capacity(num_tokens * self.dp_size, num_experts=self.num_experts, top_k=top_k,
                                    capacity_factor=capacity_factor)
-        num_routed_WE = self._all_gather(num_routed_E, bound=idx_TK.numel()).view(self.dp_size, self.num_experts)
+        num_routed_WE = self._all_gather(num_routed_E, bound=TOKEN_BOUND).view(self.dp_size, self.num_experts)
         kept_WE = self._global_keep_counts(num_routed_WE, idx_TK, weights_TK, capacity=capacity,
                                            drop_policy=drop_policy)
         # Every rank's kept counts are known after the all-gather: no second exchange needed.
@@ -368,7 +369,7 @@ class AllToAllRouting(EpExchanges):
         num_send_CPL = kept_per_chunk(local.idx_N, local.order_N, local.num_routed_E, num_send_E,
                                       local.chunks.chunk_T, num_chunks=C, top_k=top_k).view(C, P, L)
         num_recv_CPL = self._exchange_counts(num_send_CPL.transpose(0, 1).reshape(P, C * L),
-                                             bound=local.idx_N.numel()).view(P, C, L).transpose(0, 1)
+                                             bound=TOKEN_BOUND).view(P, C, L).transpose(0, 1)
         return _PerChunk(num_send_CPL, num_recv_CPL)
 
     def _exchange_unique_rows(self, local: _LocalCounts, num_send_E: torch.Tensor, top_k: int) -> _UniqueCounts:
@@ -389,7 +390,7 @@ class AllToAllRouting(EpExchanges):
         else:
             send_PC = torch.zeros(P, local.chunks.num_chunks, dtype=torch.int64, device=key_N.device).index_add_(
                 1, local.chunks.chunk_T, present_PT.long())
-        return _UniqueCounts(present_PT, send_PC, self._exchange_counts(send_PC, bound=num_tokens))
+        return _UniqueCounts(present_PT, send_PC, self._exchange_counts(send_PC, bound=TOKEN_BOUND))
 
     def _token_rank_sends(self, idx_TK: torch.Tensor) -> torch.Tensor:
         """(token, other ep rank) pairs among the routed copies, before drops: the rows a

@@ -128,6 +128,13 @@ def exchange_rows(x_MD: torch.Tensor, *, wire: str, output_splits: list[int], in
 # ----- integer metadata -----------------------------------------------------------------------------
 
 
+TOKEN_BOUND = torch.iinfo(torch.int32).max
+"""The bound of integers that count or index a rank's tokens or routed copies on the wire. Both
+ends of an exchange must decode with the width the sender encoded with, and token counts differ
+between ranks (a classifier routes its real tokens only; under tp with MTP the last tp rank holds
+the padded positions), so such integers take a width every rank agrees on: int32."""
+
+
 def int_wire_dtype(bound: int) -> torch.dtype:
     """Smallest signed integer type holding every value in ``[0, bound]``."""
     for dtype in (torch.int8, torch.int16, torch.int32):
