@@ -138,6 +138,7 @@ def scan_user_path(path: str | os.PathLike, *, field: str = "data.path") -> tupl
             key=lambda p: p.relative_to(root).as_posix())
     texts = [p for p in candidates if p.suffix in TEXT_SUFFIXES]
     tokens = [p for p in candidates if p.suffix == TOKEN_SUFFIX]
+    _refuse_unfinished_prepare(tokens, field=field, path=path)
     if texts and tokens:
         raise ValueError(f"{field} ({str(path)!r}) mixes text files ({texts[0].name}, ...) and token "
                          f"files ({tokens[0].name}, ...); point it at one kind")
@@ -146,6 +147,17 @@ def scan_user_path(path: str | os.PathLike, *, field: str = "data.path") -> tupl
     if not texts:
         raise ValueError(f"{field} ({str(path)!r}) has no .txt, .jsonl or .bin files")
     return "text", texts
+
+
+def _refuse_unfinished_prepare(tokens: list[Path], *, field: str, path: str | os.PathLike) -> None:
+    """A ``moetrain data prepare`` output holds progress.json until its manifest.json is written
+    (moetrain.data.prepare_corpus): its shards so far are only part of the corpus, and training
+    on them would look like success."""
+    for folder in sorted({p.parent for p in tokens}):
+        if (folder / "progress.json").is_file() and not (folder / "manifest.json").is_file():
+            raise ValueError(f"{field} ({str(path)!r}): {folder} is an unfinished `moetrain data prepare` output "
+                             "(progress.json, no manifest.json), its shards only part of the corpus; rerun "
+                             "`moetrain data prepare` with the same inputs and --out to finish it")
 
 
 def document_separator(document_mask: bool, eos_id: int | None, *, what: str) -> int | None:

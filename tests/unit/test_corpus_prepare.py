@@ -220,3 +220,22 @@ def test_a_lone_surrogate_becomes_the_replacement_character(tmp_path):
 def _write_lines(path, texts):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path
+
+
+def test_an_unfinished_prepare_is_refused_as_training_data(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    lines = [json.dumps({"text": d}) for d in documents(7, 30)]
+    lines[20] = '{"text": "cut'
+    path.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    with pytest.raises(BadInputError):
+        prepare_corpus([path], options(out, tokenizer="bytes"), log=quiet)
+    assert len(list(out.glob("shard-*.bin"))) == 2 and (out / "progress.json").is_file()
+    for where in (out, tmp_path, out / "shard-00000-00000.bin"):  # the folder, a folder above it, one shard
+        with pytest.raises(ValueError, match=rf"{out} is an unfinished `moetrain data prepare` output .*"
+                                             r"rerun `moetrain data prepare` .* to finish it"):
+            prepare_data(DataConfig(corpus="path", path=str(where), seq_len=8))
+    prepare_corpus([path], options(out, tokenizer="bytes", skip_bad=True), log=quiet)
+    data = prepare_data(DataConfig(corpus="path", path=str(out), seq_len=8, val_fraction=0.1))
+    assert sum(len(t) + len(v) for s in data.sources for t, v in zip(s.train, s.val, strict=True)) == \
+        sum(len(d) + 1 for i, d in enumerate(documents(7, 30)) if i != 20)
