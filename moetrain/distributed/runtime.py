@@ -59,9 +59,9 @@ def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool =
     """Pick the device, set process-wide switches and join the process group (unless one exists).
 
     ``device`` is ``train.device``, ``backend`` is ``parallel.backend`` ("auto": NCCL on CUDA,
-    gloo otherwise), ``tf32`` is ``train.tf32``. The group keeps torch's default (long) timeout
-    while rank 0 prepares the data and the others wait for it; :func:`set_collective_timeout`
-    shortens it afterwards.
+    gloo otherwise), ``tf32`` is ``train.tf32``. The group starts with ``SETUP_TIMEOUT`` while
+    rank 0 prepares the data and the others wait for it; :func:`set_collective_timeout` sets
+    ``train.collective_timeout_s`` afterwards.
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -82,6 +82,12 @@ def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool =
     return Runtime(world_size=world_size, rank=rank, local_rank=local_rank, device=dev)
 
 
+SETUP_TIMEOUT = timedelta(hours=2)
+"""How long the other ranks wait for rank 0 to prepare the data (tokenizer training, tokenising)
+before their first collective times out: explicit, since NCCL's default is 10 minutes (gloo's 30).
+A corpus that takes longer is prepared beforehand with ``moetrain data prepare``."""
+
+
 def _init_process_group(backend: str, *, world_size: int, rank: int, device: torch.device) -> None:
     if world_size == 1:
         # One process: an in-memory store, no port; the mesh and collectives still work.
@@ -90,10 +96,10 @@ def _init_process_group(backend: str, *, world_size: int, rank: int, device: tor
     device_id = device if backend == "nccl" else None
     store = _restart_safe_store(world_size)
     if store is None:
-        dist.init_process_group(backend=backend, device_id=device_id)
+        dist.init_process_group(backend=backend, device_id=device_id, timeout=SETUP_TIMEOUT)
     else:
         dist.init_process_group(backend=backend, device_id=device_id, store=store, rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, timeout=SETUP_TIMEOUT)
 
 
 def _restart_safe_store(world_size: int) -> dist.Store | None:
