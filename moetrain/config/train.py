@@ -40,8 +40,10 @@ class TrainConfig:
     example (the test_* metrics of the last record)."""
 
     eval_steps: int = 10
-    """Micro-batches per evaluation of a language model. A classifier evaluates whole splits, exactly
-    (its metrics are computed from confusion matrices summed over the ranks), so it does not read this."""
+    """Global batches per evaluation of a language model (Megatron's eval_iters): the first
+    eval_steps x global_batch_size validation windows, the same at every parallel layout. A
+    classifier evaluates whole splits, exactly (its metrics are computed from confusion matrices
+    summed over the ranks), so it does not read this."""
 
     device: str = "auto"
     """"auto" (CUDA if available, else CPU), "cpu" or "cuda". Never picks CUDA when it is not available."""

@@ -318,17 +318,18 @@ class Trainer:
     # --- evaluation -------------------------------------------------------------------------------
 
     def evaluate(self, split: str = "val") -> dict:
-        """Language model: the loss of ``train.eval_steps`` validation micro-batches. Classifier: the
-        metrics of every example of ``split`` ("val", or "test" at the end of the run). Collective."""
+        """Language model: the loss of ``train.eval_steps`` validation global batches (the same windows
+        at every layout). Classifier: every example of ``split`` ("val", or "test" at the end). Collective."""
         self.parallel_model.eval()
         t = self.cfg.train
+        num_micro = t.eval_steps * self.grad_accum  # the val loader's micro-batches are the train ones'
         with self.averaged_weights():
             if self.pipeline is not None:
-                return self.pipeline.evaluate(self.val_loader.epoch_batches(t.eval_steps))
+                return self.pipeline.evaluate(self.val_loader.epoch_batches(num_micro))
             if self.classifier:
                 return evaluate_classifier(self.model, self.data, split, batch_size=t.micro_batch_size,
                                            dims=self.dims, device=self.device, dtype=t.dtype)
-            return evaluate_lm(self.model, self.val_loader.epoch_batches(t.eval_steps), dims=self.dims,
+            return evaluate_lm(self.model, self.val_loader.epoch_batches(num_micro), dims=self.dims,
                                device=self.device, dtype=t.dtype)
 
     def averaged_weights(self):

@@ -39,3 +39,20 @@ def test_a_tp_or_pp_run_evaluates_at_one_process(tmp_path, shakespeare_cached, c
     result = json.loads((run_dir / "eval-val-step2.json").read_text())
     assert result["world_size"] == 1
     assert result["val_loss"] == pytest.approx(trained, rel=1e-5)
+
+
+def test_in_training_validation_reads_the_same_windows_at_every_layout(tmp_path, shakespeare_cached):
+    """train.eval_steps counts global batches: at world 1 (2 micro-batches a step) and at dp = 2 (1
+    each) the trainer evaluates the same 2 x 8 windows, so the validation losses agree as the
+    training losses do (to 1e-4: the two layouts sum the gradients in other orders). Counted in
+    micro-batches, world 1 read half as many."""
+    extra = ("--train.eval_every=2", "--train.eval_steps=2", "--data.val_fraction=0.05")
+    runs = {n: tmp_path / n for n in ("dp2", "world1")}
+    run_ranks(train_job, 2, job_overrides(runs["dp2"], steps=2, extra=extra), timeout_s=120)
+    run_ranks(train_job, 1, job_overrides(runs["world1"], steps=2, extra=extra), timeout_s=120)
+    got = {}
+    for name, run_dir in runs.items():
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        got[name] = ([r["loss"] for r in records if "loss" in r], [r["val_loss"] for r in records if "val_loss" in r])
+    assert got["world1"][0] == pytest.approx(got["dp2"][0], rel=1e-4)
+    assert len(got["dp2"][1]) == 1 and got["world1"][1] == pytest.approx(got["dp2"][1], rel=1e-4), got
