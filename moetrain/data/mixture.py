@@ -5,8 +5,16 @@ micro-batches of ``B = G / (A * dp_size)`` per rank; ``S`` = seq_len; ``n`` sour
 
 Windows. Every file of a source is cut into windows of S + 1 tokens like TokenLoader's (a window
 never spans two files); a source's W_s windows are those of its files in order. Source s visits its
-windows in a permutation seeded by (seed, s, epoch) (stream order when not shuffled) and starts its
-next epoch when they are used up, whatever the other sources do.
+windows in a permutation seeded by (seed, s, epoch) (stream order when not shuffled), whatever the
+other sources do.
+
+Epochs. A source's epoch is whole steps, as TokenLoader's: the step whose share of source s would
+run past the end of the permutation starts the next epoch instead, and the windows the old epoch
+had left are dropped (fewer than that step's share: W mod G for a single source, as TokenLoader),
+so no step holds a window twice. The k-th window the source gives (k counts every step's share)
+is at position k - B_e of epoch e, where B_0 = 0 and B_{e+1} is the source's count at the start of
+the step that draws its window number B_e + W_s. Like the mixing, this depends only on the
+weights, G and the W_s: not on the number of ranks or micro-batches, nor on where a run resumed.
 
 Mixing. The k-th window source s contributes (k = 0, 1, ...) gets the key (k + 1/2) / w_s, and the
 samples of the run take the keys of all sources in increasing order, ties to the lower source
@@ -25,6 +33,7 @@ resumes at another data-parallel size with the same global batches.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -89,6 +98,8 @@ class MixtureLoader:
         self._micro = 0
         self._plan: tuple[np.ndarray, np.ndarray] | None = None
         self._orders: dict[tuple[int, int], np.ndarray] = {}
+        self._epoch_starts: list[list[int]] = [[0] for _ in self.files]
+        """Per source, B_0, B_1, ...: the count of windows given when each epoch starts (grown lazily)."""
 
     def __len__(self) -> int:
         """Steps before any source repeats a window (an epoch of the smallest share)."""
@@ -108,21 +119,51 @@ class MixtureLoader:
         w, num = self.weights, self.num_windows
         # The first window past the end of a source in the sample order: least (key, source).
         first = min(range(len(num)), key=lambda s: ((num[s] + 0.5) / w[s], s))
-        key = (num[first] + 0.5) / w[first]
+        return self._rank(first, num[first]) // self.global_batch_size
 
-        def before(s: int, k: int) -> bool:  # same float expression as _next_samples' keys
-            k_key = (k + 0.5) / w[s]
-            return k_key < key or (k_key == key and s < first)
+    def _rank(self, source: int, k: int) -> int:
+        """The place of the k-th window of ``source`` in the run's sample order: the windows of all
+        sources ordered before it by (key, source)."""
+        w = self.weights
+        key = (k + 0.5) / w[source]
+
+        def before(s: int, j: int) -> bool:  # same float expression as _next_samples' keys
+            j_key = (j + 0.5) / w[s]
+            return j_key < key or (j_key == key and s < source)
 
         total = 0
-        for s in range(len(num)):
-            k = min(max(int(key * w[s] - 0.5), 0), num[s])  # estimate, then settle on the exact count
-            while k < num[s] and before(s, k):
-                k += 1
-            while k > 0 and not before(s, k - 1):
-                k -= 1
-            total += k
-        return total // self.global_batch_size
+        for s in range(len(w)):
+            j = max(int(key * w[s] - 0.5), 0)  # estimate, then settle on the exact count
+            while before(s, j):
+                j += 1
+            while j > 0 and not before(s, j - 1):
+                j -= 1
+            total += j
+        return total
+
+    def _count_before(self, source: int, num_samples: int) -> int:
+        """Windows ``source`` gives among the run's first ``num_samples`` samples."""
+        lo, hi = 0, num_samples  # the least k whose rank is >= num_samples: ranks increase with k
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self._rank(source, mid) < num_samples:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def _epoch_of(self, source: int, k: int) -> tuple[int, int]:
+        """(epoch, position in its permutation) of the k-th window ``source`` gives (see Epochs in
+        the module docstring)."""
+        starts, num = self._epoch_starts[source], self.num_windows[source]
+        while starts[-1] <= k:
+            step = self._rank(source, starts[-1] + num) // self.global_batch_size
+            start = self._count_before(source, step * self.global_batch_size)
+            # A step whose share alone exceeds W_s cannot avoid a repeat (the size check allows one
+            # only past the first step): it continues into the next permutation.
+            starts.append(start if start > starts[-1] else starts[-1] + num)
+        epoch = bisect.bisect_right(starts, k) - 1
+        return epoch, k - starts[epoch]
 
     def _next_samples(self, consumed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(source [G], k [G]): the next global batch after ``consumed`` windows per source; k is
@@ -148,7 +189,7 @@ class MixtureLoader:
 
     def _window(self, source: int, k: int) -> np.ndarray:
         """The S + 1 tokens of the k-th window ``source`` gives, read from its memmap."""
-        epoch, position = divmod(int(k), self.num_windows[source])
+        epoch, position = self._epoch_of(source, int(k))
         window = int(self._order(source, epoch)[position])
         starts = self._starts[source]
         i = int(np.searchsorted(starts, window, side="right")) - 1

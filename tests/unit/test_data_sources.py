@@ -65,22 +65,56 @@ def test_batch_shapes_and_label_shift():
     assert torch.equal(labels[:, -1], input_ids[:, -1] + 1)  # consecutive tokens of one file
 
 
-def test_proportions_stay_within_one_sample_of_the_quota_and_each_epoch_visits_every_window():
+def test_proportions_stay_within_one_sample_of_the_quota_and_no_step_repeats_a_window():
     sizes = (4 * 13 + 1, 4 * 29 + 1, 4 * 7 + 1)  # 13, 29 and 7 windows
     weights = (0.5, 0.3, 0.2)
     loader = make(tuple((n,) for n in sizes), weights, global_batch_size=10, seed=3)
-    seen = [[], [], []]
+    seen: list[list[list[int]]] = [[], [], []]  # per source, per step, its windows
     for step in range(1, 61):
-        for s, _, w in decode(loader.next_batch()[0]):
-            seen[s].append(w)
+        rows = decode(loader.next_batch()[0])
+        assert len(set(rows)) == len(rows), (step, rows)
+        for s in range(3):
+            seen[s].append([w for source, _, w in rows if source == s])
         consumed = np.array(loader.state_dict()["consumed"])
         quota = step * 10 * np.array(weights)
         assert np.abs(consumed - quota).max() < 1.0, (step, consumed, quota)
     for s, num in enumerate((13, 29, 7)):
-        full = len(seen[s]) // num
-        for e in range(full):  # a permutation per epoch of the source, and another one each epoch
-            assert sorted(seen[s][e * num:(e + 1) * num]) == list(range(num))
-        assert full >= 2 and seen[s][:num] != seen[s][num:2 * num]
+        # An epoch is whole steps: the steps whose windows do not repeat one the epoch gave. It is a
+        # prefix of a permutation that is another one each epoch, and it leaves out fewer windows
+        # than the step that starts the next epoch takes (the rule of TokenLoader: W mod G).
+        epochs, current = [], []
+        for windows in seen[s]:
+            if set(windows) & set(current):
+                epochs.append((current, len(windows)))
+                current = []
+            current = current + windows
+        assert len(epochs) >= 2 and epochs[0][0] != epochs[1][0][:len(epochs[0][0])]
+        for windows, next_step in epochs:
+            assert len(set(windows)) == len(windows) and num - next_step < len(windows) <= num
+
+
+def test_a_step_never_holds_a_window_twice_and_one_source_drops_what_token_loader_drops():
+    # One source of two files, 40 windows, G = 16 on 4 ranks: every epoch gives 2 steps of 32
+    # windows, the first 32 of that epoch's permutation, and drops the other 8 (40 mod 16).
+    for seed in range(6):
+        ranks = [make(((S * 20 + 1, S * 20 + 1),), (1.0,), global_batch_size=16, dp_size=4, dp_rank=r, seed=seed)
+                 for r in range(4)]
+        for epoch in range(3):
+            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, 0, epoch])))
+            expected = rng.permutation(40)[:32].tolist()
+            got = [f * 20 + w for _ in range(2) for rank in ranks for _, f, w in decode(rank.next_batch()[0])]
+            assert got == expected, (seed, epoch)
+    # Several sources whose epochs end in the middle of steps, at several dp sizes (the probe's case).
+    kw = {"file_lengths": ((S * 9 + 1, S * 5 + 1), (S * 11 + 1,), (S * 6 + 1,)), "weights": (2.0, 1.0, 0.6),
+          "global_batch_size": 12}
+    for seed in range(4):
+        single = make(**kw, seed=seed)
+        ranks = [make(**kw, seed=seed, dp_size=3, dp_rank=r, micro_steps=2) for r in range(3)]
+        for _ in range(40):
+            rows = decode(single.next_batch()[0])
+            assert len(set(rows)) == len(rows) == 12, rows
+            parts = [[rank.next_batch()[0] for _ in range(2)] for rank in ranks]
+            assert decode(torch.cat([parts[r][j] for j in range(2) for r in range(3)])) == rows
 
 
 @pytest.mark.parametrize(("dp_size", "micro_steps"), [(2, 1), (4, 1), (2, 2)])
