@@ -52,10 +52,18 @@ class Examples:
 
 
 def _read_lines(path: Path) -> list[str]:
+    """The lines of ``path``, ended by "\n" only (a trailing "\r" stripped): str.splitlines also
+    splits at U+0085, U+2028/2029, \x0b, \x0c and \x1c-\x1e, which are text inside an example
+    (and valid raw inside a JSON string), and would shift every later line number."""
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        with open(path, encoding="utf-8", newline="") as f:  # newline="": no translation of a lone \r
+            text = f.read()
     except UnicodeDecodeError as e:
         raise ValueError(f"{path} is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    lines = text.split("\n")
+    if lines[-1] == "":  # the newline that ends the last line starts no line
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def read_tsv(path: Path) -> Examples:

@@ -55,6 +55,17 @@ def test_jsonl_lone_surrogate_becomes_the_replacement_character(tmp_path):
     assert ex.texts == ["bad \ufffd emoji"] and ex.labels == ["a\ufffd"]
 
 
+def test_lines_end_at_newline_only(tmp_path):
+    # U+0085, U+2028/2029, \x0b, \x0c and \x1c-\x1e are line boundaries to str.splitlines, but text
+    # inside an example (valid in a JSON string too); a file written on Windows ends its lines in \r\n.
+    tsv = read_tsv(_write(tmp_path / "u.tsv", "a\tfirst\x85part\u2029\x0c\x1e end\r\nc\tthird\r\n"))
+    assert tsv.labels == ["a", "c"] and tsv.texts == ["first\x85part\u2029\x0c\x1e end", "third"]
+    assert tsv.where == [f"{tmp_path / 'u.tsv'}:1", f"{tmp_path / 'u.tsv'}:2"]
+    line = json.dumps({"label": "a", "text": "x\u2028y\x0bz"}, ensure_ascii=False)
+    ex = read_jsonl(_write(tmp_path / "u.jsonl", line + "\n" + json.dumps({"label": "b", "text": "w"}) + "\n"))
+    assert ex.texts == ["x\u2028y\x0bz", "w"] and ex.where[1] == f"{tmp_path / 'u.jsonl'}:2"
+
+
 def test_orange_tab_header_rows(tmp_path):
     text = "Text\tCategory\nstring\td\nmeta\tclass\n\nsome words\tearn\n\t\nother words\tacq\n"
     ex = read_orange_tab(_write(tmp_path / "x-train.tab", text))
