@@ -180,10 +180,14 @@ def prepare_labelled_lm(data: DataConfig, cfg: ClassifyConfig, *, download: bool
     streams = {}
     for name in ("train", "val"):
         path = folder / f"lm-{key}-{name}.bin"
-        if not path.is_file():
-            tokens, _ = encode_texts(getattr(splits, name).texts, tokenizer, token_dtype(tokenizer.vocab_size))
-            write_token_file(path, [tokens], vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                             tokenizer=tokenizer.key)
+        try:
+            streams[name] = open_token_file(path)[0]
+            continue
+        except (OSError, ValueError):
+            pass  # absent, or a .bin whose sidecar a killed run never wrote: rebuild (as load_or_build_tokens)
+        tokens, _ = encode_texts(getattr(splits, name).texts, tokenizer, token_dtype(tokenizer.vocab_size))
+        write_token_file(path, [tokens], vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                         tokenizer=tokenizer.key)
         streams[name] = open_token_file(path)[0]
     separator = document_separator(data.document_mask, tokenizer.eos_id, what=f"corpus {data.corpus!r}")
     return PreparedData(train_tokens=streams["train"], val_tokens=streams["val"], vocab_size=tokenizer.vocab_size,

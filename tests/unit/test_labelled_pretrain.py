@@ -42,6 +42,19 @@ def _r8_cache(cache: Path, *, num_train: int = 48, num_test: int = 12) -> Path:
     return cache
 
 
+def test_a_stream_left_without_its_sidecar_is_rebuilt(tmp_path):
+    # write_token_file renames the .bin into place before it writes the sidecar: a run killed between
+    # the two leaves a .bin that no later run may trust as it is.
+    data = DataConfig(corpus="r8", seq_len=64, val_fraction=0.25, cache_dir=str(_r8_cache(tmp_path / "cache")))
+    first = prepare_labelled_lm(data, ClassifyConfig(tokenizer="bytes"), download=False)
+    expected = np.array(first.train_tokens)
+    Path(str(first.token_file) + ".json").unlink()
+    first.token_file.write_bytes(first.token_file.read_bytes()[:10])
+    again = prepare_labelled_lm(data, ClassifyConfig(tokenizer="bytes"), download=False)
+    assert again.token_file == first.token_file
+    np.testing.assert_array_equal(np.asarray(again.train_tokens), expected)
+
+
 def test_the_stream_is_the_train_split_in_the_classifiers_token_ids(tmp_path):
     cache = _r8_cache(tmp_path / "cache")
     data = DataConfig(corpus="r8", vocab_size=300, seq_len=64, val_fraction=0.25, cache_dir=str(cache),
