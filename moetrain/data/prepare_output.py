@@ -91,9 +91,10 @@ def load_tokenizer(spec: str, *, inputs: list[Input], out: Path, text_field: str
     """(the tokeniser named by ``--tokenizer``, the sha256 of its file or None for bytes).
 
     "bpe" is trained on the first ``sample_chars`` characters of the inputs and written to
-    ``OUT/tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-text token, so that
-    ``data.tokenizer=OUT/tokenizer.json`` reads it back with the same ids and key; a resumed run
-    reads it instead of training again.
+    ``OUT/tokenizer.json`` with a ``tokenizer_config.json`` naming its end-of-text token (and the
+    ``--vocab-size`` asked for), so that ``data.tokenizer=OUT/tokenizer.json`` reads it back with
+    the same ids and key; a resumed run reads it instead of training again, and refuses another
+    ``--vocab-size`` (the shards so far are in the old vocabulary: `_check_vocab_size`).
     """
     if spec == "bytes":
         return ByteTokenizer(), None
@@ -105,9 +106,33 @@ def load_tokenizer(spec: str, *, inputs: list[Input], out: Path, text_field: str
     if not path.is_file():
         log(f"training a BPE of {vocab_size} tokens on the first {sample_chars >> 20} MB of text")
         bpe = train_bpe(_sample(inputs, text_field, sample_chars, skip_bad), vocab_size=vocab_size)
-        write_json(out / "tokenizer_config.json", {"eos_token": EOS_TOKEN})
+        write_json(out / "tokenizer_config.json", {"eos_token": EOS_TOKEN, VOCAB_SIZE_KEY: vocab_size})
         bpe.save(path)
-    return PretrainedTokenizer.from_file(path), sha256_file(path)
+    tokenizer = PretrainedTokenizer.from_file(path)
+    _check_vocab_size(tokenizer, path, vocab_size)
+    return tokenizer, sha256_file(path)
+
+
+VOCAB_SIZE_KEY = "moetrain_vocab_size"
+"""The --vocab-size a prepare's BPE was trained with, in its tokenizer_config.json (a BPE may stop
+short of it on a small corpus, so its size does not tell)."""
+
+
+def _check_vocab_size(tokenizer: Tokenizer, path: Path, vocab_size: int) -> None:
+    """Refuse a rerun that asks for another --vocab-size than the BPE already in ``--out``: keeping
+    the old one ignores the option, and training a new one would leave the shards written so far in
+    the old vocabulary (or silently discard a finished output)."""
+    config = path.parent / "tokenizer_config.json"
+    try:
+        trained = json.loads(config.read_text(encoding="utf-8")).get(VOCAB_SIZE_KEY)
+    except (OSError, ValueError):
+        trained = None
+    if trained is None:  # written before the key existed: its size is the best record
+        trained = tokenizer.vocab_size
+    if trained != vocab_size:
+        raise ValueError(f"--vocab-size ({vocab_size}) differs from the {trained} that {path} was trained with by "
+                         f"an earlier data prepare into this --out; rerun with --vocab-size {trained} to continue "
+                         "or reuse it, or use another --out (or delete this one) to train a new BPE")
 
 
 def _sample(inputs: list[Input], text_field: str, sample_chars: int, skip_bad: bool):

@@ -239,3 +239,16 @@ def test_an_unfinished_prepare_is_refused_as_training_data(tmp_path):
     data = prepare_data(DataConfig(corpus="path", path=str(out), seq_len=8, val_fraction=0.1))
     assert sum(len(t) + len(v) for s in data.sources for t, v in zip(s.train, s.val, strict=True)) == \
         sum(len(d) + 1 for i, d in enumerate(documents(7, 30)) if i != 20)
+
+
+def test_a_rerun_with_another_vocab_size_is_refused_naming_both(corpus, tmp_path):
+    out = tmp_path / "out"
+    manifest = prepare_corpus(corpus["inputs"][:1], options(out, tokenizer="bpe", vocab_size=280), log=quiet)
+    with pytest.raises(ValueError, match=r"--vocab-size \(300\) differs from the 280 .*tokenizer.json was trained "
+                                         r"with.*--vocab-size 280"):
+        prepare_corpus(corpus["inputs"][:1], options(out, tokenizer="bpe", vocab_size=300), log=quiet)
+    assert prepare_corpus(corpus["inputs"][:1], options(out, tokenizer="bpe", vocab_size=280), log=quiet) == manifest
+    # An unfinished output (no manifest yet) is checked the same way before a shard is written.
+    (out / "manifest.json").unlink()
+    with pytest.raises(ValueError, match=r"--vocab-size \(4096\) differs from the 280"):
+        prepare_corpus(corpus["inputs"][:1], options(out, tokenizer="bpe"), log=quiet)
