@@ -87,14 +87,17 @@ def update_scale(shape: Iterable[int]) -> float:
 
 def muon_param_ids(model: nn.Module) -> set[int]:
     """Ids of the parameters Muon updates: trainable ones of two or more dims, except embeddings,
-    the output head, routers and the shared-expert gate (AdamW's, with norms and biases)."""
+    the output head, routers and the shared-expert gate (AdamW's, with norms and biases). The
+    head is the whole model's, or under pipeline parallelism the last stage's."""
+    from moetrain.distributed.pipeline.stages import PipelineModel
+
     adamw: set[int] = set()
     for module in model.modules():
         if isinstance(module, (nn.Embedding, TopKRouter)):
             adamw |= {id(p) for p in module.parameters()}
         elif isinstance(module, MoELayer) and module.shared_gate is not None:
             adamw |= {id(p) for p in module.shared_gate.parameters()}
-        elif isinstance(module, Transformer) and module.output is not None:
+        elif isinstance(module, (Transformer, PipelineModel)) and module.output is not None:
             adamw |= {id(p) for p in module.output.parameters()}
     return {id(p) for p in model.parameters() if p.requires_grad and p.ndim >= 2 and id(p) not in adamw}
 

@@ -15,7 +15,8 @@ import torch
 from moetrain.config.loader import load_config
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.muon import orthogonalize, update_scale
+from moetrain.distributed.muon import muon_param_ids, orthogonalize, update_scale
+from moetrain.distributed.pipeline.stages import build_pipeline_model
 from moetrain.models.lora import apply_lora
 from moetrain.models.transformer import Transformer
 from moetrain.plan.dry_run import dry_run
@@ -141,6 +142,21 @@ def test_parameter_selection_and_lora_adapters():
     muon = {names[id(p)] for p in next(g for g in _muon(lora).param_groups if g["muon"])["params"]}
     assert "layers.0.feed_forward.experts.lora_a_w1" in muon and "layers.0.attention.wq.lora_b" in muon
     assert not any(n.endswith(("experts.w1", "wq.weight")) for n in muon)
+
+
+def test_every_pipeline_stage_splits_its_parameters_as_the_whole_model_does():
+    """Muon or AdamW by parameter name, the same on each pp = 2 stage as in one process: the last
+    stage's untied output head stays AdamW's."""
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=4, num_heads=2, max_seq_len=16, moe_every=2,
+                      tie_embeddings=False)
+    full = Transformer(cfg, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=32), seed=7)
+    whole = {n for n, p in full.named_parameters() if id(p) in muon_param_ids(full)}
+    assert "output.weight" not in whole and "layers.0.attention.wq.weight" in whole
+    for pp_rank in (0, 1):
+        stage = build_pipeline_model(full, pp_rank=pp_rank, pp=2)
+        names = {n for n, _ in stage.named_parameters()}
+        assert "output.weight" in names or pp_rank == 0
+        assert {n for n, p in stage.named_parameters() if id(p) in muon_param_ids(stage)} == whole & names
 
 
 def test_orthogonalize_and_update_scale():
