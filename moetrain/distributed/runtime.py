@@ -34,6 +34,7 @@ from moetrain.utils.cpu_allocator import tune_cpu_allocator
 from moetrain.utils.devices import set_tf32
 
 if TYPE_CHECKING:
+    from moetrain.config.job import JobConfig
     from moetrain.distributed.parallel_dims import ParallelDims
 
 log = logging.getLogger("moetrain")
@@ -55,11 +56,30 @@ class Runtime:
         return self.rank == 0
 
 
-def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool = False) -> Runtime:
+def init_job_runtime(cfg: JobConfig) -> Runtime:
+    """``init_runtime`` for a job: its train.device, parallel.backend, train.deterministic and
+    train.tf32, with host collectives when ZeRO offloads (FSDP2 then keeps the gradients on the
+    host, where the global norm and the overflow check reduce them)."""
+    offload = cfg.zero.offload_optimizer == "cpu" or cfg.zero.offload_param == "cpu"
+    return init_runtime(device=cfg.train.device, backend=cfg.parallel.backend, deterministic=cfg.train.deterministic,
+                        tf32=cfg.train.tf32, host_collectives=offload)
+
+
+def resolve_backend(backend: str, *, device_type: str, host_collectives: bool = False) -> str:
+    """The process group's backend: ``parallel.backend`` ("auto": NCCL on CUDA, gloo otherwise),
+    with gloo beside NCCL for tensors on the host when ``host_collectives`` (NCCL takes device
+    tensors only)."""
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_collectives else backend
+
+
+def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool = False,
+                 host_collectives: bool = False) -> Runtime:
     """Pick the device, set process-wide switches and join the process group (unless one exists).
 
-    ``device`` is ``train.device``, ``backend`` is ``parallel.backend`` ("auto": NCCL on CUDA,
-    gloo otherwise), ``tf32`` is ``train.tf32``. The group starts with ``SETUP_TIMEOUT`` while
+    ``device`` is ``train.device``, ``backend`` is ``parallel.backend`` (``resolve_backend``),
+    ``tf32`` is ``train.tf32``. The group starts with ``SETUP_TIMEOUT`` while
     rank 0 prepares the data and the others wait for it; :func:`set_collective_timeout` sets
     ``train.collective_timeout_s`` afterwards.
     """
@@ -75,8 +95,7 @@ def init_runtime(*, device: str, backend: str, deterministic: bool, tf32: bool =
     set_tf32(tf32, device=dev)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-    if backend == "auto":
-        backend = "nccl" if dev.type == "cuda" else "gloo"
+    backend = resolve_backend(backend, device_type=dev.type, host_collectives=host_collectives)
     if not dist.is_initialized():
         _init_process_group(backend, world_size=world_size, rank=rank, device=dev)
     return Runtime(world_size=world_size, rank=rank, local_rank=local_rank, device=dev)
@@ -93,7 +112,7 @@ def _init_process_group(backend: str, *, world_size: int, rank: int, device: tor
         # One process: an in-memory store, no port; the mesh and collectives still work.
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         return
-    device_id = device if backend == "nccl" else None
+    device_id = device if "nccl" in backend else None
     store = _restart_safe_store(world_size)
     if store is None:
         dist.init_process_group(backend=backend, device_id=device_id, timeout=SETUP_TIMEOUT)

@@ -123,8 +123,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
     path = resolve_checkpoint(checkpoint) if checkpoint is not None else latest_checkpoint(ckpt_dir)
     if path is None:
         raise ValueError(f"run {str(run_dir)!r} has no complete checkpoint in {ckpt_dir}; pass --checkpoint PATH")
-    proc = runtime.init_runtime(device=cfg.train.device, backend=cfg.parallel.backend,
-                                deterministic=cfg.train.deterministic, tf32=cfg.train.tf32)
+    proc = runtime.init_job_runtime(cfg)
     cfg = eval_layout(cfg, proc.world_size)
     dims = ParallelDims.from_config(cfg.parallel, world_size=proc.world_size,
                                     num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)

@@ -86,8 +86,7 @@ class Trainer:
 
     def setup_distributed(self) -> None:
         cfg = self.cfg
-        proc = runtime.init_runtime(device=cfg.train.device, backend=cfg.parallel.backend,
-                                    deterministic=cfg.train.deterministic, tf32=cfg.train.tf32)
+        proc = runtime.init_job_runtime(cfg)
         self.world_size, self.rank, self.local_rank = proc.world_size, proc.rank, proc.local_rank
         self.device, self.is_main = proc.device, proc.is_main
         self.dims: ParallelDims = ParallelDims.from_config(
