@@ -33,8 +33,9 @@ def global_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
 
     Plain (replicated) gradients are identical on every rank after the gradient sync, so their
     local norm is already global (not after 1-bit Adam's warmup, which syncs no gradient: each
-    rank then gets the norm of its own local gradients, as DeepSpeed's 1-bit Adam clips). A DTensor gradient holds only this rank's shard (experts over
-    ep, tensor-parallel weights over tp, ZeRO-2/3 shards over dp, expert shards over edp as well):
+    rank then gets the norm of its own local gradients, as DeepSpeed's 1-bit Adam clips). A
+    DTensor gradient holds only this rank's shard (experts over ep, tensor-parallel weights over
+    tp, ZeRO-2/3 shards over dp, expert shards over edp as well):
     its squared norm is summed over every mesh axis it is not replicated on, so a tp-replicated
     gradient (a sequence-parallel norm weight) counts once and an expert shard once per ep rank
     (HSDP's replicate axis is skipped).

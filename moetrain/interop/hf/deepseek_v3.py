@@ -60,6 +60,9 @@ from moetrain.interop.hf.family import (
 class DeepseekV3(Family):
     model_type = "deepseek_v3"
     architecture = "DeepseekV3ForCausalLM"
+    hf_defaults = {"rms_norm_eps": 1e-6, "num_experts_per_tok": 8, "norm_topk_prob": True, "n_group": 8,
+                   "topk_group": 4, "routed_scaling_factor": 2.5, "rope_interleave": True,
+                   "max_position_embeddings": 4096}
     title = "DeepSeek-V3"
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Any
 
 from moetrain.config.base import require
 from moetrain.config.model import ModelConfig
@@ -70,6 +71,10 @@ class Family(ABC):
     architecture: str = ""
     """``architectures[0]`` of the written ``config.json``."""
     title: str = ""
+    hf_defaults: dict[str, Any] = {}
+    """What transformers' config class of the family (5.25) reads for a ``config.json`` key it
+    lacks, for the keys whose value changes the model: ``registry.read_hf_config`` fills them in,
+    so that a hand-written config.json converts to the model transformers loads from it."""
 
     @abstractmethod
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:

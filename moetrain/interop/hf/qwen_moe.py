@@ -140,6 +140,8 @@ class _QwenMoe(Family):
 class Qwen2Moe(_QwenMoe):
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
+    hf_defaults = {"rms_norm_eps": 1e-6, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
+                   "decoder_sparse_step": 1, "max_position_embeddings": 32768}
     title = "Qwen2-MoE"
     shared_expert = True
 
@@ -152,6 +154,8 @@ class Qwen2Moe(_QwenMoe):
 class Qwen3Moe(_QwenMoe):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
+    hf_defaults = {"rms_norm_eps": 1e-6, "num_experts_per_tok": 8, "norm_topk_prob": False,
+                   "decoder_sparse_step": 1, "max_position_embeddings": 32768}
     title = "Qwen3-MoE"
     qk_norm = "head"
 

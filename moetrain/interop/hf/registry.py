@@ -21,13 +21,17 @@ FAMILIES: dict[str, Family] = {f.model_type: f for f in (Mixtral(), Qwen2Moe(), 
 
 
 def read_hf_config(hf_dir: str | Path) -> dict:
+    """``hf_dir``'s config.json, with its family's ``hf_defaults`` for the keys it lacks."""
     path = Path(hf_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"{str(hf_dir)!r} has no config.json: not a Hugging Face model folder")
     try:
-        return json.loads(path.read_text())
+        hf = json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{str(path)!r} is not JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{str(path)!r} is not a JSON object")
+    return {**family_of(hf).hf_defaults, **hf}
 
 
 def family_of(hf: dict) -> Family:

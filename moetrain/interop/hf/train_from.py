@@ -41,13 +41,13 @@ CACHE = "hf_init"
 """Folder of the converted checkpoint, under the run folder."""
 
 TRAINING_FIELDS = {
-    "model": {"max_seq_len", "init_std", "document_separator"},
+    "model": {"max_seq_len", "init_std", "document_separator", "dropout", "mtp_loss_weight"},
     "moe": {"capacity_factor", "drop_policy", "aux_loss_coef", "z_loss_coef", "expert_impl", "dispatch_dedup",
             "dispatch_dtype", "dispatch_chunks", "router_bias_update_rate", "router_jitter", "router_noise_std",
             "force_balance", "aux_loss_type", "dynamic_capacity", "dynamic_capacity_base", "dynamic_capacity_scale",
             "dynamic_capacity_shift", "balance_interval", "expert_lr_scale_max", "collapse_threshold",
             "collapse_warmup_steps", "collapse_consecutive_checks", "collapse_aux_increase", "collapse_aux_max",
-            "unused_expert_steps", "router_init_std", "routing_replay", "force_skew"},
+            "unused_expert_steps", "router_init_std", "routing_replay", "force_skew", "rebalance_every"},
 }
 """model/moe fields a run from a Hugging Face checkpoint may set: they change how it trains, not
 what its weights mean."""
