@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 
@@ -16,12 +17,27 @@ def under_launcher() -> bool:
 
 def launch(nproc: int, argv: list[str]) -> int:
     """Re-run this command in ``nproc`` local processes through torch.distributed.run (what
-    torchrun is), single node, with its own rendezvous on a free port."""
+    torchrun is), single node, with its own rendezvous on a free port. A SIGTERM sent to this
+    process alone (a supervisor, ``kill PID``, PID 1 of a container) goes on to torchrun, which
+    passes it to the ranks: they save and stop at the end of the step, and this returns 143."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "moetrain.cli", *strip_option(argv, "--nproc")]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    return subprocess.call(cmd, env=env)
+    child = subprocess.Popen(cmd, env=env)
+    forwarded: list[int] = []
+
+    def forward(signum, frame) -> None:
+        forwarded.append(signum)
+        child.send_signal(signum)
+
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        code = child.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    # torchrun reports ranks that stopped on a signal as failed (1); the run stopped on request.
+    return 128 + signal.SIGTERM if forwarded else code
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:

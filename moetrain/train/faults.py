@@ -18,6 +18,7 @@ import os
 import re
 import signal
 import threading
+import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -116,25 +117,35 @@ def collective_site(exc: BaseException) -> str:
     return f"{text} from {where}" if where else text
 
 
+DUPLICATE_SIGTERM_S = 5.0
+"""A SIGTERM this soon after the first is the same request delivered twice: a scheduler that
+signals every process of a job step (SLURM's scancel, preemption) reaches a worker directly and
+again through torchrun, which forwards what it gets."""
+
+
 class StopRequest:
-    """SIGTERM as a request to stop cleanly at the end of the current step; a second SIGTERM
-    kills at once. Only the main thread can install it (elsewhere ``installed`` does nothing)."""
+    """SIGTERM as a request to stop cleanly at the end of the current step; another SIGTERM more
+    than ``DUPLICATE_SIGTERM_S`` later kills at once (a user insisting). Only the main thread can
+    install it (elsewhere ``installed`` does nothing)."""
 
     def __init__(self, *, rank: int) -> None:
         self.rank = rank
         self.signum: int | None = None
         """The signal received, None until one comes."""
+        self._first_at = 0.0
 
     @property
     def requested(self) -> bool:
         return self.signum is not None
 
     def _handle(self, signum, frame) -> None:
-        if self.signum is not None:  # the second one: die now, as without this handler
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if self.signum is not None:
+            if time.monotonic() - self._first_at < DUPLICATE_SIGTERM_S:
+                return  # the first one again, by another route
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # die now, as without this handler
             os.kill(os.getpid(), signal.SIGTERM)
             return
-        self.signum = signum
+        self.signum, self._first_at = signum, time.monotonic()
         log.warning("rank %d: SIGTERM received; will save a checkpoint and stop after this step", self.rank)
 
     @contextlib.contextmanager

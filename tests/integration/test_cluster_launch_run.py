@@ -1,9 +1,11 @@
 """A script from ``moetrain launch slurm`` run here as Slurm would run it, on two "nodes" of one
-process each (two local torchrun agents meeting at the c10d rendezvous): ``srun`` and ``scontrol``
-are stand-ins (srun starts its command once a node and passes signals on; scontrol names this host
-and records a requeue), torchrun is the real one. The signal Slurm sends before the time limit
-(SIGUSR1) makes the script stop the workers, which save a checkpoint at the step they were in, and
-requeue the job; the requeued job (the same script again) resumes there and finishes the run."""
+process each (two local torchrun agents meeting at the c10d rendezvous): ``srun``, ``scancel`` and
+``scontrol`` are stand-ins that do what Slurm's do (srun starts its command once a node and, as the
+real one, turns a SIGTERM into SIGKILL for its tasks; ``scancel --signal`` signals every process of
+the step; scontrol names this host and records a requeue), torchrun is the real one. The signal Slurm
+sends before the time limit (SIGUSR1) makes the script stop the workers, which save a checkpoint at
+the step they were in (each gets the SIGTERM from scancel and again from torchrun), and requeue the
+job; the requeued job (the same script again) resumes there and finishes the run."""
 
 from __future__ import annotations
 
@@ -20,18 +22,40 @@ from moetrain.cli import main
 from tests.integration.conftest import job_overrides
 from tests.integration.test_fault_tolerance import _env, _output, _records, _wait_for, _worker
 
-# srun: one task a node, each node here a local process; signals go to every task.
+# srun: one task a node, each node here a local process. Slurm's srun forwards most signals to its
+# tasks, but SIGTERM and SIGHUP become SIGKILL ("forcing job termination", src/srun/signals.c).
 SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
+echo $$ > "$FAKE_STEP_PID"
 pids=()
 for _ in $(seq "$SLURM_NNODES"); do "$@" & pids+=($!); done
-trap 'kill -TERM "${pids[@]}" 2>/dev/null' TERM
+trap 'kill -KILL "${pids[@]}" 2>/dev/null' TERM
 for p in "${pids[@]}"; do
     while kill -0 "$p" 2>/dev/null; do wait "$p" || true; done
 done
 status=0
 for p in "${pids[@]}"; do wait "$p" || status=$?; done
 exit "$status"
+"""
+# scancel --signal=SIG JOB.STEP: the signal to every process of the step (slurmstepd signals the
+# step's whole process tree): the tasks and what they started, not srun.
+SCANCEL = """import os, signal, sys
+sig = getattr(signal, "SIG" + sys.argv[1].split("=")[1])
+root, children = int(open(os.environ["FAKE_STEP_PID"]).read()), {}
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        parent = int(open("/proc/" + pid + "/stat").read().rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(pid))
+    except OSError:
+        pass
+todo = list(children.get(root, []))
+while todo:
+    pid = todo.pop()
+    todo += children.get(pid, [])
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 """
 SCONTROL = """#!/bin/bash
 if [ "$1 $2" = "show hostnames" ]; then echo 127.0.0.1; exit 0; fi
@@ -58,7 +82,8 @@ def _free_port() -> int:
 def _fake_slurm(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN.format(python=sys.executable))):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("torchrun", TORCHRUN.format(python=sys.executable)),
+                       ("scancel", f"#!{sys.executable}\n{SCANCEL}")):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     return bin_dir
@@ -72,7 +97,8 @@ def test_slurm_script_saves_requeues_before_the_time_limit_and_the_requeued_job_
     assert main(["launch", "slurm", "--nodes", "2", "--gpus-per-node", "1", "--port", str(_free_port()),
                  "--out", str(script), *job_overrides(run_dir, steps=6, ep=2)]) == 0
     env = _env(PATH=f"{_fake_slurm(tmp_path)}:{os.environ['PATH']}", SLURM_JOB_ID="7", SLURM_JOB_NODELIST="localhost",
-               SLURM_NNODES="2", SCONTROL_LOG=str(requeues), WORKER=str(_worker(tmp_path)))
+               SLURM_NNODES="2", SCONTROL_LOG=str(requeues), WORKER=str(_worker(tmp_path)),
+               FAKE_STEP_PID=str(tmp_path / "step.pid"))
 
     job = subprocess.Popen(["bash", str(script)], env={**env, "FAULT_STEP_DELAY": "0.3"}, cwd=tmp_path,
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

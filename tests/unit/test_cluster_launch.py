@@ -50,9 +50,11 @@ def test_slurm_script_starts_one_torchrun_agent_per_node_and_requeues(tmp_path):
         "torchrun", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=$head_node:29500",
         "--rdzv-id=$SLURM_JOB_ID", "--max-restarts=3", "--shutdown-timeout=150",
         "-m", "moetrain.cli", "train", "--config=$config", "--checkpoint.resume=auto"]
-    # The signal before the time limit stops the workers (SIGTERM: they save) and requeues.
+    # The signal before the time limit stops the workers (SIGTERM to the step's processes, not to
+    # srun, which would SIGKILL them: they save) and requeues.
     assert re.search(r"trap '.*requeue=1; stop_workers' USR1", script)
-    assert 'kill -TERM "$srun_pid"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert 'scancel --signal=TERM "$SLURM_JOB_ID.0"' in script and 'scontrol requeue "$SLURM_JOB_ID"' in script
+    assert "kill -TERM" not in script
     # The network variables are there for the user to set; nothing is forced without ep_hierarchical.
     for name in ("NCCL_IB_HCA", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_IB_GID_INDEX"):
         assert f"# export {name}=" in script

@@ -5,6 +5,8 @@ request, the count of skipped steps and the per-step agreement on skipping and s
 
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -80,6 +82,32 @@ def test_sigterm_becomes_a_stop_request_while_installed():
                 break
         assert stop.requested and stop.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+_TWO_SIGTERMS = """
+import os, signal, sys, time
+from moetrain.train import faults
+faults.DUPLICATE_SIGTERM_S = float(sys.argv[1])
+stop = faults.StopRequest(rank=0)
+with stop.installed():
+    for _ in range(2):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # the handler runs between these sleeps
+    print("requested" if stop.requested else "not requested")
+"""
+
+
+@pytest.mark.parametrize(("window_s", "survives"), [(5.0, True), (0.0, False)])
+def test_a_second_sigterm_is_the_same_request_within_the_window_and_kills_after_it(window_s, survives):
+    """SLURM signals every process of a step and torchrun forwards the same signal: a worker gets
+    SIGTERM twice within milliseconds, and must still stop cleanly and save. A second SIGTERM later
+    than that (a user insisting) kills at once, as without a handler."""
+    done = subprocess.run([sys.executable, "-c", _TWO_SIGTERMS, str(window_s)], capture_output=True, text=True,
+                          timeout=60)
+    if survives:
+        assert done.returncode == 0 and done.stdout.strip() == "requested", done.stderr
+    else:
+        assert done.returncode == -signal.SIGTERM and done.stdout == "", (done.returncode, done.stderr)
 
 
 def test_skip_counter_counts_runs_and_halts_after_the_limit(caplog):
