@@ -87,14 +87,17 @@ def apply_expert_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
     and sum the load-balancing counts over the ranks of the stage that hold other tokens (dp x tp,
     so the mean of the per-rank aux losses is the single-process aux loss). In place; returns
     ``model``."""
-    # A language model routes B * S / tp tokens on every rank; a classifier its real tokens only.
-    equal_counts = getattr(getattr(model, "config", None), "head", None) == "lm"
+    # A language model routes B * S / tp tokens on every rank; a classifier its real tokens only,
+    # and under tp the multi-token modules leave their last k positions (all on the last tp rank)
+    # unrouted.
+    lm = getattr(getattr(model, "config", None), "head", None) == "lm"
     for name, layer in model.named_modules():
         if not isinstance(layer, MoELayer):
             continue
         dims.check_experts(layer.config.num_experts, layer=name)
         layer.dispatcher = build_dispatcher(dims, layer.config)
         if dims.etp > 1:
+            equal_counts = lm and not (dims.tp > 1 and name.split(".")[0] == "mtp")
             layer.dispatcher = ExpertTensorParallelDispatcher(layer.dispatcher, num_experts=layer.config.num_experts,
                                                               group=dims.group("etp"), size=dims.etp,
                                                               equal_counts=equal_counts)
