@@ -126,6 +126,8 @@ class PipelineStep:
         model's. Both ranks shard the copy alike (same dp/tp position), so the local shards add."""
         if self.embedding_group is None or self.pm.tok_embeddings is None:
             return
+        if not self.pm.tok_embeddings.weight.requires_grad:  # frozen on both stages (LoRA): nothing to sum
+            return
         grad = self.pm.tok_embeddings.weight.grad
         assert grad is not None, "both stages use the shared embedding in every training step"
         dist.all_reduce(local_tensor(grad), group=self.embedding_group)
