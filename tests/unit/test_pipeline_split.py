@@ -58,6 +58,23 @@ def test_layer_costs_count_parameters_and_flops():
     assert (f_first, f_last) == (0.0, 6 * 64 * 16)
 
 
+def test_the_last_stage_pays_for_the_multi_token_modules():
+    """Its parameters hold the modules and the embedding copy (untied head): the split sees the
+    parameters the last stage's rank really holds, and the FLOPs of a block, a projection and a head
+    pass per depth."""
+    model = tiny(num_layers=8, moe_every=2, mtp_depth=2, tie_embeddings=False)
+    costs, _, last = layer_costs(model, "params", seq_len=8)
+    stage = build_pipeline_model(model, pp_rank=3, pp=4, split="params", seq_len=8)
+    held_blocks = sum(costs[int(i)] for i in stage.layers)
+    assert held_blocks + last == sum(p.numel() for p in stage.parameters())
+    plain = tiny(num_layers=8, moe_every=2, tie_embeddings=False)
+    flops, _, f_last = layer_costs(model, "flops", seq_len=8)
+    _, _, plain_last = layer_costs(plain, "flops", seq_len=8)
+    # A depth: an MoE block (as trunk block 0), the [2D -> D] projection, one more head pass.
+    per_depth = flops[0] + 6 * 32 * 16 + plain_last
+    assert f_last == plain_last + 2 * per_depth
+
+
 def test_rank_stage_ids_loop_placement():
     assert rank_stage_ids(0, 2, 2) == [0, 2]
     assert rank_stage_ids(1, 4, 3) == [1, 5, 9]

@@ -57,7 +57,7 @@ from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.attention import attention_mask, rope_rows, rope_table_for
 from moetrain.models.init import init_parameters
 from moetrain.models.moe.layer import MoELayer
-from moetrain.models.mtp import mtp_losses
+from moetrain.models.mtp import MTPModule, mtp_losses
 from moetrain.models.transformer import Transformer
 
 PP_SPLITS = ("layers", "params", "flops")
@@ -87,28 +87,39 @@ def layer_costs(model: Transformer, split: str, *, seq_len: int) -> tuple[list[f
     ``parallel.pp_split``: "layers" 1 per block and no extras; "params" parameter counts (every
     expert; embedding first, final norm and head last); "flops" training FLOPs per token, 6 per
     active matmul parameter (top_k of the routed experts) plus attention's ``6 H (A + U) S``
-    (``flops_per_token``'s terms), the head's 6 V D last and nothing for the embedding lookup."""
+    (``flops_per_token``'s terms), the head's 6 V D last and nothing for the embedding lookup.
+    The multi-token modules sit on the last stage: their blocks, projections and norms, its copy of
+    the embedding when the head is untied (params), and per depth a block and one more head pass (flops)."""
     if split not in PP_SPLITS:
         raise ValueError(f"parallel.pp_split ({split!r}) must be one of {', '.join(map(repr, PP_SPLITS))}")
     if split == "layers":
         return [1.0] * len(model.layers), 0.0, 0.0
-    cfg, moe = model.config, model.moe_config
-    costs = []
-    for layer in model.layers:
-        total = sum(p.numel() for p in layer.parameters())
-        if split == "params":
-            costs.append(float(total))
-            continue
-        ffn = layer.feed_forward
-        expert = sum(p.numel() for p in ffn.experts.parameters()) if isinstance(ffn, MoELayer) else 0
-        active = total - expert + expert * moe.top_k // moe.num_experts
-        head_dim = cfg.resolved_head_dim
-        v_dim = cfg.v_head_dim if cfg.attention == "mla" else head_dim
-        costs.append(float(6 * active + 6 * cfg.num_heads * (head_dim + v_dim) * seq_len))
-    head = sum(p.numel() for p in model.output.parameters()) + sum(p.numel() for p in model.norm.parameters())
+    costs = [_block_cost(model, layer, split, seq_len=seq_len) for layer in model.layers]
+    mtp = [m for m in model.mtp if isinstance(m, MTPModule)]
     if split == "params":
-        return costs, float(model.tok_embeddings.weight.numel()), float(head)
-    return costs, 0.0, float(6 * model.output.weight.numel())
+        head = sum(p.numel() for p in model.output.parameters()) + sum(p.numel() for p in model.norm.parameters())
+        embedding = model.tok_embeddings.weight.numel()
+        copy = embedding if mtp and model.output.weight is not model.tok_embeddings.weight else 0
+        extra = sum(p.numel() for m in mtp for p in m.parameters())
+        return costs, float(embedding), float(head + copy + extra)
+    head = 6 * model.output.weight.numel()
+    mtp_flops = 0.0
+    for m in mtp:  # each depth: its block, its projection and one more head pass
+        mtp_flops += _block_cost(model, m.block, split, seq_len=seq_len) + 6 * m.eh_proj.weight.numel() + head
+    return costs, 0.0, head + mtp_flops
+
+
+def _block_cost(model: Transformer, layer: nn.Module, split: str, *, seq_len: int) -> float:
+    total = sum(p.numel() for p in layer.parameters())
+    if split == "params":
+        return float(total)
+    cfg, moe = model.config, model.moe_config
+    ffn = layer.feed_forward
+    expert = sum(p.numel() for p in ffn.experts.parameters()) if isinstance(ffn, MoELayer) else 0
+    active = total - expert + expert * moe.top_k // moe.num_experts
+    head_dim = cfg.resolved_head_dim
+    v_dim = cfg.v_head_dim if cfg.attention == "mla" else head_dim
+    return float(6 * active + 6 * cfg.num_heads * (head_dim + v_dim) * seq_len)
 
 
 def split_stages(costs: list[float], num_stages: int, *, first_extra: float = 0.0,
