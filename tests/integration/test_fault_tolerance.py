@@ -166,16 +166,17 @@ def test_sigterm_saves_exits_143_and_resume_is_exact(tmp_path, shakespeare_cache
     assert read_losses(run_dir) == read_losses(ref["run_dir"])  # bit for bit, every step
 
 
-def _session_processes(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (Linux /proc)."""
+def _processes_naming(text: str) -> list[int]:
+    """Live processes whose command line holds ``text`` (Linux /proc): the launcher, torchrun and
+    the ranks of one run, found by its run folder (torchrun starts each rank in a session of its own)."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if text in cmdline.read_bytes().decode(errors="replace") and \
+                    (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(cmdline.parent.name))
         except OSError:
             continue  # gone meanwhile
-        if int(fields[3]) == sid and fields[0] != "Z":
-            found.append(int(stat.parent.name))
     return found
 
 
@@ -188,16 +189,16 @@ def test_sigterm_to_the_nproc_launcher_alone_stops_every_rank_with_a_checkpoint(
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "moetrain.cli", "train", "--nproc", "2",
                              *job_overrides(run_dir, steps=100_000)], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+                            stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: len(_records(run_dir)) >= 3, timeout_s=90, proc=proc, what="3 logged steps")
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, _output(proc)
-        _wait_for(lambda: not _session_processes(proc.pid), timeout_s=20, what="the ranks to exit")
+        _wait_for(lambda: not _processes_naming(str(run_dir)), timeout_s=20, what="the ranks to exit")
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in _session_processes(proc.pid):
+        for pid in _processes_naming(str(run_dir)):
             os.kill(pid, signal.SIGKILL)
     stopped_at = _records(run_dir)[-1]["step"]
     assert 3 <= stopped_at < 100_000 and _latest_step(run_dir) == stopped_at
