@@ -15,6 +15,7 @@ hang (a collective that never completes) fails after ``timeout_s``; either way e
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
@@ -37,6 +38,9 @@ def _rank_main(fn, rank: int, world_size: int, init_file: str, results, args, kw
                collective_timeout_s: float) -> None:
     # One thread per rank: the ranks share 2 cores, more threads only contend.
     torch.set_num_threads(threads)
+    # A rank still running just before the parent gives up prints every thread's stack (into the
+    # test's captured stderr): where a hang hangs, which the timeout alone does not say.
+    faulthandler.dump_traceback_later(max(1.0, collective_timeout_s - 3.0), exit=False)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     try:
@@ -53,6 +57,7 @@ def _rank_main(fn, rank: int, world_size: int, init_file: str, results, args, kw
     except BaseException:  # noqa: BLE001 - report anything, including KeyboardInterrupt, to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
+        faulthandler.cancel_dump_traceback_later()
         if dist.is_initialized():
             dist.destroy_process_group()
 
