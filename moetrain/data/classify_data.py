@@ -36,7 +36,7 @@ from moetrain.data.documents import document_separator
 from moetrain.data.labelled import Examples, LabelledSplits, load_splits
 from moetrain.data.prepare import PreparedData
 from moetrain.data.tokenizer import ByteTokenizer, Tokenizer, load_or_train_bpe
-from moetrain.data.tokens import encode_texts, open_token_file, token_dtype, write_token_file
+from moetrain.data.tokens import encode_texts, open_or_build_token_file, token_dtype, write_token_file
 from moetrain.utils.files import atomic_path
 
 SPLITS = ("train", "val", "test")
@@ -179,16 +179,14 @@ def prepare_labelled_lm(data: DataConfig, cfg: ClassifyConfig, *, download: bool
     folder = resolve_cache_dir(data.cache_dir) / "labelled"
     streams = {}
     for name in ("train", "val"):
-        path = folder / f"lm-{key}-{name}.bin"
-        try:
-            streams[name] = open_token_file(path)[0]
-            continue
-        except (OSError, ValueError):
-            pass  # absent, or a .bin whose sidecar a killed run never wrote: rebuild (as load_or_build_tokens)
-        tokens, _ = encode_texts(getattr(splits, name).texts, tokenizer, token_dtype(tokenizer.vocab_size))
-        write_token_file(path, [tokens], vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                         tokenizer=tokenizer.key)
-        streams[name] = open_token_file(path)[0]
+        path, texts = folder / f"lm-{key}-{name}.bin", getattr(splits, name).texts
+
+        def build(path=path, texts=texts) -> None:
+            tokens, _ = encode_texts(texts, tokenizer, token_dtype(tokenizer.vocab_size))
+            write_token_file(path, [tokens], vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                             tokenizer=tokenizer.key)
+
+        streams[name] = open_or_build_token_file(path, build)[0]
     separator = document_separator(data.document_mask, tokenizer.eos_id, what=f"corpus {data.corpus!r}")
     return PreparedData(train_tokens=streams["train"], val_tokens=streams["val"], vocab_size=tokenizer.vocab_size,
                         eos_id=tokenizer.eos_id, tokenizer=tokenizer, seq_len=data.seq_len,

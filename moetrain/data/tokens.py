@@ -28,7 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -231,15 +231,24 @@ def load_or_build_tokens(documents, tokenizer, *, cache_dir: str | os.PathLike |
     calls only map the file. Returns (tokens [N], sidecar, path).
     """
     path = resolve_cache_dir(cache_dir) / "tokens" / f"{documents.fingerprint[:16]}-{tokenizer.key}.bin"
-    try:
-        tokens, meta = open_token_file(path)
-        return tokens, meta, path
-    except (OSError, ValueError):
-        pass  # absent or half-written by a crashed run: rebuild
-    num_tokens = write_token_file(path, _encoded_documents(documents, tokenizer),
-                                  vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
-                                  tokenizer=tokenizer.key, documents=documents.fingerprint)
-    if num_tokens == 0:
-        raise ValueError(f"{documents.label} has no text: every document is empty")
-    tokens, meta = open_token_file(path)
+
+    def build() -> None:
+        num_tokens = write_token_file(path, _encoded_documents(documents, tokenizer),
+                                      vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id,
+                                      tokenizer=tokenizer.key, documents=documents.fingerprint)
+        if num_tokens == 0:
+            raise ValueError(f"{documents.label} has no text: every document is empty")
+
+    tokens, meta = open_or_build_token_file(path, build)
     return tokens, meta, path
+
+
+def open_or_build_token_file(path: Path, build: Callable[[], None]) -> tuple[np.ndarray, dict]:
+    """The cached token file at ``path`` (``open_token_file``); when it is absent, or a ``.bin``
+    whose sidecar a killed run never wrote, ``build`` writes it first."""
+    try:
+        return open_token_file(path)
+    except (OSError, ValueError):
+        pass  # absent or half-written: rebuild
+    build()
+    return open_token_file(path)

@@ -3,11 +3,10 @@ preparation, whatever the backend's own default (NCCL's is 10 minutes), and
 ``set_collective_timeout`` then sets the training timeout on it. Two gloo processes joined by
 ``init_runtime``'s own rendezvous (env://), as torchrun starts them."""
 
-import socket
-
 import pytest
 
 from tests.helpers.dist_launcher import run_ranks
+from tests.integration.test_cluster_launch_run import _free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,8 +37,6 @@ def _rendezvous(rank, world_size, port):
 def test_the_world_group_waits_the_setup_timeout_then_the_training_one():
     from moetrain.distributed.runtime import SETUP_TIMEOUT
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     assert SETUP_TIMEOUT.total_seconds() >= 3600
     assert run_ranks(_rendezvous, 2, port, timeout_s=50) == [(SETUP_TIMEOUT.total_seconds(), 42.0)] * 2

@@ -49,11 +49,9 @@ def test_a_kill_between_the_renames_of_a_same_step_save_keeps_the_old_checkpoint
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", killed_after_first_rename)
-    try:
+    with pytest.raises(SystemExit, match="killed"):
         commit_checkpoint(_saved(tmp_path, 4, "second"), final, step=4, world_size=1, layout={}, files={},
                           keep_last=1)
-    except SystemExit:
-        pass
     monkeypatch.setattr(os, "replace", real_replace)
     assert not final.exists() and len(list(tmp_path.glob(f".{final.name}.old-*"))) == 1 and second.is_dir()
 
