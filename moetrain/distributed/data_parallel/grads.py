@@ -101,18 +101,3 @@ def clip_to_norm_(params: list[torch.Tensor], norm: torch.Tensor, max_norm: floa
 def clip_model_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
     """:func:`clip_global_grad_norm_` over all parameters of a (wrapped) model."""
     return clip_global_grad_norm_(list(unwrap(model).parameters()), max_norm)
-
-
-@torch.no_grad()
-def clip_pipeline_grad_norm_(params: list[torch.Tensor], max_norm: float,
-                             pp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``clip_global_grad_norm_`` of a model split over pipeline stages: each stage's squared norm
-    (already summed over its dp/ep shards by ``global_grad_norm``) summed over the pp group, so
-    every rank clips by the norm of the whole model. Returns the norm before clipping."""
-    params = [p for p in params if p.grad is not None]
-    sq = global_grad_norm(params).pow(2)
-    if pp_group is not None and dist.get_world_size(pp_group) > 1:
-        dist.all_reduce(sq, group=pp_group)
-    norm = sq.sqrt()
-    clip_to_norm_(params, norm, max_norm)
-    return norm
