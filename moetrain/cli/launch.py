@@ -8,6 +8,12 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
+
+EXIT_CODES_ENV = "MOETRAIN_EXIT_CODES_DIR"
+"""Where ``launch`` asks each rank to record the code it ends with: torchrun reports any rank
+that exits non-zero as failed (1), which would hide a run every rank stopped on request."""
 
 
 def under_launcher() -> bool:
@@ -24,20 +30,32 @@ def launch(nproc: int, argv: list[str]) -> int:
            "-m", "moetrain.cli", *strip_option(argv, "--nproc")]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    child = subprocess.Popen(cmd, env=env)
-    forwarded: list[int] = []
+    with tempfile.TemporaryDirectory(prefix="moetrain-exit-") as codes_dir:
+        env[EXIT_CODES_ENV] = codes_dir
+        child = subprocess.Popen(cmd, env=env)
+        forwarded: list[int] = []
 
-    def forward(signum, frame) -> None:
-        forwarded.append(signum)
-        child.send_signal(signum)
+        def forward(signum, frame) -> None:
+            forwarded.append(signum)
+            child.send_signal(signum)
 
-    previous = signal.signal(signal.SIGTERM, forward)
-    try:
-        code = child.wait()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    # torchrun reports ranks that stopped on a signal as failed (1); the run stopped on request.
-    return 128 + signal.SIGTERM if forwarded else code
+        previous = signal.signal(signal.SIGTERM, forward)
+        try:
+            code = child.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+        codes = {f.read_text().strip() for f in Path(codes_dir).glob("rank*")}
+        every_rank_stopped = len(list(Path(codes_dir).glob("rank*"))) == nproc and codes == {"143"}
+    # A SIGTERM to this process, or to one rank (the stop is agreed over the world, so every rank
+    # saved and stopped): the run stopped on request, not on a failure.
+    return 128 + signal.SIGTERM if forwarded or every_rank_stopped else code
+
+
+def record_exit_code(code: int) -> None:
+    """Leave this rank's exit code where ``launch`` reads it (nothing when not under ``launch``)."""
+    codes_dir = os.environ.get(EXIT_CODES_ENV)
+    if codes_dir and os.path.isdir(codes_dir):
+        Path(codes_dir, f"rank{os.environ.get('RANK', '0')}").write_text(f"{code}\n")
 
 
 def strip_option(argv: list[str], option: str) -> list[str]:

@@ -20,6 +20,7 @@ from moetrain.cli.launch import (
     check_model,
     launch,
     load_job,
+    record_exit_code,
     strip_option,
     under_launcher,
     world_size,
@@ -83,6 +84,7 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from moetrain.distributed import runtime
 
     code, num_ranks = _train_and_report(args, cfg)
+    record_exit_code(code)
     if num_ranks > 1:
         # Every file of the run is closed and the process group is gone: skip the interpreter's
         # finalisation, where a late gloo worker thread would abort a rank that succeeded.

@@ -180,19 +180,34 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+def _rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of one rank of a run started by ``--nproc`` (found by its run folder and RANK)."""
+    for pid in _processes_naming(str(run_dir)):
+        try:
+            if f"RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_sigterm_to_the_nproc_launcher_alone_stops_every_rank_with_a_checkpoint(tmp_path, shakespeare_cached):
-    """``moetrain train --nproc 2`` signalled by PID (a supervisor; PID 1 of a container): torchrun
-    and both ranks get it, save at the same step and stop; the command exits 143 and leaves no
-    process running. Before, the launcher died alone and its ranks trained on, orphaned."""
+@pytest.mark.parametrize("target", ["launcher", "one_rank"])
+def test_sigterm_under_the_nproc_launcher_stops_every_rank_with_a_checkpoint(tmp_path, shakespeare_cached, target):
+    """``moetrain train --nproc 2`` signalled by PID, the launcher's (a supervisor; PID 1 of a
+    container) or one rank's (a pod signalled alone): both ranks save at the same step and stop,
+    the command exits 143 and leaves no process running. Before, a signalled launcher died alone
+    and its ranks trained on, orphaned; a signalled rank made the command exit 1, as a failure."""
     run_dir = tmp_path / "run"
     proc = subprocess.Popen([sys.executable, "-m", "moetrain.cli", "train", "--nproc", "2",
                              *job_overrides(run_dir, steps=100_000)], env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         _wait_for(lambda: len(_records(run_dir)) >= 3, timeout_s=90, proc=proc, what="3 logged steps")
-        proc.send_signal(signal.SIGTERM)
+        pid = proc.pid if target == "launcher" else _rank_pid(run_dir, 1)
+        assert pid is not None, "rank 1's process not found"
+        os.kill(pid, signal.SIGTERM)
         assert proc.wait(timeout=60) == 143, _output(proc)
         _wait_for(lambda: not _processes_naming(str(run_dir)), timeout_s=20, what="the ranks to exit")
     finally:
