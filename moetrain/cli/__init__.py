@@ -11,7 +11,7 @@ print; the work is done by the layers below (train, interop, plan).
     moetrain compare RUN_A RUN_B [...] [--out DIR]                                        (compare.py)
     moetrain report RUN_DIR                                                               (report.py)
     moetrain verify --config X [--layouts "ep=2; pp=2,ep=2" | auto] [--steps 3] [--json F]  (verify.py)
-    moetrain launch slurm|k8s --config X --nodes N --gpus-per-node G [--out FILE]       (cluster.py)
+    moetrain launch slurm|k8s --config X --nodes N --gpus-per-node G [--out FILE]; launch store (cluster.py)
 
 Each module's docstring lists its commands' options. ``python -m moetrain.cli`` runs the same
 ``main`` (torchrun: ``torchrun ... -m moetrain.cli train --config X``).

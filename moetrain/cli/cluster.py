@@ -5,10 +5,13 @@
                           [--section.field=value ...]
     moetrain launch k8s --config X --nodes N --gpus-per-node G --image IMAGE [--min-nodes M]
                         [--namespace NS] [--pvc CLAIM --mount-path /runs] [--out FILE] ...
+    moetrain launch store [--port 29500]
 
 ``slurm`` writes an sbatch script, ``k8s`` a Kubeflow PyTorchJob (with a ConfigMap of the config);
 both embed the resolved config and resume from the latest checkpoint when the job is requeued or
 restarted (moetrain.plan.cluster; docs/cluster.md). Without ``--out`` the file is printed.
+``store`` hosts an elastic job's c10d rendezvous store apart from its nodes, so that losing any
+node loses no rendezvous state (the k8s manifest of an elastic job runs it in a pod of its own).
 """
 
 from __future__ import annotations
@@ -38,6 +41,10 @@ def add_parsers(sub) -> None:
     k8s.add_argument("--pvc", default=None, help="a PersistentVolumeClaim for log.run_dir (the checkpoints)")
     k8s.add_argument("--mount-path", default="/runs", help="where --pvc is mounted (default /runs)")
     k8s.set_defaults(func=run_k8s, takes_overrides=True)
+    store = launch_sub.add_parser("store", help="host a c10d rendezvous store until SIGTERM (torchrun agents "
+                                                "then use --rdzv-conf is_host=false)")
+    store.add_argument("--port", type=int, default=29500, help="the port to listen on (default 29500)")
+    store.set_defaults(func=run_store, takes_overrides=False)
 
 
 def _add_common(sp: argparse.ArgumentParser) -> None:
@@ -135,4 +142,24 @@ def run_k8s(args: argparse.Namespace, overrides: list[str]) -> int:
     _write(text, args.out, "Kubernetes manifest")
     if args.out is not None:
         print(f"submit with: kubectl apply -f {args.out}", file=sys.stderr)
+    return 0
+
+
+def run_store(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Serve a TCPStore on every interface until SIGTERM or SIGINT. The store holds the
+    rendezvous rounds of the agents that name it as their endpoint; it holds no training state,
+    so the job outlives any of its nodes but not this process."""
+    import signal
+    import threading
+
+    if isinstance(args.port, bool) or not 1 <= args.port <= 65535:
+        raise ValueError(f"--port {args.port!r}: must be a TCP port (1-65535)")
+    from torch.distributed import TCPStore
+
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False)
+    print(f"rendezvous store listening on port {store.port}", flush=True)
+    stop.wait()
     return 0

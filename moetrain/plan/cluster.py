@@ -85,10 +85,13 @@ class ClusterJob:
         low = self.min_nodes if self.min_nodes is not None else self.nodes
         return str(self.nodes) if low == self.nodes else f"{low}:{self.nodes}"
 
-    def torchrun_args(self, *, rdzv_endpoint: str, rdzv_id: str, config_path: str) -> list[str]:
-        """The torchrun command line every node runs (an argv; values may hold shell variables)."""
+    def torchrun_args(self, *, rdzv_endpoint: str, rdzv_id: str, config_path: str,
+                      external_store: bool = False) -> list[str]:
+        """The torchrun command line every node runs (an argv; values may hold shell variables).
+        ``external_store``: the endpoint is a store no node hosts (``moetrain launch store``)."""
+        rdzv_conf = ["--rdzv-conf=is_host=false"] if external_store else []
         return ["torchrun", f"--nnodes={self.nnodes}", f"--nproc-per-node={self.gpus_per_node}",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}",
+                "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}", *rdzv_conf,
                 f"--max-restarts={self.max_restarts}", f"--shutdown-timeout={self.grace_s}",
                 "-m", "moetrain.cli", "train", f"--config={config_path}", "--checkpoint.resume=auto"]
 
@@ -189,10 +192,13 @@ def _join_pairs(argv: list[str]) -> list[str]:
 
 def k8s_manifest(job: ClusterJob, *, image: str, namespace: str | None = None, pvc: str | None = None,
                  mount_path: str = "/runs") -> str:
-    """Two YAML documents: a ConfigMap holding the resolved config and a Kubeflow PyTorchJob of
+    """YAML documents: a ConfigMap holding the resolved config and a Kubeflow PyTorchJob of
     ``job.nodes`` pods, each one torchrun agent with ``job.gpus_per_node`` GPUs. Its elasticPolicy
-    (c10d rendezvous on worker 0, minReplicas..maxReplicas, maxRestarts) is torchrun's elastic
-    mode, in which moetrain restarts at the new world size from its latest checkpoint.
+    (c10d rendezvous, minReplicas..maxReplicas, maxRestarts) is torchrun's elastic mode, in which
+    moetrain restarts at the new world size from its latest checkpoint. An elastic job's
+    rendezvous store runs in a Deployment and Service of its own (``moetrain launch store``): hosted
+    on worker 0, as the operator's default has it, losing that node would leave the others unable
+    to re-form at ``--min-nodes``. A fixed-size job keeps it on worker 0, which restarts with it.
     ``pvc``: a PersistentVolumeClaim mounted at ``mount_path``, which must hold ``log.run_dir``."""
     if not image or any(c.isspace() for c in image):
         raise ValueError(f"--image {image!r}: must be a container image reference (no spaces)")
@@ -205,8 +211,10 @@ def k8s_manifest(job: ClusterJob, *, image: str, namespace: str | None = None, p
     low = job.min_nodes if job.min_nodes is not None else job.nodes
     config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**meta, "name": f"{job.name}-config"},
                   "data": {"config.yaml": _Block(job.config_yaml)}}
-    command = job.torchrun_args(rdzv_endpoint=f"{job.name}-worker-0:{job.rdzv_port}", rdzv_id=job.name,
-                                config_path=f"{CONFIG_MOUNT}/config.yaml")
+    elastic = low < job.nodes
+    rdzv_host = f"{job.name}-rdzv" if elastic else f"{job.name}-worker-0"
+    command = job.torchrun_args(rdzv_endpoint=f"{rdzv_host}:{job.rdzv_port}", rdzv_id=job.name,
+                                config_path=f"{CONFIG_MOUNT}/config.yaml", external_store=elastic)
     # Without it, an agent that stays rank 0 across a membership change does not publish the
     # master address again (docs/checkpoints.md, elastic membership).
     env = [{"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"}]
@@ -224,7 +232,8 @@ def k8s_manifest(job: ClusterJob, *, image: str, namespace: str | None = None, p
     pytorch_job = {
         "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": meta,
         "spec": {
-            "elasticPolicy": {"rdzvBackend": "c10d", "rdzvPort": job.rdzv_port, "minReplicas": low,
+            "elasticPolicy": {"rdzvBackend": "c10d", "rdzvHost": rdzv_host, "rdzvPort": job.rdzv_port,
+                              "minReplicas": low,
                               "maxReplicas": job.nodes, "maxRestarts": job.max_restarts,
                               "nProcPerNode": job.gpus_per_node},
             "pytorchReplicaSpecs": {"Worker": {
@@ -235,4 +244,20 @@ def k8s_manifest(job: ClusterJob, *, image: str, namespace: str | None = None, p
     }
     head = ("# Network settings that matter (NCCL_IB_HCA, NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME): "
             "docs/cluster.md\n")
-    return head + yaml.dump_all([config_map, pytorch_job], Dumper=_Dumper, sort_keys=False)
+    store = _rendezvous_store(job, image=image, meta=meta) if elastic else []
+    return head + yaml.dump_all([config_map, *store, pytorch_job], Dumper=_Dumper, sort_keys=False)
+
+
+def _rendezvous_store(job: ClusterJob, *, image: str, meta: dict) -> list[dict]:
+    """A Service and a one-replica Deployment serving the rendezvous store on no training node."""
+    name, labels = f"{job.name}-rdzv", {"app": f"{job.name}-rdzv"}
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {**meta, "name": name},
+               "spec": {"selector": labels, "ports": [{"port": job.rdzv_port, "targetPort": job.rdzv_port}]}}
+    container = {"name": "store", "image": image,
+                 "command": ["python", "-m", "moetrain.cli", "launch", "store", f"--port={job.rdzv_port}"],
+                 "ports": [{"containerPort": job.rdzv_port}],
+                 "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}}}
+    deployment = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {**meta, "name": name},
+                  "spec": {"replicas": 1, "selector": {"matchLabels": labels},
+                           "template": {"metadata": {"labels": labels}, "spec": {"containers": [container]}}}}
+    return [service, deployment]

@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -112,9 +113,11 @@ def test_lost_and_added_node_resume_at_the_new_world_size_with_the_same_result(t
     run_ranks(train_job, 2, reference_run, timeout_s=300)
 
     run_dir, port = tmp_path / "elastic", free_port()
-    # The rendezvous endpoint outlives every node, as a cluster's does (an etcd or a login host):
-    # no agent hosts it, so losing one loses no state.
-    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    # The rendezvous store outlives every node, as `moetrain launch store` in the k8s manifest of
+    # an elastic job: no agent hosts it, so losing one loses no state.
+    store = subprocess.Popen([sys.executable, "-m", "moetrain.cli", "launch", "store", f"--port={port}"],
+                             stdout=subprocess.PIPE, text=True)
+    assert store.stdout is not None and "listening" in store.stdout.readline()
     logs = [tmp_path / f"agent_{n}.log" for n in "abc"]
     a, b = _agent(port, run_dir, logs[0]), _agent(port, run_dir, logs[1])
     agents = [a, b]
@@ -133,7 +136,8 @@ def test_lost_and_added_node_resume_at_the_new_world_size_with_the_same_result(t
         for agent in agents:
             if agent.poll() is None:
                 _kill_node(agent)
-        del store
+        store.terminate()
+        assert store.wait(timeout=30) == 0  # SIGTERM stops it cleanly
     tails = "\n\n".join(f"{p.name}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
     assert a.returncode == 0 and c.returncode == 0, tails
 

@@ -79,21 +79,21 @@ def test_k8s_manifest_is_an_elastic_pytorchjob_with_the_config(tmp_path):
                  "reg.example/moetrain:1", "--pvc", "runs", "--name", "moe-b", "--out", str(out),
                  "--log.run_dir=/runs/moe-b", "--parallel.ep=4", "--train.global_batch_size=192",
                  "--train.micro_batch_size=4"]) == 0
-    config_map, job = yaml.safe_load_all(out.read_text())
+    config_map, service, store, job = yaml.safe_load_all(out.read_text())
     assert config_map["kind"] == "ConfigMap" and config_map["metadata"]["name"] == "moe-b-config"
     (tmp_path / "c.yaml").write_text(config_map["data"]["config.yaml"])
     assert load_config(tmp_path / "c.yaml").log.run_dir == "/runs/moe-b"
 
     assert (job["apiVersion"], job["kind"], job["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "moe-b")
-    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29500, "minReplicas": 2,
-                                            "maxReplicas": 4, "maxRestarts": 3, "nProcPerNode": 4}
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvHost": "moe-b-rdzv", "rdzvPort": 29500,
+                                            "minReplicas": 2, "maxReplicas": 4, "maxRestarts": 3, "nProcPerNode": 4}
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert worker["replicas"] == 4 and worker["restartPolicy"] == "OnFailure"
     assert worker["template"]["spec"]["terminationGracePeriodSeconds"] == 180  # --grace 150 and 30 s
     (container,) = worker["template"]["spec"]["containers"]
     assert container["command"] == [
-        "torchrun", "--nnodes=2:4", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=moe-b-worker-0:29500",
-        "--rdzv-id=moe-b", "--max-restarts=3", "--shutdown-timeout=150",
+        "torchrun", "--nnodes=2:4", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=moe-b-rdzv:29500",
+        "--rdzv-id=moe-b", "--rdzv-conf=is_host=false", "--max-restarts=3", "--shutdown-timeout=150",
         "-m", "moetrain.cli", "train", "--config=/etc/moetrain/config.yaml", "--checkpoint.resume=auto"]
     assert container["resources"]["limits"] == {"nvidia.com/gpu": 4}
     assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
@@ -102,6 +102,26 @@ def test_k8s_manifest_is_an_elastic_pytorchjob_with_the_config(tmp_path):
     volumes = {v["name"]: v for v in worker["template"]["spec"]["volumes"]}
     assert volumes["runs"]["persistentVolumeClaim"] == {"claimName": "runs"}
     assert volumes["config"]["configMap"] == {"name": "moe-b-config"}
+
+    # The store that every node's agent names runs on none of them: losing any node keeps it.
+    assert (service["kind"], service["metadata"]["name"]) == ("Service", "moe-b-rdzv")
+    assert service["spec"]["ports"] == [{"port": 29500, "targetPort": 29500}]
+    assert (store["kind"], store["spec"]["replicas"]) == ("Deployment", 1)
+    assert store["spec"]["template"]["metadata"]["labels"] == service["spec"]["selector"]
+    (server,) = store["spec"]["template"]["spec"]["containers"]
+    assert server["image"] == "reg.example/moetrain:1"
+    assert server["command"] == ["python", "-m", "moetrain.cli", "launch", "store", "--port=29500"]
+
+
+def test_k8s_manifest_of_a_fixed_size_job_hosts_the_rendezvous_on_worker_0(tmp_path):
+    out = tmp_path / "job.yaml"
+    assert main(["launch", "k8s", "--nodes", "2", "--gpus-per-node", "4", "--image", "img", "--name", "moe-c",
+                 "--out", str(out), "--parallel.ep=4", "--train.global_batch_size=64"]) == 0
+    kinds = [doc["kind"] for doc in yaml.safe_load_all(out.read_text())]
+    assert kinds == ["ConfigMap", "PyTorchJob"]
+    job = list(yaml.safe_load_all(out.read_text()))[1]
+    command = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"]
+    assert "--rdzv-endpoint=moe-c-worker-0:29500" in command and "--rdzv-conf=is_host=false" not in command
 
 
 @pytest.mark.parametrize(("argv", "named"), [
