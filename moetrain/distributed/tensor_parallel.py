@@ -219,7 +219,9 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims) -> nn.Module:
             # Each sequence's positions are spread over the tp ranks: the sequence-wise balance
             # loss sums its per-sequence counts and scores over them.
             ffn.sequence_group = dims.group("tp")
-    model.register_forward_pre_hook(_check_sequence_length(tp, len(_mtp_modules(model))))
+    # A pipeline's stages are called one by one, never the PipelineModel holding them.
+    for target in getattr(model, "chunks", None) or [model]:
+        target.register_forward_pre_hook(_check_sequence_length(tp, len(_mtp_modules(target))))
     return model
 
 
@@ -253,7 +255,9 @@ def _vocab_rows_of_grad(grad: torch.Tensor) -> torch.Tensor:
 
 def _check_sequence_length(tp: int, mtp_depth: int):
     def hook(_module: nn.Module, args):
-        S = args[0].shape[1]
+        # Token ids [B, S]; past a first pipeline stage, this rank's sequence shard [B, S / tp, D].
+        x = args[0]
+        S = x.shape[1] if x.dim() == 2 else x.shape[1] * tp
         if S % tp:
             raise ValueError(f"the sequence length ({S}, data.seq_len) must be a multiple of parallel.tp ({tp}): "
                              "sequence parallelism splits every sequence evenly over the tp ranks")

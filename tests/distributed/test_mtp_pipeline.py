@@ -113,6 +113,16 @@ def test_pp2_x2_shared_embedding_matches_one_process(world4, name):
     check_case(case, ranks, dp=2 // case.tp)
 
 
+def test_a_sequence_tp_does_not_divide_is_refused_by_the_first_stage(world4):
+    # Sequence parallelism splits every sequence over the tp ranks; a pipeline's stages are
+    # called one by one, so the check must sit on the stage, not on the model that holds them.
+    _, ranks = world4["mtp1_tied_tp2"]
+    first = [r for r in ranks if 0 in r["stage_ids"]]
+    assert len(first) == 2 and all(r.get("odd_length_error", "").startswith(
+        "the sequence length (7, data.seq_len) must be a multiple of parallel.tp (2)") for r in first), \
+        [r.get("odd_length_error") for r in first]
+
+
 def test_checkpoint_holds_one_embedding_and_resumes_in_one_process(world2):
     """The two copies are saved as one entry, which one process loads (model and AdamW state):
     its last step then gives every parameter of the pipelined run."""

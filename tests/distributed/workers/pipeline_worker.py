@@ -191,6 +191,11 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         out["expert_bias"].append(_expert_bias(pm))
     out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
     out["metrics"] = step.metrics()
+    if case.tp > 1 and pm.chunks[0].is_first:
+        try:  # refused before the stage's first collective, so it cannot hang the other ranks
+            pm.chunks[0](torch.zeros(1, SEQ - 1, dtype=torch.long))
+        except ValueError as e:
+            out["odd_length_error"] = str(e)
     dist.barrier()
     return out
 
