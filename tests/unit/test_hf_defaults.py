@@ -64,3 +64,17 @@ def test_a_run_from_a_hugging_face_checkpoint_may_set_training_settings_not_the_
     assert not [o for o in out if o.split("=")[0] in {t.split("=")[0] for t in training}]  # the user's stand
     with pytest.raises(ValueError, match=r"--model\.dim=8 contradicts the Hugging Face checkpoint"):
         init_from_hf_overrides(tmp_path / "hf", config=None, overrides=[*run, "--model.dim=8"])
+
+
+def test_a_run_from_a_sliding_window_model_may_not_raise_max_seq_len_past_the_window(tmp_path):
+    # The import caps max_seq_len at the window, where full and sliding-window attention agree;
+    # past it they differ, and moetrain has only full attention.
+    from moetrain.interop.hf.train_from import init_from_hf_overrides
+
+    tiny_model("mixtral", sliding_window=16, max_position_embeddings=64).save_pretrained(tmp_path / "hf")
+    run = [f"--log.run_dir={tmp_path / 'run'}"]
+    with pytest.warns(UserWarning, match="sliding_window"):
+        out = init_from_hf_overrides(tmp_path / "hf", config=None, overrides=[*run, "--model.max_seq_len=16"])
+    assert "--model.max_seq_len=16" not in out  # the user's value, within the window, stands
+    with pytest.raises(ValueError, match=r"--model\.max_seq_len=32 exceeds config\.json sliding_window \(16\)"):
+        init_from_hf_overrides(tmp_path / "hf", config=None, overrides=[*run, "--model.max_seq_len=32"])

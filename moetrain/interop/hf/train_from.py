@@ -100,6 +100,18 @@ def check_tokenizer(tokenizer_path: str, hf: dict, hf_dir: Path) -> None:
                                  f"({tok.vocab_size} tokens) or the embedding ({vocab} rows)")
 
 
+def check_sliding_window(max_seq_len, hf: dict, hf_dir: Path) -> None:
+    """The conversion caps ``max_seq_len`` at a sliding window, within which full causal attention
+    is the same; a run raising it past the window would attend where the model never did."""
+    window = hf.get("sliding_window")
+    if max_seq_len is None or window is None or not hf.get("use_sliding_window", True):
+        return
+    if int(max_seq_len) > int(window):
+        raise ValueError(f"--model.max_seq_len={max_seq_len} exceeds config.json sliding_window ({window}) of "
+                         f"{hf_dir}: moetrain has no sliding-window attention, and past {window} tokens its full "
+                         "attention differs from the model's")
+
+
 def init_from_hf_overrides(hf_dir: str | os.PathLike, *, config: str | None, overrides: list[str]) -> list[str]:
     """The overrides that start the run of ``config`` + ``overrides`` from ``hf_dir`` (see the
     module docstring); the caller puts them before the user's ``overrides``."""
@@ -123,6 +135,7 @@ def init_from_hf_overrides(hf_dir: str | os.PathLike, *, config: str | None, ove
                 continue
             text = value if isinstance(value, str) else json.dumps(value)
             out.append(f"--{section}.{name}={text}")
+    check_sliding_window(user.get(("model", "max_seq_len")), hf, hf_dir)
     out.append(f"--checkpoint.init_from={export}")
     tokenizer = user.get(("data", "tokenizer"))
     if tokenizer is None and (hf_dir / "tokenizer.json").is_file():
