@@ -6,13 +6,17 @@ process (``moetrain.verify``; docs/verify.md).
 
 Prints what the shrink changed, the settings excluded as random per rank, then a table (quantity |
 max abs diff | max rel diff | tolerance | PASS/FAIL). Exits 1 when a quantity fails; the last line
-names the first.
+names the first. Without ``--work`` the runs (checkpoints of every step, about 1 GB for a shrunk
+job) go to a temporary folder, removed when the verification passes and kept, and named, when not.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import tempfile
+from pathlib import Path
 
 
 def add_parsers(sub) -> None:
@@ -31,7 +35,8 @@ def add_parsers(sub) -> None:
     sp.add_argument("--shrink", choices=("auto", "none"), default="auto",
                     help="auto: make the job CPU-sized, keeping everything that changes the math (default)")
     sp.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    sp.add_argument("--work", default=None, metavar="DIR", help="folder for the runs (default: a temporary one)")
+    sp.add_argument("--work", default=None, metavar="DIR",
+                    help="folder for the runs, kept (default: a temporary one, removed when every check passes)")
     sp.set_defaults(func=run_verify, takes_overrides=True)
 
 
@@ -57,16 +62,23 @@ def run_verify(args: argparse.Namespace, overrides: list[str]) -> int:
     for change in plan.changes:
         print(f"  {change.line()}")
     print("excluded (random per rank by design): " + "; ".join(f"{k}: {v}" for k, v in RANDOM_PER_RANK.items()))
+    own_work = args.work is None
+    work = Path(tempfile.mkdtemp(prefix="moetrain-verify-")) if own_work else Path(args.work)
     try:
-        result = run_verification(plan, work=args.work)
+        result = run_verification(plan, work=work)
     except RunFailed as e:  # the world-1 reference itself did not train: nothing to compare with
         print(f"moetrain: error: {e}", file=sys.stderr)
+        print(f"runs and logs kept in {work}", file=sys.stderr)
         return 2
     print()
     print(table(result))
     if args.json:
         write_json(args.json, result, changes=plan.changes, layouts=[lay.name for lay in plan.layouts],
                    excluded=RANDOM_PER_RANK, steps=plan.steps)
+    if own_work and result.first_failure is None:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"runs and logs kept in {work}")
     print(last_line(result))
     return 0 if result.first_failure is None else 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -148,11 +149,16 @@ def test_the_command_prints_the_table_writes_json_and_exits_1_naming_the_first_f
     from moetrain.cli import main
     from moetrain.verify import driver
 
+    works = []
+
     def fake_run(plan, *, work=None, say=print, checks=driver.CHECKS):
+        works.append(work)
+        (work / "layout0").mkdir()  # the runs, about 1 GB in a real verification
         out = Comparison()
         out.values("[dp=2,ep=2] loss", 1.0, 1.0, EXACT, step=1)
-        out.values("[dp=2,ep=2] grad_norm", 2.0, 1.0, EXACT, step=2)
-        out.values("[dp=2,ep=2] aux_loss", 2.0, 1.0, EXACT, step=1)
+        if len(works) == 1:
+            out.values("[dp=2,ep=2] grad_norm", 2.0, 1.0, EXACT, step=2)
+            out.values("[dp=2,ep=2] aux_loss", 2.0, 1.0, EXACT, step=1)
         return out
 
     monkeypatch.setattr(driver, "run_verification", fake_run)
@@ -164,6 +170,11 @@ def test_the_command_prints_the_table_writes_json_and_exits_1_naming_the_first_f
     doc = json.loads((tmp_path / "v.json").read_text())
     assert not doc["passed"] and doc["layouts"] == ["dp=2,ep=2"]
     assert [r["status"] for r in doc["results"]] == ["PASS", "FAIL", "FAIL"]
+    # A failed verification keeps its runs and says where; a passed one leaves no temporary folder.
+    assert f"runs and logs kept in {works[0]}" in out and (works[0] / "layout0").is_dir()
+    assert main(["verify", "--config", "tiny", "--layouts", "ep=2"]) == 0
+    assert not works[1].exists() and "kept" not in capsys.readouterr().out
+    shutil.rmtree(works[0])
 
 
 def test_an_init_from_export_is_cut_to_the_shrunk_model_block_by_kind(tmp_path):
