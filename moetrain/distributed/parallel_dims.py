@@ -103,6 +103,7 @@ class ParallelDims:
                 raise ValueError(f"parallel.tp ({self.tp}) * parallel.pp ({self.pp}) must divide the world size "
                                  f"({self.world_size})")
             self.dp = self.world_size // (self.tp * self.pp)
+        launched = self.ranks_per_node is None and launcher_ranks_per_node(self.world_size) is not None
         if self.ranks_per_node is None and isinstance(self.world_size, int):
             self.ranks_per_node = launcher_ranks_per_node(self.world_size) or self.world_size
         # Every violated rule is reported at once, so a bad layout needs one restart to fix.
@@ -116,7 +117,7 @@ class ParallelDims:
         errors = self._degree_errors()
         if self.num_experts is not None and self.num_experts % self.ep != 0:
             errors.append(self._experts_rule(self.num_experts))
-        errors += self._node_errors()
+        errors += self._node_errors(launched=launched)
         if errors:
             raise ValueError("; ".join(errors))
 
@@ -136,10 +137,15 @@ class ParallelDims:
                           f"{self.etp}): its node mesh is laid out for one stage without tensor parallelism")
         return errors
 
-    def _node_errors(self) -> list[str]:
+    def _node_errors(self, *, launched: bool = False) -> list[str]:
         rpn = self.ranks_per_node
         if not isinstance(rpn, int) or isinstance(rpn, bool) or rpn < 1:
             return [f"ranks per node ({rpn!r}) must be an integer >= 1"]
+        if self.world_size % rpn != 0 and launched:
+            # Nodes of different sizes: a node whose count divides the world would go on and wait
+            # for this one until the setup timeout. build_mesh's check_launcher_nodes gathers every
+            # rank's count and raises the same error on all of them.
+            return []
         if self.world_size % rpn != 0:
             return [(f"the world size ({self.world_size}) must be a multiple of the ranks per node ({rpn}, "
                      "LOCAL_WORLD_SIZE): every node must run the same number of processes")]

@@ -224,6 +224,9 @@ def test_ranks_per_node_come_from_the_launcher_of_this_world(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     dims = ParallelDims.from_config(ParallelConfig(ep=8, ep_hierarchical=True), world_size=8, num_experts=8)
     assert (dims.ranks_per_node, dims.num_nodes, dims.hierarchical_ep) == (4, 2, True)
+    # A count that does not divide the world is left to build_mesh's check, which every rank reaches.
+    monkeypatch.setenv("WORLD_SIZE", "6")
+    assert ParallelDims(world_size=6, ep=1).ranks_per_node == 4
     # Planning or checking another world size: the launcher's nodes do not describe it.
     assert ParallelDims(world_size=64, ep=8).ranks_per_node == 64
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
@@ -253,8 +256,12 @@ def _launcher_nodes_worker(rank, world_size, sizes):
 
 
 @pytest.mark.slow
-def test_nodes_of_different_sizes_fail_on_every_rank():
-    # 4 ranks, nodes of [2, 2] and [1, 1] processes: each count divides the world on its own.
-    messages = run_ranks(_launcher_nodes_worker, 4, [2, 2, 1, 1], timeout_s=60)
+@pytest.mark.parametrize("sizes", [
+    [2, 2, 1, 1],  # each count divides the world on its own
+    # A node of 1 and one of 2: 2 does not divide 3. Those ranks used to raise alone, before the
+    # process group, and the other waited for them until the setup timeout.
+    [1, 2, 2]])
+def test_nodes_of_different_sizes_fail_on_every_rank(sizes):
+    messages = run_ranks(_launcher_nodes_worker, len(sizes), sizes, timeout_s=60)
     assert len(set(messages)) == 1 and messages[0] == (
-        "every node must run the same number of processes; LOCAL_WORLD_SIZE by rank: [2, 2, 1, 1]")
+        f"every node must run the same number of processes; LOCAL_WORLD_SIZE by rank: {sizes}")
