@@ -253,7 +253,7 @@ class Trainer:
                     self.rebalancer.sum_replica_grads()
             with self.phase(f"optimizer step {self.step + 1}"):
                 good = self.optimizer_step()
-                self.rebalancer.after_step(self.step + 1)
+                self.rebalancer.after_step(self.step + 1, taken=good)
         self.routing.finish_step()
         if tracker is not None:
             self.memory_metrics = tracker.report().as_metrics()

@@ -128,6 +128,8 @@ class Rebalancer:
         # only where a re-plan moves a replica.
         self.frozen = not any(t.requires_grad for _, d in self.layers for t in d.bank.values())
         self.step_bytes = 0
+        self._load_at_step_start = [d.load_E.clone() for _, d in self.layers]
+        self._replan_due = False
         self._pending: list[_StepRecord] = []
         self._landing: Callable[[], None] | None = None
         for _, d in self.layers:
@@ -257,13 +259,19 @@ class Rebalancer:
 
     # ----- planning --------------------------------------------------------------------------------
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int, *, taken: bool = True) -> None:
         """Re-plan on every ``rebalance_every``-th step, then start refreshing the replicas (the
-        step changed the homes), and log. Call after every optimizer step, taken or skipped."""
+        step changed the homes), and log. Call after every optimizer step, taken or skipped.
+        A skipped step (``taken`` False: a non-finite loss or gradient) leaves no routed load in
+        the history, as it moves no router bias; a re-plan due on it waits for the next step taken."""
         if not self.layers:
             return
         start = time.perf_counter()
-        replan = step % self.every == 0
+        due = step % self.every == 0 or self._replan_due
+        replan, self._replan_due = due and taken, due and not taken
+        if not taken:
+            for (_, d), load_E in zip(self.layers, self._load_at_step_start, strict=True):
+                d.load_E = load_E.clone()
         if replan:
             self._replan()
         if replan or not self.frozen:
@@ -272,6 +280,7 @@ class Rebalancer:
                                          time.perf_counter() - start))
         for _, d in self.layers:
             d.recv_copies = 0
+        self._load_at_step_start = [d.load_E.clone() for _, d in self.layers]
         self.step_bytes = 0
         if replan:
             self.flush()

@@ -47,6 +47,8 @@ class RebalanceCase:
     steps: int = 3
     lora: bool = False
     """Adapters on the routed experts (rank 2), base expert weights frozen."""
+    skip_step: int | None = None
+    """A step (0-based) whose update is skipped, as the trainer skips a non-finite one, in both runs."""
 
     def case(self) -> Case:
         return Case(self.name, moe=self.moe, tokens_per_rank=16, steps=self.steps, force="first_experts",
@@ -69,7 +71,8 @@ def _train(rc: RebalanceCase, dims: ParallelDims, rank: int, world_size: int, *,
     reb = Rebalancer(model, dims, slots_per_rank=rc.slots_per_rank, every=1 if rebalance else 0)
     x, target = make_data(case, world_size)
     slices = _micro_slices(case, rank, world_size)
-    rec: dict = {"loss": [], "aux": [], "dropped": [], "replica_gap": [], "recv": []}
+    rec: dict = {"loss": [], "aux": [], "dropped": [], "replica_gap": [], "recv": [], "replanned": [],
+                 "load_after": []}
     for s in range(case.steps):
         opt.zero_grad()
         loss_sum = aux_sum = 0.0
@@ -85,9 +88,14 @@ def _train(rc: RebalanceCase, dims: ParallelDims, rank: int, world_size: int, *,
         finalize_grads(train_model, dims)
         reb.sum_replica_grads()
         rec["grads"] = _expert_tensors(model, grads=True)
-        opt.step()
+        taken = s != rc.skip_step
+        if taken:
+            opt.step()
         rec["recv"].append([d.recv_copies for _, d in reb.layers])
-        reb.after_step(s + 1)
+        before = [d.placement for _, d in reb.layers]
+        reb.after_step(s + 1, taken=taken)
+        rec["replanned"].append(any(d.placement is not p for (_, d), p in zip(reb.layers, before, strict=True)))
+        rec["load_after"].append(sum(int(d.load_E.sum()) for _, d in reb.layers))
         rec["loss"].append(loss_sum)
         rec["aux"].append(aux_sum)
         rec["dropped"].append(dropped)
@@ -161,5 +169,10 @@ def rebalance_worker(rank: int, world_size: int, cases: list[RebalanceCase]) -> 
         assert len(rebal["opt"]) == len(plain["opt"]) > 0, f"{what}: optimizer state layout differs"
         for i, (a, b) in enumerate(zip(rebal["opt"], plain["opt"], strict=True)):
             assert_rel_close(a, b, f"{what} optimizer state tensor {i}", rtol=1e-4)
+        if rc.skip_step is not None:
+            # The skipped step's routing leaves no load behind, and its re-plan waits for the next step.
+            skip = rc.skip_step
+            assert rebal["replanned"] == [s != skip for s in range(rc.steps)], f"{what}: {rebal['replanned']}"
+            assert rebal["load_after"][skip] == 0, f"{what}: the skipped step's load {rebal['load_after'][skip]}"
         out[rc.name] = {"recv": rebal["recv"], "dropped": plain["dropped"]}
     return out
