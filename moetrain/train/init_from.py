@@ -36,6 +36,10 @@ HEAD_NAMES = ("output.weight", "pool_query")
 """The task head's tensors: the output layer (an LM's vocabulary logits or a classifier's classes) and the
 attention-pooling query. ``new_head`` leaves them out of the load on both sides."""
 
+MTP_PREFIX = "mtp."
+"""The multi-token prediction modules (``model.mtp_depth``): like the head they only train the language model,
+so ``new_head`` leaves an export's out of the load when the model has none (a classifier)."""
+
 NGRAM_NAME = "ngram_embeddings.weight"
 """The hashed n-gram table (``model.ngram_buckets``): loaded when the export has it; with ``new_head`` an
 export without it (a language model's: they have none) leaves the classifier's zero table to train."""
@@ -50,8 +54,9 @@ def _targets(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_initial_weights(model: nn.Module, path: str | os.PathLike, *, new_head: bool = False) -> int:
     """Copy the export at ``path`` into ``model`` (plain or parallelized: pass the unwrapped
     module whose state-dict names are moetrain's). Returns the number of tensors copied.
-    ``new_head``: the head (``HEAD_NAMES``) keeps the model's own values and the export's is not read; an
-    n-gram table the export lacks (``NGRAM_NAME``) keeps its own too."""
+    ``new_head``: the head (``HEAD_NAMES``) keeps the model's own values and the export's is not read, nor
+    are the export's multi-token modules (``MTP_PREFIX``) when the model has none; an n-gram table the
+    export lacks (``NGRAM_NAME``) keeps its own too."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     path = Path(path)
@@ -67,6 +72,8 @@ def load_initial_weights(model: nn.Module, path: str | os.PathLike, *, new_head:
                              "embeddings fresh: set model.tie_embeddings=false, or load the head")
         targets = {n: t for n, t in targets.items() if n not in HEAD_NAMES}
         saved -= set(HEAD_NAMES)
+        if not any(n.startswith(MTP_PREFIX) for n in targets):
+            saved = {n for n in saved if not n.startswith(MTP_PREFIX)}
     # LoRA adapters added for fine-tuning are new: they keep their own init when the export lacks them.
     fresh = {NGRAM_NAME} if new_head else set()
     problems = (_listed({n for n in set(targets) - saved if not is_lora_name(n) and n not in fresh}, "missing")

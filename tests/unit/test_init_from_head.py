@@ -4,6 +4,8 @@ the flag the mismatch is refused by name; a head tied to the embeddings cannot b
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,3 +62,25 @@ def test_a_tied_head_cannot_start_fresh(tmp_path):
 def test_the_flag_needs_an_export():
     with pytest.raises(ValueError, match=r"checkpoint\.init_from_new_head \(True\) needs checkpoint\.init_from"):
         CheckpointConfig(init_from_new_head=True)
+
+
+def test_classifier_from_a_multi_token_language_model_export(tmp_path):
+    # The export's multi-token modules (mtp.*) only train the language model: a classifier, which has
+    # none, leaves them out; a model that has them (here a language model with a new head) loads them.
+    lm_cfg = dataclasses.replace(LM, mtp_depth=1, tie_embeddings=False)
+    lm = Transformer(lm_cfg, moe=MOE, seed=1)
+    lm_sd = lm.state_dict()
+    assert any(n.startswith("mtp.0.block.feed_forward.experts.") for n in lm_sd)
+    path = write_export(tmp_path / "lm", config={}, state_dict=lm_sd)
+    cls = Transformer(CLS, moe=MOE, seed=2)
+    got = cls.state_dict()
+    assert not any(n.startswith("mtp.") for n in got)
+    assert load_initial_weights(cls, path, new_head=True) == len(got) - len(HEAD_NAMES)
+    for name, tensor in got.items():
+        if name not in HEAD_NAMES:
+            assert torch.equal(tensor, lm_sd[name]), name
+    other = Transformer(lm_cfg, moe=MOE, seed=3)
+    own_output = other.output.weight.detach().clone()
+    load_initial_weights(other, path, new_head=True)
+    for name, tensor in other.state_dict().items():
+        assert torch.equal(tensor, own_output if name == "output.weight" else lm_sd[name]), name
