@@ -22,6 +22,9 @@ weight, so the output is the original model's up to rounding. Keeping ``top_k`` 
 the function: a token then picks the copies of fewer distinct experts (K copies of about K/f
 experts), and the load-balancing loss counts f*E experts.
 
+Every MoE layer grows, the multi-token modules' (``model.mtp_depth``: each module's block is an MoE block
+in an MoE model) as the trunk's, so the identity holds for their losses too.
+
 The output is a moetrain export (``write_export``): it starts a run at any layout through
 ``checkpoint.init_from``. The optimizer state does not carry over (no AdamW moments for the copies).
 """
@@ -49,7 +52,8 @@ NOISY = ("experts.w1", "experts.w2", "experts.w3", "router.gate.weight")
 
 
 def _moe_prefixes(state_dict: dict[str, torch.Tensor]) -> list[str]:
-    """``layers.L.feed_forward.`` of every MoE layer: the owners of ``experts.w1``."""
+    """``layers.L.feed_forward.`` of every MoE layer (``mtp.k.block.feed_forward.`` of the multi-token
+    modules'): the owners of ``experts.w1``."""
     suffix = "experts.w1"
     return sorted(n[: -len(suffix)] for n in state_dict if n.endswith(suffix))
 
@@ -93,9 +97,12 @@ def grow_experts(config: dict, state_dict: dict[str, torch.Tensor], *, num_exper
     model_configs(new_config)  # the grown model/moe sections must be valid (top_k <= experts, groups, ...)
 
     prefixes = _moe_prefixes(state_dict)
-    if len(prefixes) != len(model_cfg.moe_layer_ids):
+    # Each multi-token module's block is an MoE block in an MoE model (models/transformer.py).
+    expected = len(model_cfg.moe_layer_ids) + model_cfg.mtp_depth
+    if len(prefixes) != expected:
         raise ValueError(f"experts grow: the source has {len(prefixes)} MoE layers with experts.w1, its config "
-                         f"{len(model_cfg.moe_layer_ids)}")
+                         f"{expected} ({len(model_cfg.moe_layer_ids)} blocks, {model_cfg.mtp_depth} multi-token "
+                         "modules)")
     out: dict[str, torch.Tensor] = {}
     for name, t in state_dict.items():
         prefix = next((p for p in prefixes if name.startswith(p)), None)

@@ -20,10 +20,11 @@ from moetrain.models.moe import MoELayer
 VOCAB = 48
 
 
-def source(**moe_overrides) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The config and state dict of a 2-block MoE model with distinct, O(1) router scores and a
-    non-trivial selection bias / per-expert LR scale where the config has them."""
-    model_cfg = ModelConfig(dim=32, num_heads=4, num_layers=2, vocab_size=VOCAB, max_seq_len=16)
+def source(*, mtp_depth: int = 0, **moe_overrides) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and state dict of a 2-block MoE model (plus ``mtp_depth`` multi-token modules) with
+    distinct, O(1) router scores and a non-trivial selection bias / per-expert LR scale where the
+    config has them."""
+    model_cfg = ModelConfig(dim=32, num_heads=4, num_layers=2, vocab_size=VOCAB, max_seq_len=16, mtp_depth=mtp_depth)
     moe = MoEConfig(**{"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16, **moe_overrides})
     config = {"model": dataclasses.asdict(model_cfg), "moe": dataclasses.asdict(moe)}
     model = build_model(config)
@@ -65,6 +66,27 @@ def test_grown_model_with_scaled_top_k_is_the_original(case, factor):
     assert grown_config["moe"]["num_experts"] == 4 * factor and grown_config["moe"]["top_k"] == 2 * factor
     assert config["moe"]["num_experts"] == 4, "the source config must not change"
     torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["softmax_bias", "sigmoid_bias"])
+def test_multi_token_modules_experts_grow_alike(case):
+    # Each multi-token module's block is an MoE block: its experts and router rows grow as the trunk's,
+    # and the grown model computes the same next-token logits and the same multi-token losses.
+    config, sd = source(mtp_depth=1, **IDENTITY_CASES[case])
+    pre = "mtp.0.block.feed_forward."
+    assert pre + "experts.w1" in sd
+    grown_config, grown = grow_experts(config, sd, num_experts=8, top_k=4)
+    for local in ("experts.w1", "experts.w2", "router.gate.weight"):
+        assert torch.equal(grown[pre + local], sd[pre + local].repeat_interleave(2, dim=0)), local
+    bias, factor = sd[pre + "router.expert_bias"], 2 if case == "softmax_bias" else 1
+    assert torch.equal(grown[pre + "router.expert_bias"], (bias / factor).repeat_interleave(2))
+    labels = IDS.roll(-1, dims=1)
+    with torch.no_grad():
+        before = build_model(config, sd).eval()(IDS, labels)
+        after = build_model(grown_config, grown).eval()(IDS, labels)
+    assert before.mtp_losses is not None and after.mtp_losses is not None
+    torch.testing.assert_close(after.logits, before.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(after.mtp_losses, before.mtp_losses, rtol=1e-5, atol=1e-5)
 
 
 def test_copy_order_and_per_expert_state():
@@ -130,7 +152,7 @@ def test_bad_requests_name_the_value_and_rule(kwargs, message):
 
 
 def test_cli_grows_an_export(tmp_path, capsys):
-    config, sd = source(expert_bias=True)
+    config, sd = source(mtp_depth=1, expert_bias=True)
     write_export(tmp_path / "src", config=config, state_dict=sd, info={"source": "test", "step": 7})
     code = main(["experts", "grow", str(tmp_path / "src"), "--num-experts", "8", "--top-k", "4",
                  "--to", str(tmp_path / "grown")])
