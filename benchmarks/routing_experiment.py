@@ -86,6 +86,7 @@ def train_rank(rank: int, world_size: int, cfg, data, *, log_every: int, eval_ba
     )
     from moetrain.models.transformer import Transformer
     from moetrain.train.balancing import install_balancing
+    from moetrain.train.evaluate import evaluate_lm
     from moetrain.train.optim import build_optimizer, build_scheduler
 
     dims = ParallelDims.from_config(cfg.parallel, world_size=world_size, num_experts=cfg.moe.num_experts)
@@ -138,15 +139,8 @@ def train_rank(rank: int, world_size: int, cfg, data, *, log_every: int, eval_ba
                 {"capacity_factor": m["capacity_factor"]} if "capacity_factor" in m else {})})
 
     train_model.eval()
-    total = torch.zeros(())
-    with torch.no_grad():
-        n = 0
-        for input_ids_BS, labels_BS in val_loader.epoch_batches(eval_batches):
-            total += model(input_ids_BS, labels_BS).loss.float()
-            n += 1
-    total /= n
-    dist.all_reduce(total)
-    val_loss = total.item() / world_size
+    val_loss = evaluate_lm(model, val_loader.eval_batches(eval_batches * micro_global), dims=dims,
+                           device=torch.device("cpu"), dtype="fp32")["val_loss"]
     if rank != 0:
         return {}
     tokens = t.steps * t.global_batch_size * cfg.data.seq_len

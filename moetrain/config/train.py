@@ -41,7 +41,8 @@ class TrainConfig:
 
     eval_steps: int = 10
     """Global batches per evaluation of a language model (Megatron's eval_iters): the first
-    eval_steps x global_batch_size validation windows, the same at every parallel layout. A
+    eval_steps x global_batch_size validation windows (every window when the stream holds fewer),
+    the same at every parallel layout; the loss is their mean per token. A
     classifier evaluates whole splits, exactly (its metrics are computed from confusion matrices
     summed over the ranks), so it does not read this."""
 

@@ -51,6 +51,19 @@ def resumed_micro(state: dict, *, micro_steps: int, name: str) -> int:
     return micro
 
 
+def eval_rows(num_windows: int, *, local_batch_size: int, dp_rank: int, dp_size: int
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """(window numbers [B], valid [B]) of this rank for each global batch over windows
+    [0, num_windows) in order: global batches of ``local_batch_size * dp_size``, rank r taking rows
+    [r * B, (r + 1) * B). The last one may be partial: its rows past the end repeat window 0, marked
+    invalid, so that every rank runs the same number of forwards (their collectives pair up)."""
+    step = local_batch_size * dp_size
+    for start in range(0, num_windows, step):
+        rows_B = start + dp_rank * local_batch_size + np.arange(local_batch_size)
+        valid_B = rows_B < num_windows
+        yield np.where(valid_B, rows_B, 0), valid_B
+
+
 class TokenLoader:
     """Batches of (input_ids, labels), int64 tensors [B, S], from ``tokens``.
 
@@ -144,16 +157,18 @@ class TokenLoader:
         while True:
             yield self.next_batch()
 
-    def epoch_batches(self, max_batches: int | None = None, *, epoch: int = 0
-                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """One epoch from its start (at most ``max_batches`` micro-batches), without moving the
-        position.
-
-        For evaluation: with ``shuffle=False`` every call yields the same batches.
-        """
-        total = self.steps_per_epoch * self.micro_steps
-        for i in range(total if max_batches is None else min(max_batches, total)):
-            yield self._batch(epoch, i // self.micro_steps, i % self.micro_steps)
+    def eval_batches(self, max_windows: int | None = None
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """(input_ids [B, S], labels [B, S], valid [B] bool) over the first ``max_windows`` windows
+        of the stream (all of them when None), in ``eval_rows``' batches of this loader's
+        micro-batch. The same windows at every data-parallel size: nothing of the tail is dropped,
+        and the caller weighs each row by its validity."""
+        num = self.num_windows if max_windows is None else min(max_windows, self.num_windows)
+        for windows_B, valid_B in eval_rows(num, local_batch_size=self.local_batch_size, dp_rank=self.dp_rank,
+                                            dp_size=self.dp_size):
+            offsets_BS1 = self._epoch_order(0)[windows_B][:, None] * self.seq_len + np.arange(self.seq_len + 1)
+            chunk_BS1 = torch.from_numpy(np.asarray(self.tokens[offsets_BS1], dtype=np.int64))
+            yield chunk_BS1[:, :-1].contiguous(), chunk_BS1[:, 1:].contiguous(), torch.from_numpy(valid_B)
 
     def metrics(self) -> dict:
         """Loader figures for the metrics log: none for a single stream (a mixture reports the

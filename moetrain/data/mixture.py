@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from moetrain.data.loader import check_batch_geometry, resumed_micro
+from moetrain.data.loader import check_batch_geometry, eval_rows, resumed_micro
 
 
 class MixtureLoader:
@@ -190,7 +190,10 @@ class MixtureLoader:
     def _window(self, source: int, k: int) -> np.ndarray:
         """The S + 1 tokens of the k-th window ``source`` gives, read from its memmap."""
         epoch, position = self._epoch_of(source, int(k))
-        window = int(self._order(source, epoch)[position])
+        return self._read_window(source, int(self._order(source, epoch)[position]))
+
+    def _read_window(self, source: int, window: int) -> np.ndarray:
+        """The S + 1 tokens of window number ``window`` of ``source`` (in stream order)."""
         starts = self._starts[source]
         i = int(np.searchsorted(starts, window, side="right")) - 1
         offset = (window - int(starts[i])) * self.seq_len
@@ -221,18 +224,31 @@ class MixtureLoader:
         while True:
             yield self.next_batch()
 
-    def epoch_batches(self, max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The micro-batches of the first ``len(self)`` steps from the start (at most
-        ``max_batches``), without moving the position. For evaluation: unshuffled, every call
-        yields the same batches, and no window twice."""
-        total = self.steps_per_epoch * self.micro_steps
-        consumed = np.zeros(len(self.files), dtype=np.int64)
-        for i in range(total if max_batches is None else min(max_batches, total)):
-            micro = i % self.micro_steps
-            if micro == 0:
-                samples = self._next_samples(consumed)
-                consumed = consumed + np.bincount(samples[0], minlength=len(self.files))
-            yield self._batch(samples, micro)
+    def eval_samples(self) -> tuple[np.ndarray, np.ndarray]:
+        """(source [N], window [N]): the samples of the mixing order (see Mixing) up to the first
+        that would repeat a window of its source, each source's windows in stream order. They depend
+        on the weights and the W_s only, not on the batch: the same at every data-parallel size."""
+        keys = [(np.arange(num) + 0.5) / w for num, w in zip(self.num_windows, self.weights, strict=True)]
+        # The first repeat: the smallest (key, source) among each source's window number W_s.
+        firsts = [((num + 0.5) / w, s) for s, (num, w) in enumerate(zip(self.num_windows, self.weights, strict=True))]
+        limit, first = min(firsts)
+        source_N = np.concatenate([np.full(len(k), s) for s, k in enumerate(keys)])
+        window_N, key_N = np.concatenate([np.arange(len(k)) for k in keys]), np.concatenate(keys)
+        order = np.lexsort((source_N, key_N))  # by key, then by source, as the mixing order
+        key_O, source_O = key_N[order], source_N[order]
+        order = order[(key_O < limit) | ((key_O == limit) & (source_O < first))]
+        return source_N[order], window_N[order]
+
+    def eval_batches(self, max_windows: int | None = None
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """As ``TokenLoader.eval_batches``, over the first ``max_windows`` of ``eval_samples``."""
+        source_N, window_N = self.eval_samples()
+        num = len(source_N) if max_windows is None else min(max_windows, len(source_N))
+        for rows_B, valid_B in eval_rows(num, local_batch_size=self.local_batch_size, dp_rank=self.dp_rank,
+                                         dp_size=self.dp_size):
+            chunk_BS1 = torch.from_numpy(np.stack([self._read_window(int(source_N[i]), int(window_N[i]))
+                                                   for i in rows_B]))
+            yield chunk_BS1[:, :-1].contiguous(), chunk_BS1[:, 1:].contiguous(), torch.from_numpy(valid_B)
 
     def metrics(self) -> dict:
         """Input tokens drawn from each source so far (whole steps), by source name."""

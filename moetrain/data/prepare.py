@@ -64,7 +64,7 @@ class PreparedData:
                            name="train")
 
     def val_loader(self, *, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> TokenLoader:
-        """Val windows in stream order; evaluate with ``loader.epoch_batches(max_batches)``."""
+        """Val windows in stream order; evaluate with ``loader.eval_batches(max_windows)``."""
         return TokenLoader(self.val_tokens, seq_len=self.seq_len, global_batch_size=global_batch_size,
                            dp_rank=dp_rank, dp_size=dp_size, shuffle=False, name="val")
 

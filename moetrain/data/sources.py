@@ -88,7 +88,7 @@ class MixedData:
 
     def val_loader(self, *, global_batch_size: int, dp_rank: int = 0, dp_size: int = 1) -> MixtureLoader:
         """Val windows of every source in stream order, mixed by weight; evaluate with
-        ``loader.epoch_batches(max_batches)``."""
+        ``loader.eval_batches(max_windows)``."""
         return self._loader("val", global_batch_size=global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                             shuffle=False)
 

@@ -26,9 +26,10 @@ from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.loader import load_config
 from moetrain.data.classify_data import PreparedLabelled
 from moetrain.distributed import runtime
-from moetrain.distributed.comm.collectives import mean_over_dp
+from moetrain.distributed.comm.collectives import comm_device
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import parallelize
+from moetrain.models.transformer import IGNORE_INDEX
 from moetrain.train.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from moetrain.train.checkpoint.state import load_checkpoint
 from moetrain.train.classification import confusion_matrix, metrics_from_confusion
@@ -43,15 +44,35 @@ log = logging.getLogger("moetrain")
 
 @torch.no_grad()
 def evaluate_lm(model: nn.Module, batches, *, dims: ParallelDims, device: torch.device, dtype: str) -> dict:
-    """Mean next-token loss over ``batches`` (this rank's (input_ids, labels) pairs), averaged over dp."""
-    total = torch.zeros((), device=device)
-    num = 0
-    for input_ids_BS, labels_BS in batches:
+    """Mean next-token loss per scored token over ``batches`` (this rank's (input_ids, labels,
+    valid rows) of a loader's ``eval_batches``), over every data-parallel rank: the rows' token
+    losses and counts are summed, so a partial last batch weighs what it holds."""
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    num_tokens = 0
+    for input_ids_BS, labels_BS, valid_B in batches:
+        labels_BS = score_valid_rows(labels_BS, valid_B)
+        n = int((labels_BS != IGNORE_INDEX).sum())  # host tensors: no device sync
         with autocast_context(device, dtype):
             out = model(input_ids_BS.to(device), labels_BS.to(device))
-        total += out.loss.float()
-        num += 1
-    val_loss = mean_over_dp(total / max(num, 1), dims).item()
+        if n:  # a rank's batch of padding rows still runs: its forward's collectives pair up
+            loss_sum += out.loss.double() * n
+        num_tokens += n
+    return lm_metrics(loss_sum, num_tokens, dims)
+
+
+def score_valid_rows(labels_BS: torch.Tensor, valid_B: torch.Tensor) -> torch.Tensor:
+    """``labels_BS`` with the padding rows of a partial evaluation batch not scored."""
+    return labels_BS.masked_fill(~valid_B[:, None], IGNORE_INDEX)
+
+
+def lm_metrics(loss_sum: torch.Tensor, num_tokens: int, dims: ParallelDims) -> dict:
+    """val_loss and val_ppl from this rank's summed token losses and token count, summed over dp."""
+    totals = torch.stack([loss_sum.double(), torch.tensor(float(num_tokens), dtype=torch.float64,
+                                                          device=loss_sum.device)])
+    totals = totals.to(comm_device(dims))
+    if dims.dp > 1:
+        dist.all_reduce(totals, group=dims.group("dp"))
+    val_loss = (totals[0] / totals[1].clamp(min=1)).item()
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
 
 
@@ -155,7 +176,7 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
         else:
             loader = data.val_loader(global_batch_size=t.micro_batch_size * dims.dp, dp_rank=dims.dp_rank,
                                      dp_size=dims.dp)
-            metrics = evaluate_lm(model, loader.epoch_batches(), dims=dims, device=proc.device, dtype=t.dtype)
+            metrics = evaluate_lm(model, loader.eval_batches(), dims=dims, device=proc.device, dtype=t.dtype)
     result = {"run": str(run_dir), "checkpoint": str(path), "step": loaded.step, "split": split,
               "world_size": proc.world_size, "weights": "average" if ema is not None else "raw", **metrics}
     if not proc.is_main:

@@ -30,7 +30,6 @@ Shape legend: M micro-batches, B micro-batch size, S sequence, V vocabulary.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -38,13 +37,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from moetrain.config.pipeline import shares_embedding
-from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.data_parallel.finalize import finalize_grads
 from moetrain.distributed.data_parallel.grads import clip_to_norm_, global_grad_norm
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.pipeline.schedule import build_schedule, forward_only
 from moetrain.distributed.pipeline.stages import PipelineModel
 from moetrain.models.transformer import IGNORE_INDEX
+from moetrain.train.evaluate import lm_metrics, score_valid_rows
 from moetrain.train.precision import autocast_context
 from moetrain.utils.tensors import local_tensor
 
@@ -149,22 +148,24 @@ class PipelineStep:
 
     @torch.no_grad()
     def evaluate(self, batches) -> dict:
-        """``evaluate_lm``'s metrics (mean next-token loss of ``batches``, averaged over dp) with
-        the batches run stage after stage. Every rank of a pp group reads the same batches."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        num = 0
-        for input_ids_BS, labels_BS in batches:
+        """``evaluate_lm``'s metrics (the mean loss per scored token of ``batches``, a loader's
+        ``eval_batches``, over dp) with the batches run stage after stage. Every rank of a pp group
+        reads the same batches; the last stage's token losses reach the others."""
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        num_tokens = 0
+        for input_ids_BS, labels_BS, valid_B in batches:
+            labels_BS = score_valid_rows(labels_BS, valid_B)
+            n = int((labels_BS != IGNORE_INDEX).sum())
             input_ids_BS, labels_BS = input_ids_BS.to(self.device), labels_BS.to(self.device)
             tokens = input_ids_BS if self.pm.config.document_separator is not None else None
             with autocast_context(self.device, self.dtype):
                 logits = forward_only(self.pm, input_ids_BS, self.pp_group, tokens)
-            if logits is not None:
-                total += F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(),
-                                         ignore_index=IGNORE_INDEX)
-            num += 1
-        dist.all_reduce(total, group=self.pp_group)  # the last stage's loss to every rank
-        val_loss = mean_over_dp(total / max(num, 1), self.dims).item()
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+            if logits is not None and n:
+                loss_sum += F.cross_entropy(logits.float().flatten(0, -2), labels_BS.flatten(),
+                                            ignore_index=IGNORE_INDEX, reduction="sum").double()
+            num_tokens += n
+        dist.all_reduce(loss_sum, group=self.pp_group)  # the last stage's losses to every rank
+        return lm_metrics(loss_sum, num_tokens, self.dims)
 
     def metrics(self, balancer=None) -> dict:
         """Per-stage timings since the last call, ``pp_time/stage<s>_forward`` and ``_backward``

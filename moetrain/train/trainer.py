@@ -321,14 +321,14 @@ class Trainer:
         at every layout). Classifier: every example of ``split`` ("val", or "test" at the end). Collective."""
         self.parallel_model.eval()
         t = self.cfg.train
-        num_micro = t.eval_steps * self.grad_accum  # the val loader's micro-batches are the train ones'
+        num_windows = t.eval_steps * t.global_batch_size
         with self.averaged_weights():
             if self.pipeline is not None:
-                return self.pipeline.evaluate(self.val_loader.epoch_batches(num_micro))
+                return self.pipeline.evaluate(self.val_loader.eval_batches(num_windows))
             if self.classifier:
                 return evaluate_classifier(self.model, self.data, split, batch_size=t.micro_batch_size,
                                            dims=self.dims, device=self.device, dtype=t.dtype)
-            return evaluate_lm(self.model, self.val_loader.epoch_batches(num_micro), dims=self.dims,
+            return evaluate_lm(self.model, self.val_loader.eval_batches(num_windows), dims=self.dims,
                                device=self.device, dtype=t.dtype)
 
     def averaged_weights(self):

@@ -105,13 +105,29 @@ def test_resume_rejects_a_state_from_other_data_or_seed():
         make_loader(seed=1).load_state_dict({**state, "step": 10_000})
 
 
-def test_unshuffled_epoch_batches_repeat_and_leave_the_position_alone():
+def test_eval_batches_repeat_and_leave_the_position_alone():
     val = make_loader(shuffle=False, global_batch_size=4, dp_rank=0, dp_size=2)
-    first = [x for x, _ in val.epoch_batches(3)]
-    second = [x for x, _ in val.epoch_batches(3)]
+    first = [x for x, _, _ in val.eval_batches(12)]
+    second = [x for x, _, _ in val.eval_batches(12)]
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True)) and len(first) == 3
     assert window_ids(first[0]) == [0, 1] and window_ids(first[1]) == [4, 5]  # stream order, rank 0 share
     assert val.epoch == 0 and val.step == 0
+
+
+@pytest.mark.parametrize("dp_size", [1, 2, 3])
+def test_eval_batches_cover_every_window_once_at_any_data_parallel_size(dp_size):
+    # 11 windows in batches of 2 per rank: the last global batch is partial at every dp size.
+    ranks = [list(make_loader(num_tokens=8 * 11 + 1, shuffle=False, global_batch_size=2 * dp_size, dp_rank=r,
+                              dp_size=dp_size).eval_batches()) for r in range(dp_size)]
+    assert len({len(batches) for batches in ranks}) == 1  # the same forwards on every rank
+    for max_windows, want in [(None, list(range(11))), (5, list(range(5)))]:
+        ranks = [list(make_loader(num_tokens=8 * 11 + 1, shuffle=False, global_batch_size=2 * dp_size, dp_rank=r,
+                                  dp_size=dp_size).eval_batches(max_windows)) for r in range(dp_size)]
+        seen = [w for step in zip(*ranks, strict=True) for x, y, valid in step
+                for w, v in zip(window_ids(x), valid.tolist(), strict=True) if v]
+        assert seen == want, (dp_size, max_windows)
+        x, y, valid = ranks[0][0]
+        assert torch.equal(y[:, :-1], x[:, 1:]) and valid.dtype == torch.bool
 
 
 @pytest.mark.parametrize("kwargs, match", [

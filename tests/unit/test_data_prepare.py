@@ -107,9 +107,9 @@ def test_val_split_is_the_disjoint_tail(text_folder, tmp_path):
     train_offsets = type(train)(offset[:len(data.train_tokens)], seq_len=16, global_batch_size=4)
     val_offsets = type(val)(offset[len(data.train_tokens):], seq_len=16, global_batch_size=4, shuffle=False)
     seen_train = {int(t) for _ in range(len(train_offsets)) for t in train_offsets.next_batch()[1].flatten()}
-    seen_val = {int(t) for x, y in val_offsets.epoch_batches() for t in torch.cat([x, y]).flatten()}
+    seen_val = {int(t) for x, y, _ in val_offsets.eval_batches() for t in torch.cat([x, y]).flatten()}
     assert seen_train and seen_val and max(seen_train) < min(seen_val)
-    x, _ = next(val.epoch_batches(1))
+    x, _, _ = next(val.eval_batches(1))
     assert torch.equal(x[0], torch.from_numpy(data.val_tokens[:16].astype(np.int64)))
 
 

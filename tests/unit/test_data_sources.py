@@ -185,11 +185,11 @@ def test_resume_rejects_other_sources_weights_or_seed():
         make(seed=1).load_state_dict({**state, "consumed": [1, 0]})
 
 
-def test_unshuffled_epoch_is_maximal_without_a_repeated_window_and_leaves_the_position_alone():
+def test_unshuffled_epoch_is_maximal_without_a_repeated_window():
     sizes = (4 * 10 + 1, 4 * 3 + 1)
     for weights in [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0), (0.7, 0.3)]:
         val = make(tuple((n,) for n in sizes), weights, global_batch_size=2, shuffle=False)
-        rows = [row for x, _ in val.epoch_batches() for row in decode(x)]
+        rows = [row for _ in range(len(val)) for row in decode(val.next_batch()[0])]
         assert len(rows) == len(val) * 2 and len(set(rows)) == len(rows)
         # One more step of the same mixture would repeat a window.
         longer = make(tuple((n,) for n in sizes), weights, global_batch_size=2, shuffle=True)
@@ -197,8 +197,28 @@ def test_unshuffled_epoch_is_maximal_without_a_repeated_window_and_leaves_the_po
         for _ in range(len(val) + 1):
             consumed += np.bincount(longer._next_samples(consumed)[0], minlength=2)
         assert (consumed > np.array([10, 3])).any(), weights
-        assert [r for x, _ in val.epoch_batches(3) for r in decode(x)] == rows[:6]
-    assert val.state_dict()["consumed"] == [0, 0]
+
+
+def test_eval_samples_are_the_mixing_order_up_to_the_first_repeat_at_any_batch():
+    sizes = ((4 * 10 + 1,), (4 * 3 + 1,))
+    for weights in [(1.0, 1.0), (3.0, 1.0), (1.0, 3.0), (0.7, 0.3)]:
+        source_N, window_N = make(sizes, weights, global_batch_size=2, shuffle=False).eval_samples()
+        # The training mixing order (one long step), cut before its first repeated window.
+        train = make(sizes, weights, global_batch_size=2, shuffle=True)
+        consumed, order_S, k_S = np.zeros(2, dtype=np.int64), [], []
+        for _ in range(13):  # 26 samples: past the 13 windows of both sources
+            source_G, k_G = train._next_samples(consumed)
+            consumed += np.bincount(source_G, minlength=2)
+            order_S += source_G.tolist()
+            k_S += k_G.tolist()
+        first_repeat = next(i for i, (s, k) in enumerate(zip(order_S, k_S, strict=True)) if k >= (10, 3)[s])
+        assert list(zip(source_N, window_N, strict=True)) == list(zip(order_S, k_S, strict=True))[:first_repeat]
+        for gbs, dp in [(4, 2), (4, 4), (2, 1)]:
+            rows = [list(make(sizes, weights, global_batch_size=gbs, dp_rank=r, dp_size=dp, shuffle=False)
+                         .eval_batches()) for r in range(dp)]
+            seen = [(s, w) for step in zip(*rows, strict=True) for x, _, valid in step
+                    for (s, _, w), v in zip(decode(x), valid.tolist(), strict=True) if v]
+            assert seen == list(zip(source_N.tolist(), window_N.tolist(), strict=True)), (weights, gbs, dp)
 
 
 def test_a_source_too_small_for_its_share_is_named():
@@ -253,7 +273,7 @@ def test_text_sources_share_one_bpe_and_hold_out_the_tail_of_each_file(tmp_path)
     x, y = data.train_loader(global_batch_size=6, seed=0).next_batch()
     assert x.shape == (6, 16) and torch.equal(x[:, 1:], y[:, :-1])
     val = data.val_loader(global_batch_size=6)
-    assert len(list(val.epoch_batches())) == len(val) >= 1
+    assert len(list(val.eval_batches())) >= len(val) >= 1
 
 
 def test_the_shared_bpe_is_trained_on_a_weighted_sample_of_the_text_sources(tmp_path, monkeypatch):

@@ -17,12 +17,13 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatt
 def mean_over_dp(value: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     """Mean of a per-rank scalar (e.g. the loss) over the data-parallel ranks: with equal local
     batches, the single-process value of the global batch."""
-    out = value.detach().clone().to(_comm_device(dims))
+    out = value.detach().clone().to(comm_device(dims))
     if dims.dp > 1:
         dist.all_reduce(out, group=dims.group("dp"))
         out /= dims.dp
     return out
 
 
-def _comm_device(dims: ParallelDims) -> torch.device:
+def comm_device(dims: ParallelDims) -> torch.device:
+    """The device the process group's collectives take tensors on (cuda for nccl, else cpu)."""
     return torch.device(dims.mesh.device_type) if dims.mesh is not None else torch.device("cpu")
