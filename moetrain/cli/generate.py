@@ -48,7 +48,8 @@ def add_parsers(sub) -> None:
                    help="auto: CUDA when available, else CPU (default auto)")
     p.add_argument("--dtype", default="fp32", choices=DTYPES, help="weights and cache dtype (default fp32)")
     p.add_argument("--no-cache", action="store_true",
-                   help="a full forward over the whole sequence per token (the reference the cache reproduces)")
+                   help="a full forward over the whole sequence per token (the reference the cache reproduces, "
+                        "but for dynamic rope scaling past its original length)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     p.add_argument("--speculative", action="store_true",
                    help="greedy, drafted by the model's multi-token modules (model.mtp_depth > 0) and verified "
@@ -96,7 +97,7 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         out = generate_speculative(model, prompt, max_new_tokens=args.max_new_tokens, stop_id=stop_id)
     else:
         out = generate(model, prompt, max_new_tokens=args.max_new_tokens, temperature=temperature,
-                       top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1 else None, seed=args.seed,
+                       top_k=args.top_k or None, top_p=None if args.top_p == 1 else args.top_p, seed=args.seed,
                        use_cache=not args.no_cache, stop_id=stop_id)
     print(tokenizer.decode(out.ids_BS[0].tolist()))
     print(figures_line(out, cache=not args.no_cache, device=device, dtype=args.dtype))

@@ -59,6 +59,10 @@ def _checkpoint_of(path: Path) -> Path:
             raise CheckpointError(f"run folder {str(path)!r} has no checkpoints ({str(folder)!r} does not "
                                   "exist): train with checkpoint.every > 0 or checkpoint.save_final = true")
         return resolve_checkpoint(folder)
+    if (path / "config.json").is_file() and not (path / ".metadata").exists():
+        raise CheckpointError(f"{str(path)!r} is a Hugging Face model folder (config.json), not a moetrain run, "
+                              f"checkpoint or export: convert it first with `moetrain convert --from-hf {path} "
+                              "--to EXPORT`")
     return resolve_checkpoint(path)
 
 

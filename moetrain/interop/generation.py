@@ -13,6 +13,7 @@ batch.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from moetrain.config.convert import build_section
 from moetrain.config.data import DataConfig
@@ -45,6 +46,8 @@ def load_tokenizer(config: dict, tokenizer: str | None, *, source: str) -> Token
     if tokenizer is not None:
         if tokenizer != "bytes" and not tokenizer.endswith(".json"):
             raise ValueError(f'--tokenizer ({tokenizer!r}) must be a tokenizer.json or "bytes"')
+        if tokenizer != "bytes" and not Path(tokenizer).is_file():
+            raise ValueError(f"--tokenizer ({tokenizer!r}) does not exist")
         return build_tokenizer(tokenizer)
     folder = source_folder(source)
     saved = load_saved_tokenizer(folder) if folder is not None else None

@@ -75,3 +75,20 @@ def test_generate_refuses_what_does_not_fit_with_one_error_line(run):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert ("moetrain: error: prompt tokens + max_new_tokens ('6 + 64') must be <= model.max_seq_len (64)"
             in r.stderr)
+
+
+@pytest.mark.slow
+def test_bad_sampling_tokenizer_and_source_are_one_error_each(run, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"model_type": "mixtral"}')
+    base = ["--prompt", "ROMEO:", "--max-new-tokens", "4", "--device", "cpu"]
+    for args, message in [
+        ([str(run), *base, "--top-p", "1.5"], "top_p (1.5) must be None or in (0, 1]"),
+        ([str(run), *base, "--tokenizer", str(tmp_path / "nope.json")], f"--tokenizer ('{tmp_path}/nope.json') does "
+                                                                       "not exist"),
+        ([str(hf), *base], f"is a Hugging Face model folder (config.json), not a moetrain run, checkpoint or "
+                           f"export: convert it first with `moetrain convert --from-hf {hf} --to EXPORT`")]:
+        capsys.readouterr()
+        assert main(["generate", *args]) == 2
+        assert message in capsys.readouterr().err, args
