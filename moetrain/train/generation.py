@@ -124,7 +124,9 @@ def generate(model: Transformer, prompt_ids_BS: torch.Tensor, *, max_new_tokens:
 
     ``use_cache``: one forward over the prompt (prefill) fills a ``DecodeCache``, then one forward
     per token over that token alone; else each step is a full forward over everything so far (the
-    reference the cache must reproduce: the same logits up to rounding, so the same greedy tokens).
+    reference the cache must reproduce: the same logits up to rounding, so the same greedy tokens;
+    not with ``rope_type: dynamic`` past ``original_max_seq_len``, where cached keys keep the
+    stretch of their own step, as in transformers).
     Sampling draws from a generator on the model's device seeded with ``seed``. ``stop_id``: a row
     ends at that token; generation stops when every row has (a host sync per step). The model is
     put in eval mode (no router jitter or forced balance).
@@ -200,6 +202,13 @@ def generate_speculative(model: Transformer, prompt_ids_BS: torch.Tensor, *, max
     limit = num_prompt + max_new_tokens
     require(limit <= cfg.max_seq_len, "prompt tokens + max_new_tokens", f"{num_prompt} + {max_new_tokens}",
             f"must be <= model.max_seq_len ({cfg.max_seq_len})")
+    rope = cfg.rope_scaling
+    if rope is not None and rope.rope_type == "dynamic":
+        # The verifying forward rotates its drafts with the stretch of its last position, where
+        # greedy decoding gives each position the stretch of its own step.
+        require(limit <= rope.original_max_seq_len, "prompt tokens + max_new_tokens",
+                f"{num_prompt} + {max_new_tokens}", f"must be <= model.rope_scaling.original_max_seq_len "
+                f"({rope.original_max_seq_len}) for speculative decoding with rope_type 'dynamic'")
     model.eval()
     device = prompt_ids_BS.device
     start = time.perf_counter()

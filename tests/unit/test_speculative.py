@@ -11,6 +11,7 @@ import torch
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.config.rope import RopeScaling
 from moetrain.models.transformer import Transformer
 from moetrain.train import generation
 from moetrain.train.generation import generate, generate_speculative
@@ -64,6 +65,14 @@ def test_stops_at_the_stop_token_and_refuses_what_it_cannot_do():
         generate_speculative(_model(0), _prompt(), max_new_tokens=4)
     with pytest.raises(ValueError, match="batch size"):
         generate_speculative(model, _prompt().repeat(2, 1), max_new_tokens=4)
+    # Dynamic rope scaling: identical within the original length, refused past it (the verifying
+    # forward would rotate the drafts with another stretch than greedy decoding does).
+    dynamic = _model(2, rope_scaling=RopeScaling(rope_type="dynamic", factor=2.0, original_max_seq_len=16))
+    within = generate_speculative(dynamic, _prompt(), max_new_tokens=11)
+    assert torch.equal(within.ids_BS, generate(dynamic, _prompt(), max_new_tokens=11, temperature=0).ids_BS)
+    with pytest.raises(ValueError, match=r"must be <= model.rope_scaling.original_max_seq_len \(16\) for "
+                                         "speculative decoding with rope_type 'dynamic'"):
+        generate_speculative(dynamic, _prompt(), max_new_tokens=12)
 
 
 def test_the_command_line_prints_greedys_text_and_the_acceptance(tmp_path, capsys):
