@@ -367,6 +367,9 @@ class MoEConfig:
                 f"leaves {allowed} experts per token (top_groups * num_experts / num_expert_groups), fewer "
                 f"than moe.top_k ({self.top_k})")
         require_choice("moe.aux_loss_type", self.aux_loss_type, ("batch", "sequence", "global_batch"))
+        require(not expert_choice or self.aux_loss_type == "batch", "moe.aux_loss_type", self.aux_loss_type,
+                'must be "batch" with moe.router "expert_choice" (its balance loss does not read it: the '
+                "sequence and global-batch forms are for token-choice routers)")
         require_bool("moe.dynamic_capacity", self.dynamic_capacity)
         if self.dynamic_capacity:
             require(self.capacity_factor is not None, "moe.capacity_factor", self.capacity_factor,

@@ -107,6 +107,12 @@ class RopeScaling:
             value = getattr(self, name)
             require(value is None or (_is_number(value) and value > 0), f"model.rope_scaling.{name}", value,
                     "must be None or a number > 0")
+        if self.rope_type == "yarn":
+            fast = 32.0 if self.beta_fast is None else self.beta_fast
+            slow = 1.0 if self.beta_slow is None else self.beta_slow
+            require(fast > slow, "model.rope_scaling.beta_fast", fast,
+                    f"must be > model.rope_scaling.beta_slow ({slow}): the ramp runs from the pairs kept (more "
+                    "than beta_fast turns) to those interpolated (fewer than beta_slow)")
         if self.rope_type == "llama3":
             assert self.low_freq_factor is not None and self.high_freq_factor is not None
             require(self.high_freq_factor > self.low_freq_factor, "model.rope_scaling.high_freq_factor",

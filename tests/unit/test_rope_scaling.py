@@ -282,6 +282,10 @@ BAD = [
      r"model\.rope_scaling\.truncate \(False\) acts only with rope_type 'yarn'"),
     ({"rope_type": "linear", "factor": 2.0, "scale": 3}, r"model\.rope_scaling .* has unknown fields scale"),
     ({"rope_type": "dynamic", "factor": 2.0}, r"model\.rope_scaling\.original_max_seq_len \(None\) is required"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 16, "beta_fast": 1.0, "beta_slow": 32.0},
+     r"model\.rope_scaling\.beta_fast \(1\.0\) must be > model\.rope_scaling\.beta_slow \(32\.0\)"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 16, "beta_slow": 40.0},
+     r"model\.rope_scaling\.beta_fast \(32\.0\) must be > model\.rope_scaling\.beta_slow \(40\.0\)"),
 ]
 
 

@@ -23,6 +23,8 @@ BAD = [
     ("top_groups", 3, {"num_expert_groups": 2}, "must be <= moe.num_expert_groups (2)"),
     ("top_groups", 1, {"num_expert_groups": 8, "top_k": 2}, "fewer than moe.top_k (2)"),
     ("aux_loss_type", "token", {}, "must be one of"),
+    ("aux_loss_type", "sequence", {"router": "expert_choice", "capacity_factor": 1.0}, 'must be "batch"'),
+    ("aux_loss_type", "global_batch", {"router": "expert_choice", "capacity_factor": 1.0}, 'must be "batch"'),
     ("dynamic_capacity", "yes", {}, "true or false"),
     ("capacity_factor", None, {"dynamic_capacity": True}, "moe.dynamic_capacity is true"),
     ("dynamic_capacity", True, {"router": "expert_choice", "capacity_factor": 1.0}, "must be false"),
