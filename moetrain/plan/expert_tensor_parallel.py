@@ -34,6 +34,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.plan.activations import moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
+from moetrain.plan.job_rules import LayoutRules
 from moetrain.plan.model_states import Layout, ParamSpec
 from moetrain.plan.tensor_parallel import choice_table
 
@@ -67,41 +68,36 @@ class EtpChoice:
         return self.gather_bytes + self.scatter_bytes + self.all_to_all_bytes
 
 
-def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int, per_node: int) -> str | None:
+def etp_invalid(cfg: JobConfig, *, ep: int, etp: int, world: int, per_node: int,
+                rules: LayoutRules | None = None) -> str | None:
     """Why (ep, etp) cannot train ``cfg`` on ``world`` processes (``ParallelDims``' rules, then the
-    config's), or None. The table is at ZeRO stage 0, which etp allows, whatever the config's
-    ``parallel.zero_stage``."""
-    moe = cfg.moe
+    job config's through ``rules``, built here when not given), or None. The table is at ZeRO stage 0,
+    which etp allows, whatever the config's ``parallel.zero_stage``."""
     try:
-        ParallelDims(world_size=world, ep=ep, etp=etp, dp=world, num_experts=moe.num_experts, ranks_per_node=per_node,
-                     ep_hierarchical=cfg.parallel.ep_hierarchical)
+        ParallelDims(world_size=world, ep=ep, etp=etp, dp=world, num_experts=cfg.moe.num_experts,
+                     ranks_per_node=per_node, ep_hierarchical=cfg.parallel.ep_hierarchical)
     except ValueError as e:
         return str(e)
-    if etp == 1:
-        return None
-    if moe.expert_hidden_dim % etp:
-        return f"parallel.etp ({etp}) must divide moe.expert_hidden_dim ({moe.expert_hidden_dim})"
-    if moe.capacity_factor is not None:
-        return f"parallel.etp ({etp}) > 1 needs moe.capacity_factor null (is {moe.capacity_factor}): it is dropless"
-    if cfg.finetune.lora_rank > 0 and "experts" in cfg.finetune.lora_targets:
-        return f"parallel.etp ({etp}) > 1 does not split LoRA adapters on the experts (finetune.lora_targets)"
-    return None
+    rules = rules or LayoutRules(cfg, world=world, per_node=per_node)
+    return rules.etp_row(ep=ep, etp=etp)
 
 
 def etp_choices(specs: list[ParamSpec], cfg: JobConfig, model: ModelConfig, *, world: int, per_node: int,
                 tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
-                device_memory: int | None = None) -> list[EtpChoice]:
+                device_memory: int | None = None, rules: LayoutRules | None = None) -> list[EtpChoice]:
     """One ``EtpChoice`` per etp dividing the processes per node (its collectives stay in a node),
-    etp = 1 first, at the config's ``parallel.ep``; none for a dense model."""
+    etp = 1 first, at the config's ``parallel.ep``; none for a dense model. ``rules``: the job
+    config's (``etp_invalid``)."""
     if not model.is_moe:
         return []
     ep, train = cfg.parallel.ep, cfg.train
     experts = sum(s.numel for s in specs if s.expert)
     other = sum(s.numel for s in specs if not s.expert)
     recomputed = moe_layers_recomputed(model, train.activation_checkpointing, train.activation_checkpointing_every)
+    rules = rules or LayoutRules(cfg, world=world, per_node=per_node)
     out = []
     for etp in (e for e in range(1, per_node + 1) if per_node % e == 0):
-        reason = etp_invalid(cfg, ep=ep, etp=etp, world=world, per_node=per_node)
+        reason = etp_invalid(cfg, ep=ep, etp=etp, world=world, per_node=per_node, rules=rules)
         expert_bytes = -(-experts // (ep * etp)) * STATE_BYTES_PER_ELEMENT
         other_bytes = other * STATE_BYTES_PER_ELEMENT
         # At stage 0 the layout's all-gathers and reduce-scatters are etp's alone.

@@ -11,7 +11,7 @@ few percent of the measured peak on the tested presets), communication the ring 
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
@@ -21,6 +21,7 @@ from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
 from moetrain.plan.comm import comm_per_step
 from moetrain.plan.expert_tensor_parallel import EtpChoice, etp_advice, etp_choices, format_etp
+from moetrain.plan.job_rules import LayoutRules
 from moetrain.plan.model_states import (
     Layout,
     _meta_model,
@@ -112,16 +113,18 @@ class Plan:
 
     @property
     def ranked(self) -> list[PlanRow]:
-        """Valid choices that fit (all valid ones when no device memory is given): those whose
-        expert-parallel groups stay inside a node first (the advice of a blog post on DeepSpeed ZeRO-3
-        with MoE: all-to-alls are the bulk of an MoE step's traffic and must not cross the slow link),
-        then fewest communication bytes, then fewest inter-node bytes; ties go to the lower stage
-        (fewer, larger collectives), no offload, less recomputation, then least device memory."""
+        """Valid choices that fit (all valid ones when no device memory is given): stage 3 after
+        every lighter choice (it re-gathers every block in backward, an all-gather per layer more);
+        within that, the estimated step time with a device profile, then those whose expert-parallel
+        groups stay inside a node (all-to-alls are the bulk of an MoE step's traffic and should not
+        cross the slow link), then fewest communication bytes, then fewest inter-node bytes; ties go
+        to the lower stage (fewer, larger collectives), no offload, less recomputation, then least
+        device memory."""
         ok = [r for r in self.rows if r.valid and r.fits is not False]
-        # With a device profile the estimated step time ranks first. Ties (offload and
-        # checkpointing move no collective bytes) go to the cheaper choice: no offload before
-        # offload (host copies every step), less recomputation first.
-        return sorted(ok, key=lambda r: ((r.step is None, r.step["step_s"]) if r.step else (True, 0.0),
+        # Ties (offload and checkpointing move no collective bytes) go to the cheaper choice: no
+        # offload before offload (host copies every step), less recomputation first.
+        return sorted(ok, key=lambda r: (r.choice.zero_stage == 3,
+                                         (r.step is None, r.step["step_s"]) if r.step else (True, 0.0),
                                          r.ep_spans_nodes, r.comm["total"], r.comm["inter_node"],
                                          r.choice.zero_stage, OFFLOADS.index(r.choice.offload),
                                          AC_CHOICES.index(r.choice.ac), r.device_bytes))
@@ -200,6 +203,7 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
     hsdps = [1] + ([nodes] if nodes > 1 else [])
     # Model states depend on the layout only (not on checkpointing): compute each once.
     state_cache: dict[Layout, list] = {}
+    rules = LayoutRules(cfg, world=nproc, per_node=per_node, micro_batch_size=micro)
 
     def states(layout: Layout) -> list:
         if layout not in state_cache:
@@ -211,7 +215,8 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
         choice = Choice(stage, ep, offload, ac, hsdp)
         if hsdp > 1 and stage < 2:
             continue  # HSDP only exists for the FSDP stages; not worth a line per stage
-        reason = _invalid(choice, model, moe, nproc, per_node=per_node, hierarchical=cfg.parallel.ep_hierarchical)
+        reason = (_invalid(choice, model, moe, nproc, per_node=per_node, hierarchical=cfg.parallel.ep_hierarchical)
+                  or rules.main_row(zero_stage=stage, ep=ep, offload=offload, ac=ac, hsdp_replicate=hsdp))
         row = PlanRow(choice=choice, valid=reason is None, reason=reason)
         if reason is None:
             _fill(row, specs, model, cfg, nproc=nproc, micro=micro, grad_accum=grad_accum,
@@ -224,13 +229,14 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
     counts["non_expert"] = counts["total"] - counts["expert"]
     tp_rows = tp_choices(specs, model, per_node=per_node, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                          grad_accum=grad_accum, compute_bytes=compute_bytes, device_memory=device_memory,
-                         full_recompute=cfg.train.activation_checkpointing == "full", moe=cfg.moe)
+                         full_recompute=cfg.train.activation_checkpointing == "full", moe=cfg.moe, rules=rules)
     return Plan(world=nproc, nodes=nodes, device_memory=device_memory, tokens_per_micro_batch=T,
                 grad_accum=grad_accum, counts=counts, rows=rows, micro_batch_size=micro, batch_note=batch_note,
                 layout_note=_layout_note(cfg),
                 etp_rows=etp_choices(specs, cfg, model, world=nproc, per_node=per_node, tokens_per_micro_batch=T,
-                                     grad_accum=grad_accum, compute_bytes=compute_bytes, device_memory=device_memory),
-                tp_rows=tp_rows, pp_rows=_pipeline_rows(cfg, model, nproc=nproc, micro=micro,
+                                     grad_accum=grad_accum, compute_bytes=compute_bytes, device_memory=device_memory,
+                                     rules=rules),
+                tp_rows=tp_rows, pp_rows=_pipeline_rows(cfg, model, nproc=nproc, micro=micro, rules=rules,
                                                          compute_bytes=compute_bytes, device_memory=device_memory))
 
 
@@ -249,8 +255,9 @@ def _layout_note(cfg: JobConfig) -> str | None:
 
 
 def _pipeline_rows(cfg: JobConfig, model: ModelConfig, *, nproc: int, micro: int, compute_bytes: int,
-                   device_memory: int | None) -> list[PipelineChoice]:
-    """The pipeline choices, each with the micro-batch count its data-parallel size gives."""
+                   device_memory: int | None, rules: LayoutRules) -> list[PipelineChoice]:
+    """The pipeline choices, each with the micro-batch count its data-parallel size gives, and
+    the reason the job config refuses it (``rules``)."""
     act = estimate_activations(model, cfg.moe, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                                ac=cfg.train.activation_checkpointing, ac_every=cfg.train.activation_checkpointing_every,
                                dtype=cfg.train.dtype)
@@ -259,10 +266,12 @@ def _pipeline_rows(cfg: JobConfig, model: ModelConfig, *, nproc: int, micro: int
         dp = nproc // pp
         return cfg.train.global_batch_size // (dp * micro) if cfg.train.global_batch_size % (dp * micro) == 0 else None
 
-    return pipeline_choices(_meta_model(model, cfg.moe), world=nproc, micro_batch_size=micro, seq_len=cfg.data.seq_len,
+    rows = pipeline_choices(_meta_model(model, cfg.moe), world=nproc, micro_batch_size=micro, seq_len=cfg.data.seq_len,
                             split=cfg.parallel.pp_split, microbatches_of=microbatches_of,
                             saved_bytes_per_microbatch=act.saved_bytes, head_bytes_per_microbatch=act.terms["head"],
                             compute_bytes=compute_bytes, device_memory=device_memory)
+    return [c if c.reason else replace(c, reason=rules.pp_row(pp=c.pp, schedule=c.schedule,
+                                                              virtual_stages=c.virtual_stages)) for c in rows]
 
 
 def _invalid(c: Choice, model: ModelConfig, moe, world: int, *, per_node: int, hierarchical: bool) -> str | None:
@@ -358,17 +367,12 @@ def _step_columns(step: dict | None) -> str:
 
 
 def stage3_advice(plan: Plan) -> list[str]:
-    """The advice of a blog post on DeepSpeed ZeRO-3 with MoE, from the numbers: stage 3 only when
-    nothing lighter fits; EP inside a node."""
+    """What the ranking decided about stage 3, from the numbers: it ranks after every lighter
+    choice that fits (``Plan.ranked``), so it leads only when nothing lighter fits."""
     out = []
     ranked = plan.ranked
-    if ranked:
-        best = ranked[0].choice
-        lighter = [r for r in ranked if r.choice.zero_stage < 3]
-        if best.zero_stage == 3 and lighter:
-            out.append("a stage < 3 choice also fits: prefer it (stage 3 re-gathers every block in backward)")
-        if not lighter and any(r.choice.zero_stage == 3 for r in ranked):
-            out.append("only ZeRO-3 fits this device: parameters must be sharded")
+    if ranked and ranked[0].choice.zero_stage == 3:
+        out.append("only ZeRO-3 fits this device: parameters must be sharded")
     if plan.device_memory is not None and not ranked:
         out.append("nothing fits: add ranks, offload, checkpoint activations or shrink the micro-batch")
     return out
@@ -441,7 +445,8 @@ def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) 
             fitting = [c for c in plan.pp_rows if c.fits and c.reason is None]
             if fitting:
                 best = min(fitting, key=lambda c: (c.bubble_fraction, c.pp))
+                virtual = f" parallel.pp_virtual_stages={best.virtual_stages}" if best.virtual_stages > 1 else ""
                 lines.append(f"advice: no layout without pipelining fits; pp={best.pp} with {best.schedule} fits "
                              f"(bubble {best.bubble_fraction:.3f}): parallel.pp={best.pp} "
-                             f"parallel.pp_schedule={best.schedule}")
+                             f"parallel.pp_schedule={best.schedule}{virtual}")
     return "\n".join(lines)

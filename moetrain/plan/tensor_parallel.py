@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from moetrain.config.job import check_mtp_split, check_sequence_split
 from moetrain.config.model import ModelConfig, tensor_parallel_errors
 from moetrain.config.moe import MoEConfig
+from moetrain.plan.job_rules import LayoutRules
 from moetrain.plan.model_states import ParamSpec
 
 STATE_BYTES_PER_ELEMENT = 16
@@ -104,14 +105,16 @@ def tp_bytes_per_micro_batch(model: ModelConfig, *, tp: int, micro_batch_size: i
 
 def tp_choices(specs: list[ParamSpec], model: ModelConfig, *, per_node: int, micro_batch_size: int, seq_len: int,
                grad_accum: int, compute_bytes: int, device_memory: int | None = None,
-               full_recompute: bool = False, moe: MoEConfig | None = None) -> list[TpChoice]:
+               full_recompute: bool = False, moe: MoEConfig | None = None,
+               rules: LayoutRules | None = None) -> list[TpChoice]:
     """One ``TpChoice`` per tp dividing the processes per node, tp = 1 first (``moe``: the job's MoE
-    settings, which some tp rules read)."""
+    settings, which some tp rules read; ``rules``: the job config's, which then decide the rest)."""
     split = sum(s.numel for s in specs if is_tp_split(s))
     other = sum(s.numel for s in specs if not s.expert and not is_tp_split(s))
     out = []
     for tp in (t for t in range(1, per_node + 1) if per_node % t == 0):
-        reason = tp_invalid(model, tp, per_node=per_node, seq_len=seq_len, moe=moe)
+        reason = tp_invalid(model, tp, per_node=per_node, seq_len=seq_len, moe=moe) or (
+            rules.tp_row(tp) if rules is not None else None)
         dense = -(-split // tp) * STATE_BYTES_PER_ELEMENT
         rest = other * STATE_BYTES_PER_ELEMENT
         recompute = (model.num_layers + model.num_layers - len(model.moe_layer_ids)) if full_recompute else 0

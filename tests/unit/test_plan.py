@@ -202,17 +202,22 @@ def test_ranking_fits_and_fewest_bytes_first():
     plan = make_plan(_job(), nproc=4, device_memory=limit)
     ranked = plan.ranked
     assert ranked and all(r.fits and r.device_bytes <= limit for r in ranked)
-    totals = [r.comm["total"] for r in ranked]
-    assert totals == sorted(totals)
+    # Stage 3 after every lighter choice that fits; fewest bytes first within each (one node).
+    heavy = [r.choice.zero_stage == 3 for r in ranked]
+    assert heavy == sorted(heavy) and any(heavy) and not all(heavy)
+    for group in ([r for r in ranked if r.choice.zero_stage < 3], [r for r in ranked if r.choice.zero_stage == 3]):
+        totals = [r.comm["total"] for r in group]
+        assert totals == sorted(totals)
     assert any(r.valid and not r.fits for r in plan.rows)
 
 
 def test_ep_across_nodes_ranks_last():
     plan = make_plan(_job(), nproc=4, nodes=2)
     ranked = plan.ranked
-    crossing = [i for i, r in enumerate(ranked) if r.choice.ep == 4]
-    inside = [i for i, r in enumerate(ranked) if r.choice.ep <= 2]
-    assert crossing and inside and max(inside) < min(crossing)
+    for light in (True, False):  # within the stage < 3 choices, and within the stage-3 ones
+        crossing = [i for i, r in enumerate(ranked) if r.choice.ep == 4 and (r.choice.zero_stage < 3) == light]
+        inside = [i for i, r in enumerate(ranked) if r.choice.ep <= 2 and (r.choice.zero_stage < 3) == light]
+        assert crossing and inside and max(inside) < min(crossing)
     assert all("spans nodes" in r.notes[0] for r in ranked if r.choice.ep == 4)
 
 
@@ -336,8 +341,14 @@ def test_device_profile_adds_step_time_and_ranks_by_it(capsys):
     timed = [r for r in ranked if r.step is not None]
     assert timed and all(r.choice.offload == "none" for r in timed)
     assert all(r.step is None for r in plan.rows if r.choice.offload != "none")
-    times = [r.step["step_s"] for r in timed]
-    assert times == sorted(times) and ranked[:len(timed)] == timed  # fastest first, untimed after
+    # Stage 3 after every lighter choice; within each, fastest first and untimed after.
+    heavy = [r.choice.zero_stage == 3 for r in ranked]
+    assert heavy == sorted(heavy)
+    for light in (True, False):
+        group = [r for r in ranked if (r.choice.zero_stage < 3) == light]
+        timed_group = [r for r in group if r.step is not None]
+        times = [r.step["step_s"] for r in timed_group]
+        assert timed_group and times == sorted(times) and group[:len(timed_group)] == timed_group
     # The row of the config's own layout (ep 8, ZeRO-3, full checkpointing) is estimate_for_config's.
     own = next(r for r in plan.rows if r.choice == Choice(zero_stage=3, ep=8, offload="none", ac="full"))
     assert own.step["step_s"] == pytest.approx(estimate_for_config(cfg, world=64, nodes=8, profile=H100_SXM).step_s)

@@ -72,11 +72,13 @@ def test_states_all_to_all_and_validity():
 
 
 @pytest.mark.parametrize("extra, etp, reason", [
-    (["moe.expert_hidden_dim=34"], 4, "parallel.etp (4) must divide moe.expert_hidden_dim (34)"),
+    (["moe.expert_hidden_dim=34"], 4, ("moe.expert_hidden_dim (34) must be a multiple of parallel.etp (4): each rank "
+                                        "holds 1/etp of every expert's hidden dim")),
     (["parallel.ep_hierarchical=true"], 2,
      ("parallel.ep_hierarchical needs parallel.tp, pp and etp = 1 (are 1, 1, 2): its node mesh is laid out for one "
      "stage without tensor parallelism")),
-    (["moe.capacity_factor=1.25"], 2, "parallel.etp (2) > 1 needs moe.capacity_factor null (is 1.25): it is dropless"),
+    (["moe.capacity_factor=1.25"], 2, ("moe.capacity_factor (1.25) must be null with parallel.etp (2) > 1: expert "
+                                        "tensor parallelism is dropless")),
 ])
 def test_the_configs_rules(extra, etp, reason):
     choices = {c.etp: c for c in _choices(extra)}
