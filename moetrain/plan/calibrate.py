@@ -217,13 +217,14 @@ def _ep_host(cfg, world: int, *, a2a_latency_s: float, all_reduce_latency_s: flo
     sync), per expert DTensor."""
     import torch.distributed as dist
 
+    from moetrain.plan.comm import num_moe_layers
     from moetrain.plan.host_ops import parallel_small_step
     from moetrain.plan.model_states import param_specs
     from moetrain.plan.planner import resolve_vocab
     from moetrain.plan.step_time import ALL_TO_ALLS_PER_MOE_LAYER
 
     model = resolve_vocab(cfg)
-    num_moe = len(model.moe_layer_ids)
+    num_moe = num_moe_layers(model)  # the small model's multi-token depths are MoE layers too
     if not model.is_moe or cfg.moe.num_experts % world != 0:
         return {}
     times = {}

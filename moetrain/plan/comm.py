@@ -25,6 +25,10 @@ each MoE layer sends its T*K routed copies (times min(1, capacity factor)) of D 
 (ep-1)/ep go to other ranks under balanced routing, in dispatch and again in combine:
 2 * T*K*D*bytes * (ep-1)/ep per layer and forward.
 Backward repeats both exchanges, and a checkpointed MoE layer's recompute repeats the forward.
+The multi-token modules' blocks are MoE blocks in an MoE model (``moetrain.models.mtp``): depth k
+routes the S - k positions of each sequence that have a token k places ahead (under tensor
+parallelism too, whose padded last k positions its token mask leaves unrouted), so T * (S - k) / S
+tokens, never recomputed (checkpointing wraps the trunk's blocks only).
 With ``moe.dispatch_dtype`` "bf16" every one of them moves 2 bytes per value; with "fp8_e4m3" the
 forward dispatch moves D + 4 * ceil(D / 128) bytes per row (e4m3 values and fp32 block scales),
 the combine and both backward exchanges 2 * D (bf16).
@@ -92,19 +96,44 @@ def _ring(size_bytes: float, group: int) -> float:
     return size_bytes * (group - 1) / group if group > 1 else 0.0
 
 
-def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per_micro_batch: int, grad_accum: int,
-                      compute_bytes: int, num_recomputed: int) -> int:
-    """Expert all-to-all bytes of one optimizer step (forward, backward and recompute)."""
-    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
-    num_moe = len(model.moe_layer_ids)
+def num_moe_layers(model: ModelConfig) -> int:
+    """MoE layers of one forward: the trunk's, and one per multi-token depth in an MoE model."""
+    return len(model.moe_layer_ids) + (model.mtp_depth if model.is_moe else 0)
+
+
+def routed_tokens(model: ModelConfig, tokens: int, seq_len: int | None) -> int:
+    """Tokens routed by the MoE layers of one forward of ``tokens`` tokens, summed over the layers:
+    ``tokens`` in each of the trunk's, ``tokens * (S - k) / S`` at multi-token depth k (see the
+    module docstring). ``seq_len`` None counts every depth at ``tokens`` (k / S over)."""
+    if not model.is_moe:
+        return 0
+    S = seq_len
+    depths = sum(tokens if S is None else tokens * (S - k) // S for k in range(1, model.mtp_depth + 1))
+    return tokens * len(model.moe_layer_ids) + depths
+
+
+def _row_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int | None, compute_bytes: int,
+               num_recomputed: int) -> int:
+    """All-to-all bytes if every routed token's row left the rank once in every MoE layer, over a
+    micro-step of ``tokens`` tokens: dispatch and combine forward, both again in backward, the
+    forward again per recomputed layer, in the wire formats of ``moe.dispatch_dtype``."""
+    routed = routed_tokens(model, tokens, seq_len)
+    recomputed = tokens * num_recomputed
     if moe.dispatch_dtype == "none":
-        per_layer_fwd = 2 * tokens_per_micro_batch * moe.top_k * kept * model.dim * compute_bytes * (ep - 1) / ep
-        passes = 2 * num_moe + num_recomputed  # forward + backward, + recompute
-        return int(per_layer_fwd * passes * grad_accum)
-    remote_copies = tokens_per_micro_batch * moe.top_k * kept * (ep - 1) / ep  # per layer and pass
+        return 2 * model.dim * compute_bytes * (2 * routed + recomputed)
     bf16_row = wire_row_bytes(model.dim, "bf16")
     forward_row = wire_row_bytes(model.dim, moe.dispatch_dtype) + bf16_row  # dispatch + combine
-    return int(remote_copies * (forward_row * (num_moe + num_recomputed) + 2 * bf16_row * num_moe) * grad_accum)
+    return forward_row * (routed + recomputed) + 2 * bf16_row * routed
+
+
+def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per_micro_batch: int, grad_accum: int,
+                      compute_bytes: int, num_recomputed: int, seq_len: int | None = None) -> int:
+    """Expert all-to-all bytes of one optimizer step (forward, backward and recompute): of each
+    token's K routed copies (times min(1, capacity factor)), (ep - 1) / ep leave the rank."""
+    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
+    rows = _row_bytes(model, moe, tokens=tokens_per_micro_batch, seq_len=seq_len, compute_bytes=compute_bytes,
+                      num_recomputed=num_recomputed)
+    return int(rows * moe.top_k * kept * (ep - 1) / ep * grad_accum)
 
 
 EXPERT_ID_BYTES = 8
@@ -122,18 +151,18 @@ def etp_forward_bytes(*, dim: int, etp: int, tokens: int, top_k: int, compute_by
 
 
 def etp_bytes_per_micro_batch(model: ModelConfig, *, etp: int, tokens: int, top_k: int, compute_bytes: int,
-                              num_recomputed: int = 0) -> tuple[int, int]:
+                              num_recomputed: int = 0, seq_len: int | None = None) -> tuple[int, int]:
     """``(all_gather, reduce_scatter)`` bytes one rank sends for one micro-batch of ``tokens``
-    routed tokens, over every MoE layer: the forward collectives (again per recomputed layer), and
-    their backward, which swaps them: the output gradient all-gathered, the token and gate-weight
-    gradients reduce-scattered (ids carry none)."""
-    gather_fwd, scatter_fwd = etp_forward_bytes(dim=model.dim, etp=etp, tokens=tokens, top_k=top_k,
+    routed tokens, over every MoE layer (the multi-token depths' at their tokens, ``routed_tokens``):
+    the forward collectives (again per recomputed layer), and their backward, which swaps them: the
+    output gradient all-gathered, the token and gate-weight gradients reduce-scattered (ids carry none)."""
+    gather_row, scatter_row = etp_forward_bytes(dim=model.dim, etp=etp, tokens=1, top_k=top_k,
                                                 compute_bytes=compute_bytes)
-    f, T, D, c = etp - 1, tokens, model.dim, compute_bytes
-    forwards = len(model.moe_layer_ids) + num_recomputed
-    backwards = len(model.moe_layer_ids)
-    gather = forwards * gather_fwd + backwards * f * T * D * c
-    scatter = forwards * scatter_fwd + backwards * f * T * (D * c + GATE_WEIGHT_BYTES * top_k)
+    f, D, c = etp - 1, model.dim, compute_bytes
+    backwards = routed_tokens(model, tokens, seq_len)
+    forwards = backwards + tokens * num_recomputed
+    gather = forwards * gather_row + backwards * f * D * c
+    scatter = forwards * scatter_row + backwards * f * (D * c + GATE_WEIGHT_BYTES * top_k)
     return gather, scatter
 
 
@@ -144,21 +173,9 @@ def expected_groups_hit(num_experts: int, top_k: int, num_groups: int) -> float:
     return num_groups * (1.0 - miss)
 
 
-def _bytes_per_remote_row(model: ModelConfig, moe: MoEConfig, *, compute_bytes: int, num_recomputed: int) -> int:
-    """All-to-all bytes of one token row that leaves the rank in every MoE layer, over a
-    micro-step: dispatch and combine forward, both again in backward, the forward again per
-    recomputed layer (the wire formats of ``_all_to_all_bytes``)."""
-    num_moe = len(model.moe_layer_ids)
-    if moe.dispatch_dtype == "none":
-        return 2 * model.dim * compute_bytes * (2 * num_moe + num_recomputed)
-    bf16_row = wire_row_bytes(model.dim, "bf16")
-    forward_row = wire_row_bytes(model.dim, moe.dispatch_dtype) + bf16_row
-    return forward_row * (num_moe + num_recomputed) + 2 * bf16_row * num_moe
-
-
 def _ep_node_bytes(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: int, per_node: int,
-                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int, num_recomputed: int,
-                   hierarchical: bool) -> None:
+                   tokens_per_micro_batch: int, seq_len: int | None, grad_accum: int, compute_bytes: int,
+                   num_recomputed: int, hierarchical: bool) -> None:
     """Inter-node all-to-all bytes, flat and hierarchical; with ``hierarchical`` (and ep groups of
     whole nodes) the all-to-all volume of the two-stage exchange too."""
     if per_node % ep == 0:
@@ -168,8 +185,8 @@ def _ep_node_bytes(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: i
         return
     num_nodes, E, K = ep // per_node, moe.num_experts, moe.top_k
     kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
-    per_row = _bytes_per_remote_row(model, moe, compute_bytes=compute_bytes, num_recomputed=num_recomputed)
-    per_token = tokens_per_micro_batch * kept * per_row * grad_accum
+    per_token = kept * grad_accum * _row_bytes(model, moe, tokens=tokens_per_micro_batch, seq_len=seq_len,
+                                               compute_bytes=compute_bytes, num_recomputed=num_recomputed)
     other_nodes = expected_groups_hit(E, K, num_nodes) * (num_nodes - 1) / num_nodes
     vol.all_to_all_inter_node_flat = int(per_token * K * (num_nodes - 1) / num_nodes)
     vol.all_to_all_inter_node_hierarchical = int(per_token * other_nodes)
@@ -212,23 +229,25 @@ def _add_replicated(vol: CommVolume, specs: list[ParamSpec], layout: Layout, *, 
 
 
 def _add_token_exchanges(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: int, etp: int, per_node: int,
-                         tokens: int, grad_accum: int, compute_bytes: int, num_recomputed: int,
+                         tokens: int, seq_len: int | None, grad_accum: int, compute_bytes: int, num_recomputed: int,
                          ep_hierarchical: bool) -> None:
     """The expert all-to-all (dispatch + combine; forward, backward and recompute) of ``tokens``
     per micro-batch, and under etp the gathers and reduce-scatters around the experts: every rank
     then dispatches its etp group's gathered tokens."""
     if etp > 1:
         gather, scatter = etp_bytes_per_micro_batch(model, etp=etp, tokens=tokens, top_k=moe.top_k,
-                                                    compute_bytes=compute_bytes, num_recomputed=num_recomputed)
+                                                    compute_bytes=compute_bytes, num_recomputed=num_recomputed,
+                                                    seq_len=seq_len)
         vol.all_gather, vol.reduce_scatter = gather * grad_accum, scatter * grad_accum
         vol.inter_node += (gather + scatter) * grad_accum * (per_node % etp != 0)
     if ep == 1:
         return
     dispatched = tokens * etp
     vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=dispatched, grad_accum=grad_accum,
-                                       compute_bytes=compute_bytes, num_recomputed=num_recomputed)
-    _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=dispatched, grad_accum=grad_accum,
-                   compute_bytes=compute_bytes, num_recomputed=num_recomputed, hierarchical=ep_hierarchical)
+                                       compute_bytes=compute_bytes, num_recomputed=num_recomputed, seq_len=seq_len)
+    _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=dispatched, seq_len=seq_len,
+                   grad_accum=grad_accum, compute_bytes=compute_bytes, num_recomputed=num_recomputed,
+                   hierarchical=ep_hierarchical)
     ep_crosses = ep > per_node or per_node % ep != 0
     hierarchical = ep_hierarchical and ep_crosses and ep % per_node == 0
     vol.inter_node += vol.all_to_all_inter_node_hierarchical if hierarchical else vol.all_to_all_inter_node_flat
@@ -237,7 +256,8 @@ def _add_token_exchanges(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *,
 def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, moe: MoEConfig, *,
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
                   ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None,
-                  ep_hierarchical: bool = False, grad_compression: str = "none") -> CommVolume:
+                  ep_hierarchical: bool = False, grad_compression: str = "none",
+                  seq_len: int | None = None) -> CommVolume:
     """Bytes this rank sends in one optimizer step (``grad_accum`` micro-batches of
     ``tokens_per_micro_batch`` tokens). ``ac_moe_layers_recomputed``: MoE layers whose forward
     (all-to-alls included) checkpointing repeats in backward. ``procs_per_node`` (default: all
@@ -246,7 +266,9 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     (parallel.ep_hierarchical): the two-stage all-to-all where ep groups are whole nodes.
     ``grad_compression`` (dp.grad_compression, stages 0/1): "bf16" halves the gradient
     all-reduce; "onebit" counts a step of 1-bit Adam's compressed phase (after its fp32 warm-up):
-    per tensor, the all-to-all and all-gather of W chunks of packed signs and an fp32 scale."""
+    per tensor, the all-to-all and all-gather of W chunks of packed signs and an fp32 scale.
+    ``seq_len``: the length of the micro-batch's sequences, which sets the tokens the multi-token
+    depths route (``routed_tokens``; None counts them at ``tokens_per_micro_batch``)."""
     W, ep, edp, stage, etp = layout.world, layout.ep, layout.edp, layout.zero_stage, layout.etp
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
@@ -257,7 +279,7 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     # 1. The experts' token exchanges: the all-to-all and, under etp, the gathers around it.
     if model.is_moe:
         _add_token_exchanges(vol, model, moe, ep=ep, etp=etp, per_node=per_node, tokens=tokens_per_micro_batch,
-                             grad_accum=grad_accum, compute_bytes=compute_bytes,
+                             seq_len=seq_len, grad_accum=grad_accum, compute_bytes=compute_bytes,
                              num_recomputed=ac_moe_layers_recomputed, ep_hierarchical=ep_hierarchical)
 
     # 2. Gradient and parameter collectives.

@@ -58,7 +58,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.models.transformer import attention_params
 from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
-from moetrain.plan.comm import comm_per_step
+from moetrain.plan.comm import comm_per_step, num_moe_layers
 from moetrain.plan.device_profiles import (  # noqa: F401  (re-exported: the step-time API)
     H100_SXM,
     H200,
@@ -286,10 +286,11 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
                      ep=layout.ep, ac=ac, ac_every=ac_every, dtype=dtype)
     peak = profile.peak(dtype, tf32=tf32)
     forward_s, backward_s = work.seconds(profile, peak)
-    num_moe = len(model.moe_layer_ids)
+    num_moe = num_moe_layers(model)  # the multi-token depths' MoE layers exchange tokens too
     recomputed = moe_layers_recomputed(model, ac, ac_every)
     vol = comm_per_step(specs, layout, model, moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
-                        compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed, procs_per_node=per_node)
+                        compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed, procs_per_node=per_node,
+                        seq_len=seq_len)
     # 1. Each collective's time: its bytes over its link, one latency per call.
     calls, units, last_bucket_share = _calls(specs, layout, num_moe=num_moe, recomputed=recomputed,
                                              grad_accum=grad_accum, bucket_cap_bytes=bucket_cap_bytes)

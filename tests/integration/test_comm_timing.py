@@ -1,6 +1,7 @@
 """``log.comm_timing``: every expert-parallel exchange timed, in both directions, and the gradient
 reduction and ZeRO-1 parameter gather, with the same numbers as an untimed run (timing waits for
-each collective where it is issued; nothing else changes)."""
+each collective where it is issued; nothing else changes). With a multi-token module and a forced,
+exactly balanced routing, the planner's all-to-all bytes per step are the counted ones."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import json
 import pytest
 
 from moetrain.config.loader import load_config
+from moetrain.plan.comm import comm_per_step, num_moe_layers
+from moetrain.plan.model_states import Layout, param_specs
+from moetrain.plan.planner import resolve_vocab
 from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides
 
@@ -29,11 +33,36 @@ def _run(rank: int, world_size: int, overrides: list[str]) -> dict | None:
         return {"records": [json.loads(line) for line in f if line.strip()]}
 
 
+MTP_BALANCED = ("--model.mtp_depth=1", "--moe.force_balance=round_robin")
+"""One multi-token depth (an MoE block routing 63 of each sequence's 64 positions), and every
+forward's copy n = t * K + j sent to expert n mod E: with E = 4, K = 2 and ep = 2, token t's two
+copies go to rank t mod 2, exactly half of each layer's tokens (256 per block, 4 * 63 = 252 at the
+depth) leave each rank."""
+
+
+def _check_planner(cfg, record: dict) -> None:
+    """The planner's all-to-all bytes of a step (what a rank sends, forward and backward) against the
+    counted dispatch and combine payloads (forward only, sent plus received: the backward sends back
+    what the forward received, row for row), routing metadata aside."""
+    t, model = cfg.train, resolve_vocab(cfg)
+    grad_accum = t.global_batch_size // (t.micro_batch_size * 2)  # dp = 2
+    vol = comm_per_step(param_specs(model, cfg.moe), Layout.of_config(cfg, 2), model, cfg.moe,
+                        tokens_per_micro_batch=t.micro_batch_size * cfg.data.seq_len, grad_accum=grad_accum,
+                        compute_bytes=4, seq_len=cfg.data.seq_len)
+    counted = (record["a2a_dispatch_bytes"] + record["a2a_combine_bytes"]) / 2  # two steps per record
+    assert vol.all_to_all == counted, (vol.all_to_all, counted)
+    # By hand: of the K = 2 copies of each token a layer routes (4 x 64 in each block, 4 x 63 at the
+    # depth), half leave the rank, as rows of D = 64 fp32 values, in the dispatch and the combine,
+    # and the backward sends both again.
+    remote_rows = (2 * 4 * 64 + 4 * 63) * 2 // 2
+    assert grad_accum == 1 and counted == remote_rows * 2 * 2 * 64 * 4
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("extra", [(), ("--moe.dispatch_dtype=fp8_e4m3", "--moe.dispatch_dedup=true"),
-                                   ("--parallel.zero_stage=1",)],
-                         ids=["plain", "fp8-dedup", "zero1"])
+                                   ("--parallel.zero_stage=1", *MTP_BALANCED)],
+                         ids=["plain", "fp8-dedup", "zero1-mtp"])
 def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakespeare_cached, extra):
     base = ("--train.micro_batch_size=4", "--log.every=2", "--train.deterministic=true", *extra)
     plain = run_ranks(_run, 2, job_overrides(tmp_path / "plain", steps=4, ep=2, extra=base), timeout_s=150)[0]
@@ -41,10 +70,13 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
                                              extra=(*base, "--log.comm_timing=true")), timeout_s=150)[0]
     assert [r["loss"] for r in timed["records"]] == [r["loss"] for r in plain["records"]]
     assert [r["a2a_bytes"] for r in timed["records"]] == [r["a2a_bytes"] for r in plain["records"]]
+    cfg = load_config(None, job_overrides(tmp_path / "cfg", steps=4, ep=2, extra=base))
+    num_moe = num_moe_layers(cfg.model)
+    assert num_moe == (3 if "--model.mtp_depth=1" in extra else 2)  # the blocks', and the module's
     for record in timed["records"]:
-        # 2 MoE layers, one dispatch and one combine each, per step (and their backward).
+        # One dispatch and one combine per MoE layer and step (and their backward).
         for kind in ("dispatch", "dispatch_backward", "combine", "combine_backward"):
-            assert record[f"comm_calls/{kind}"] == 2, (kind, record)
+            assert record[f"comm_calls/{kind}"] == num_moe, (kind, record)
             assert record[f"comm_time/{kind}"] > 0
         assert record["comm_calls/routing"] >= 2 and record["comm_time/routing"] > 0
         # dp = 2 for the dense weights: DDP's buckets, once per step (the experts have edp = 1).
@@ -60,6 +92,8 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
         assert combine * (64 + 4 if extra and "fp8" in extra[0] else 4 * 64) == \
             dispatch * (2 * 64 if extra and "fp8" in extra[0] else 4 * 64)
         assert record["a2a_bytes_per_step"] == record["a2a_bytes"] / 2
+        if extra[-len(MTP_BALANCED):] == MTP_BALANCED:
+            _check_planner(cfg, record)
     assert not any(k.startswith("comm_") for r in plain["records"] for k in r)  # off by default
 
 

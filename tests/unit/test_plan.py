@@ -144,6 +144,43 @@ def test_comm_all_to_all_accounts_for_dispatch_dtype():
     assert a2a("fp8_e4m3") / fp32 == pytest.approx((7 * D + 4) / (16 * D))
 
 
+def test_comm_counts_the_multi_token_depths_tokens():
+    """Depth k of model.mtp_depth is an MoE block routing the S - k positions of each sequence with a
+    token k places ahead: its all-to-all (fp32 and fp8) and etp bytes are those of a trunk MoE layer
+    at micro * (S - k) tokens, never recomputed; a dense model's depths exchange nothing."""
+    model_cfg, moe = _tiny()
+    mtp = replace(model_cfg, mtp_depth=2)
+    micro, S, accum = 4, 64, 2
+    T, D, num_moe = micro * S, model_cfg.dim, len(model_cfg.moe_layer_ids)
+    routed = num_moe * T + micro * (S - 1) + micro * (S - 2)  # tokens over the MoE layers of a forward
+
+    def vol(model, dispatch_dtype="none", **kw):
+        return comm_per_step(param_specs(model, moe), Layout(world=4, ep=2, zero_stage=0, **kw), model,
+                             replace(moe, dispatch_dtype=dispatch_dtype), tokens_per_micro_batch=T, grad_accum=accum,
+                             compute_bytes=4, seq_len=S, ac_moe_layers_recomputed=num_moe)
+
+    # Half of each routed token's K copies leave the rank (ep = 2); dispatch and combine, forward and
+    # backward, the trunk's forward again (recomputed); D fp32 values a row.
+    assert vol(mtp).all_to_all == int((routed * 2 * 2 + T * num_moe * 2) * moe.top_k / 2 * D * 4 * accum)
+    fp8_forward = (D + 4) + 2 * D
+    assert vol(mtp, "fp8_e4m3").all_to_all == int(
+        (routed * (fp8_forward + 2 * 2 * D) + T * num_moe * fp8_forward) * moe.top_k / 2 * accum)
+    assert vol(mtp).all_to_all > vol(model_cfg).all_to_all
+    dense = replace(model_cfg, moe_every=0, mtp_depth=2)
+    assert not dense.is_moe and vol(dense).all_to_all == 0
+    # etp = 2 (ep = 1): per routed token, the gather of its row, K ids and K gate weights and the
+    # reduce-scatter of its output row, forward; the backward swaps them (the weights' gradients back).
+    etp = vol(mtp, etp=2)
+    gather_fwd, scatter_fwd = D * 4 + 2 * 8 + 2 * 4, D * 4
+    forwards = routed + T * num_moe
+    assert etp.all_gather == (forwards * gather_fwd + routed * D * 4) * accum
+    assert etp.reduce_scatter == (forwards * scatter_fwd + routed * (D * 4 + 2 * 4)) * accum
+    # Without seq_len every depth counts at the whole micro-batch.
+    no_len = comm_per_step(param_specs(mtp, moe), Layout(world=4, ep=2, zero_stage=0), mtp, moe,
+                           tokens_per_micro_batch=T, grad_accum=1, compute_bytes=4)
+    assert no_len.all_to_all == int((num_moe + 2) * T * 2 * 2 * moe.top_k / 2 * D * 4)
+
+
 def test_comm_all_reduce_accounts_for_grad_compression():
     """dp.grad_compression by hand at stage 0, W = 4, ep = 2 (experts over edp = 2): bf16 halves the
     ring all-reduce; a compressed 1-bit Adam step sends, per tensor, its W - 1 foreign chunks in the

@@ -79,6 +79,24 @@ def test_small_collectives_and_expert_parallel_host_work_by_hand():
     assert _estimate(Layout(world=1, ep=1, zero_stage=0), prof).sync_s == 0.0
 
 
+def test_multi_token_depths_add_all_to_all_calls_bytes_and_syncs():
+    """Each depth of model.mtp_depth is one more MoE layer: 5 all-to-all calls, a routing-count
+    all-reduce and a split-size sync per micro-batch, and the bytes of ``comm_per_step`` at its
+    S - k positions per sequence."""
+    model, moe = _tiny()
+    mtp = replace(model, mtp_depth=2)
+    layout, prof = Layout(world=2, ep=2, zero_stage=0), replace(_profile(latency=1e-3), host_sync_s=2e-6)
+    est = estimate_step_time(param_specs(mtp, moe), layout, mtp, moe, micro_batch_size=8, seq_len=256, grad_accum=1,
+                             profile=prof)
+    vol = comm_per_step(param_specs(mtp, moe), layout, mtp, moe, tokens_per_micro_batch=8 * 256, grad_accum=1,
+                        compute_bytes=4, seq_len=256)
+    trunk = comm_per_step(param_specs(model, moe), layout, model, moe, tokens_per_micro_batch=8 * 256, grad_accum=1,
+                          compute_bytes=4)
+    assert vol.all_to_all == trunk.all_to_all * (4 * 256 + 255 + 254) / (4 * 256)
+    assert est.comm_s["all_to_all"] == pytest.approx(vol.all_to_all / 1e9 + (4 + 2) * 5 * 1e-3)
+    assert est.sync_s == pytest.approx((2 + 6) * 1e-3 + 6 * 2e-6, rel=1e-12)
+
+
 def test_doubling_bandwidth_halves_communication():
     layout = Layout(world=4, ep=2, zero_stage=2)
     slow, fast = _estimate(layout, _profile(bandwidth=1e9)), _estimate(layout, _profile(bandwidth=2e9))
