@@ -70,7 +70,12 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from moetrain.config.train import resolve_device
-    from moetrain.interop.generation import load_generation_model, load_tokenizer, require_vocab
+    from moetrain.interop.generation import (
+        apply_document_mask,
+        load_generation_model,
+        load_tokenizer,
+        require_vocab,
+    )
     from moetrain.train.generation import Generation, generate, generate_speculative
 
     if args.speculative:
@@ -83,6 +88,7 @@ def run_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     model, config = load_generation_model(args.checkpoint or args.source)
     tokenizer = load_tokenizer(config, args.tokenizer, source=args.source)
     require_vocab(tokenizer, model)
+    apply_document_mask(model, config, tokenizer)
     device = resolve_device(args.device)
     model = model.to(device=device, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
     ids = tokenizer.encode(args.prompt)

@@ -12,6 +12,7 @@ batch.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -66,6 +67,16 @@ def load_tokenizer(config: dict, tokenizer: str | None, *, source: str) -> Token
         raise ValueError(f"{source!r} trained on pre-tokenised data (no tokenizer): pass --tokenizer "
                          "PATH/tokenizer.json")
     return data.tokenizer
+
+
+def apply_document_mask(model: Transformer, config: dict, tokenizer: Tokenizer) -> None:
+    """A model trained with ``data.document_mask`` attends within each document, split at the end-of-text
+    id of its data's tokenizer, which the trainer resolves when it builds the model and the saved
+    config does not hold: the same separator here, so that a prompt or continuation holding one
+    is read as in training."""
+    data = config.get("data") or {}
+    if data.get("document_mask") and model.config.document_separator is None and tokenizer.eos_id is not None:
+        model.config = dataclasses.replace(model.config, document_separator=tokenizer.eos_id)
 
 
 def require_vocab(tokenizer: Tokenizer, model: Transformer) -> None:
