@@ -130,7 +130,11 @@ class Trainer:
         self.parallel_model: nn.Module
         t = cfg.train
         self.pipeline: PipelineStep | None = None
+        init_from = cfg.checkpoint.init_from
         if self.dims.pp > 1:  # this rank's stages, under a schedule (train/pipeline_step.py)
+            if init_from is not None:
+                # Into the whole model, whose names the export's are; the stages keep theirs.
+                load_initial_weights(full, init_from, new_head=cfg.checkpoint.init_from_new_head)
             self.model, self.pipeline = build_pipeline(full, self.dims, cfg, grad_accum=self.grad_accum,
                                                        device=self.device)
             self.parallel_model = self.model
@@ -140,9 +144,9 @@ class Trainer:
                                               activation_checkpointing_every=t.activation_checkpointing_every,
                                               compile=t.compile, grad_compression=cfg.dp.grad_compression,
                                               **zero_settings(cfg))
-        if cfg.checkpoint.init_from is not None:
+        if init_from is not None and self.dims.pp == 1:
             # A fresh run starts from an export's weights; a resume replaces them afterwards.
-            load_initial_weights(self.model, cfg.checkpoint.init_from, new_head=cfg.checkpoint.init_from_new_head)
+            load_initial_weights(self.model, init_from, new_head=cfg.checkpoint.init_from_new_head)
 
     def build_optimizer(self) -> None:
         o, t = self.cfg.optim, self.cfg.train
