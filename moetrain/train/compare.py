@@ -99,12 +99,7 @@ def load_run(path: str | os.PathLike, name: str) -> Run:
     path = Path(path)
     if not path.is_dir():
         raise ValueError(f"run ({str(path)!r}) is not a folder: pass the run directories (log.run_dir) to compare")
-    try:
-        records = read_metrics(path)
-    except FileNotFoundError as e:
-        raise ValueError(str(e)) from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path / 'metrics.jsonl'} is not JSON lines ({e})") from None
+    records = read_metrics(path)
     config_path = path / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else None
     return Run(name=name, path=path, records=records, config=config if isinstance(config, dict) else None)

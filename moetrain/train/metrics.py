@@ -8,6 +8,7 @@ per log step before calling ``log``).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import time
@@ -25,6 +26,8 @@ if TYPE_CHECKING:  # imported lazily at run time: only a logging rank with Tenso
     from torch.utils.tensorboard import SummaryWriter
 
     from moetrain.train.trackers import Tracker
+
+log = logging.getLogger("moetrain")
 
 
 def expert_load_summary(counts_LE: torch.Tensor) -> dict:
@@ -231,8 +234,24 @@ def _tb_write(tb: SummaryWriter, key: str, value, step: int) -> None:
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of ``RUN/metrics.jsonl``. A last line that is not a JSON object is a record cut short
+    by a crash mid-write: it is left out with a warning. Any other bad line, or no file, is a ValueError
+    naming the file (and the line)."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: is {run_dir} a moetrain run directory?")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: is {str(run_dir)!r} a moetrain run directory (log.run_dir)?")
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [(n, line) for n, line in enumerate(f, start=1) if line.strip()]
+    records = []
+    for i, (line_no, line) in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            record = e.msg
+        if isinstance(record, dict):
+            records.append(record)
+        elif i == len(lines) - 1:
+            log.warning("%s:%d: left out a record cut short (the run stopped while writing it)", path, line_no)
+        else:
+            raise ValueError(f"{path}:{line_no}: not a JSON object (a metrics record): {line[:80]!r}")
+    return records
