@@ -13,8 +13,8 @@ Formats (every error names the file, the 1-based line number and the rule):
 Splits: test comes from the data (a registered corpus's test file or its fixed-seed split; a user's
 test file or ``classify.test_fraction`` of a single file); validation is always carved out of the
 train split (``data.val_fraction``, seeded by ``classify.split_seed``), so that model selection never
-sees the test examples. Class ids are the sorted train labels; a val/test label that training never
-saw is an error naming its line.
+sees the test examples; a class that a held-out split would take whole keeps one example in train.
+Class ids are the sorted train labels; a test label that training never saw is an error naming its line.
 """
 
 from __future__ import annotations
@@ -185,10 +185,20 @@ def _permutation(n: int, seed: int, salt: int) -> np.ndarray:
 
 def _hold_out(examples: Examples, fraction: float, *, seed: int, salt: int) -> tuple[Examples, Examples]:
     """(rest, held out): ``round(N * fraction)`` examples picked by a seeded permutation, each part in
-    the file's order."""
+    the file's order; of a class the pick would take whole, its first picked example stays in the rest
+    (the train split must hold every class its val/test splits have)."""
     order = _permutation(len(examples), seed, salt)
     num_held = round(len(examples) * fraction)
-    return examples.take(np.sort(order[num_held:])), examples.take(np.sort(order[:num_held]))
+    held, rest = order[:num_held], order[num_held:]
+    kept = {examples.labels[i] for i in rest}
+    returned = []
+    for i in held:
+        if examples.labels[i] not in kept:
+            kept.add(examples.labels[i])
+            returned.append(i)
+    if returned:
+        held, rest = held[~np.isin(held, returned)], np.concatenate([rest, returned])
+    return examples.take(np.sort(rest)), examples.take(np.sort(held))
 
 
 def _train_test_files(files: list[Path], where: str) -> tuple[Path, Path]:

