@@ -1,5 +1,7 @@
 """LoRA fine-tuning by module surgery: freeze every base weight, add low-rank adapters to the
 projections ``finetune.lora_targets`` names, and fold them back into the base weights for export.
+A classifier's task head (its output layer, attention-pooling query and n-gram table) stays
+trainable, as PEFT's ``modules_to_save`` for sequence classification: it is new to the base model.
 
     apply_lora(model, cfg.finetune, seed=cfg.train.seed)   # single-device model, before parallelize
     merged = merge_lora(state_dict, cfg.finetune)          # full tensors -> plain model's tensors
@@ -114,6 +116,14 @@ def apply_lora(model: nn.Module, finetune: FinetuneConfig, *, seed: int = 0) -> 
                          "which this model does not have")
     for p in model.parameters():
         p.requires_grad_(False)
+    config = getattr(model, "config", None)
+    if config is not None and config.head == "classifier":
+        # The task head trains whole, as PEFT's modules_to_save for sequence classification: a
+        # classifier's head (and its pooling query and n-gram table) is new to the base model.
+        for name in ("output", "pool_query", "ngram_embeddings"):
+            part = getattr(model, name, None)
+            for p in part.parameters() if isinstance(part, nn.Module) else [part] if part is not None else []:
+                p.requires_grad_(True)
     rank, scale = finetune.lora_rank, finetune.scale
     for modules in found.values():
         for prefix, module in modules:

@@ -79,6 +79,25 @@ def test_fresh_adapters_change_nothing_and_only_they_train():
     assert num_lora_params(model) == attention + dense + shared + routed
 
 
+def test_a_classifiers_task_head_trains_whole_beside_the_adapters():
+    # PEFT's modules_to_save for sequence classification: the head is new to the base model, and
+    # frozen it would stay at its init for the whole run.
+    cfg = ModelConfig(dim=32, num_heads=4, num_layers=2, vocab_size=VOCAB, max_seq_len=16, head="classifier",
+                      num_classes=3, pooling="attention", causal=False, ngram_buckets=32)
+    model = Transformer(cfg, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=16), seed=0)
+    apply_lora(model, FinetuneConfig(lora_rank=4, lora_alpha=8.0, lora_targets=("attention",)), seed=1)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    head = {"output.weight", "pool_query", "ngram_embeddings.weight"}
+    assert head <= trainable and all(is_lora_name(n) for n in trainable - head)
+    opt = build_optimizer(model, lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
+    before = model.output.weight.detach().clone()
+    ids = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    F.cross_entropy(model(ids).logits, torch.tensor([0, 2])).backward()
+    opt.step()
+    assert not torch.equal(model.output.weight, before)
+    assert not model.layers[0].attention.wq.weight.requires_grad  # the base stays frozen
+
+
 @pytest.mark.parametrize("attention", ["mha", "mla"])
 def test_lora_steps_change_only_adapters(attention):
     model = make_model(attention=attention)
