@@ -4,7 +4,9 @@ activation estimate against it for the tiny preset and a larger, Mixtral-shaped 
 Estimated / measured activation peak (fp32, one process, 4 x 256 tokens) when this was written:
 tiny 0.999 (ac none), 0.999 (full), 0.999 (moe), 0.999 (every_n); Mixtral-shaped at dim 256
 0.999, 1.10, 1.07, 0.998; DeepSeek-shaped at dim 128 1.003, 0.999, 0.999, 1.002. The test bound
-is the issue's 25%.
+is the issue's 25%. At 2 x 128 tokens: tiny with mtp_depth 1 1.003 (none), 1.003 (full); mtp_depth
+2 1.003, 1.002, 1.002 (moe); MLA as DeepSeek-V3 (vocab 256) 1.025 with CPU attention's extra
+probabilities; expert choice at capacity factor 2 1.000. These hold within 10%.
 """
 
 from dataclasses import replace
@@ -115,3 +117,40 @@ def test_activation_estimate_within_25_percent(name, ac):
     measured = _measure(model_cfg, moe, ac, batch=batch, seq=seq)
     estimate = estimate_activations(model_cfg, moe, micro_batch_size=batch, seq_len=seq, ac=ac).peak_bytes
     assert 0.75 <= estimate / measured <= 1.25, f"{name} ac={ac}: estimate {estimate} vs measured {measured}"
+
+
+def _mla_v3():
+    """DeepSeek-V3's latent attention at dim 128: a q latent and a kv latent, heads of nope 2 x
+    rope features and values of nope's size (V3: 128 + 64 and 128), so v's dim is not q's; a
+    256-token vocabulary so that the blocks dominate."""
+    model_cfg, moe = _tiny()
+    return replace(model_cfg, vocab_size=256, attention="mla", num_heads=8, q_lora_rank=96, kv_lora_rank=32,
+                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32), moe
+
+
+def _cpu_math_kernel_bytes(model_cfg, *, batch, seq):
+    """What CPU attention saves beyond the fused kernels the estimate models: with a value dim
+    other than q's (MLA) SDPA has no fused CPU kernel and its math path keeps each block's
+    softmax probabilities, B H S S fp32 (a GPU's memory-efficient kernel keeps only q, k, v, the
+    output and the log-sum-exp)."""
+    if model_cfg.attention != "mla" or model_cfg.v_head_dim == model_cfg.resolved_head_dim:
+        return 0
+    return model_cfg.num_layers * batch * model_cfg.num_heads * seq * seq * 4
+
+
+# Multi-token modules, latent attention and expert choice beyond capacity 1: the estimate once left
+# their activations out (MTP: est/meas 0.78 at depth 1, 0.52 at depth 2 under "full"), used MHA
+# shapes (MLA 0.85) or capped expert choice's copies at T*K (0.82 at factor 2); now 0.99 to 1.03.
+@pytest.mark.parametrize("case,ac", [("mtp1", "none"), ("mtp1", "full"), ("mtp2", "none"), ("mtp2", "full"),
+                                     ("mtp2", "moe"), ("mla-v3", "none"), ("expert-choice-cf2", "none")])
+def test_activation_estimate_within_10_percent_beyond_the_plain_block(case, ac):
+    model_cfg, moe = _mla_v3() if case == "mla-v3" else _tiny()
+    if case.startswith("mtp"):
+        model_cfg = replace(model_cfg, mtp_depth=int(case[3:]))
+    if case == "expert-choice-cf2":
+        moe = replace(moe, router="expert_choice", capacity_factor=2.0)
+    batch, seq = 2, 128
+    measured = _measure(model_cfg, moe, ac, batch=batch, seq=seq)
+    estimate = (estimate_activations(model_cfg, moe, micro_batch_size=batch, seq_len=seq, ac=ac).peak_bytes
+                + _cpu_math_kernel_bytes(model_cfg, batch=batch, seq=seq))
+    assert 0.9 <= estimate / measured <= 1.1, f"{case} ac={ac}: estimate {estimate} vs measured {measured}"
