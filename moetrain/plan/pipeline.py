@@ -17,8 +17,8 @@ micro-batches of the rank's whole share of layers, on pp rank r:
                                                            of 1/v of the rank's layers)
 
 A stage's activations per micro-batch are taken as its share of the blocks' saved bytes
-(``moetrain.plan.activations``: block terms split evenly over the blocks, the head's on the
-last stage), so a stage of dense blocks next to MoE blocks is approximated.
+(``moetrain.plan.activations``: block terms split evenly over the blocks, the head's and the
+multi-token modules' on the last stage), so a stage of dense blocks next to MoE blocks is approximated.
 
 Point-to-point bytes per step, per rank: every stage but the last sends its output ``[B, S, D]``
 forward once per micro-batch, every stage but the first sends the gradient of its input back.
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from moetrain.config.pipeline import PP_SCHEDULES, check_microbatches
+from moetrain.config.pipeline import PP_SCHEDULES, check_microbatches, shares_embedding
 from moetrain.distributed.pipeline.stages import layer_costs, rank_stage_ids, split_stages
 
 
@@ -68,7 +68,8 @@ class PipelineRankPlan:
     layers: list[int]
     """Block indices this rank holds."""
     params: int
-    """Parameters of its stages (embedding, head and every expert counted, before any sharding)."""
+    """Parameters of its stages (embedding, head, multi-token modules and every expert counted,
+    before any sharding; the last stage's copy of a shared embedding included)."""
     microbatches_in_flight: float
     activation_bytes: int
     """Activations held at the schedule's peak (``microbatches_in_flight`` x the stages' saved
@@ -89,24 +90,19 @@ def plan_pipeline(model, *, pp: int, schedule: str, num_microbatches: int, virtu
     """Per pp rank of ``model`` (a ``Transformer``, on the meta device for large configs): its
     stages as ``parallel.pp_split`` cuts them, parameters, activations at the peak and p2p bytes.
     ``saved_bytes_per_microbatch`` and ``head_bytes_per_microbatch`` are one micro-batch's saved
-    activations of the whole model and of its head (``estimate_activations``'s ``saved_bytes``
-    and ``terms["head"]``)."""
+    activations of the whole model and of its head with the multi-token modules
+    (``estimate_activations``'s ``saved_bytes`` and ``terms["head"]``)."""
     num_stages = pp * virtual_stages
     costs, first, last = layer_costs(model, split, seq_len=seq_len)
     stages = split_stages(costs, num_stages, first_extra=first, last_extra=last)
     L = len(model.layers)
     per_block = (saved_bytes_per_microbatch - head_bytes_per_microbatch) / L
-    layer_params = [sum(p.numel() for p in layer.parameters()) for layer in model.layers]
     ranks = []
     for r in range(pp):
         ids = rank_stage_ids(r, pp, virtual_stages)
         layers = [i for s in ids for i in stages[s]]
-        params = sum(layer_params[i] for i in layers)
-        if 0 in ids:
-            params += model.tok_embeddings.weight.numel()
         holds_last = num_stages - 1 in ids
-        if holds_last:
-            params += model.output.weight.numel() + model.norm.weight.numel()
+        params = _rank_params(model, layers, first=0 in ids, last=holds_last)
         in_flight = microbatches_in_flight(schedule, pp=pp, pp_rank=r, num_microbatches=num_microbatches,
                                            virtual_stages=virtual_stages)
         one = per_block * len(layers) + (head_bytes_per_microbatch if holds_last else 0)
@@ -118,6 +114,20 @@ def plan_pipeline(model, *, pp: int, schedule: str, num_microbatches: int, virtu
                                          dtype_bytes=dtype_bytes)))
     return PipelinePlan(schedule=schedule, bubble_fraction=bubble_fraction(
         pp=pp, num_microbatches=num_microbatches, virtual_stages=virtual_stages), ranks=ranks)
+
+
+def _rank_params(model, layers: list[int], *, first: bool, last: bool) -> int:
+    """Parameters of the modules a rank's stages hold (``PipelineChunk``): its blocks; the
+    embedding on the first stage; on the last the final norm, the head and the multi-token
+    modules, with the embedding too where they read it or the head is tied to it (the last
+    stage's copy, ``shares_embedding``). A tensor two of them share counts once."""
+    modules = [model.layers[i] for i in layers]
+    if first or (last and shares_embedding(model.config)):
+        modules.append(model.tok_embeddings)
+    if last:
+        modules += [model.norm, model.output, model.mtp]
+    unique = {id(p): p for m in modules for p in m.parameters()}
+    return sum(p.numel() for p in unique.values())
 
 
 def format_pipeline_plan(plan: PipelinePlan) -> str:
