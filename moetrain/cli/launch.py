@@ -131,14 +131,16 @@ def load_job(args: argparse.Namespace, overrides: list[str], *, world: int | Non
 def check_model(cfg) -> None:
     """What only the built model tells, checked on the model built on the meta device (no memory,
     no weights: the modules every rank builds): LoRA targets that match nothing, and the shapes
-    tensor parallelism cannot split (``check_tensor_parallel``). The vocabulary is data.vocab_size's;
-    no rule here reads it."""
+    tensor parallelism cannot split (``check_tensor_parallel``). The vocabulary is model.vocab_size,
+    else data.vocab_size; no rule here reads it."""
     import torch
 
     from moetrain.models.lora import apply_lora
     from moetrain.models.transformer import Transformer
 
-    model_cfg = cfg.model.with_vocab_size(cfg.data.vocab_size)
+    # data.vocab_size is a BPE's target, not the tokenizer's real size (a byte tokenizer has 256, an
+    # export its own): the ranks check the vocabulary against the tokenizer they load.
+    model_cfg = cfg.model if cfg.model.vocab_size is not None else cfg.model.with_vocab_size(cfg.data.vocab_size)
     with torch.device("meta"):
         model = Transformer(model_cfg, moe=cfg.moe if model_cfg.is_moe else None, seed=cfg.train.seed)
         apply_lora(model, cfg.finetune, seed=cfg.train.seed)

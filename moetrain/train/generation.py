@@ -206,6 +206,7 @@ def generate_speculative(model: Transformer, prompt_ids_BS: torch.Tensor, *, max
     if rope is not None and rope.rope_type == "dynamic":
         # The verifying forward rotates its drafts with the stretch of its last position, where
         # greedy decoding gives each position the stretch of its own step.
+        assert rope.original_max_seq_len is not None  # required with "dynamic"
         require(limit <= rope.original_max_seq_len, "prompt tokens + max_new_tokens",
                 f"{num_prompt} + {max_new_tokens}", f"must be <= model.rope_scaling.original_max_seq_len "
                 f"({rope.original_max_seq_len}) for speculative decoding with rope_type 'dynamic'")
