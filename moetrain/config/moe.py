@@ -210,7 +210,8 @@ class MoEConfig:
     uniform 1/E before the first step, which gives no gradient, the P_e summing to 1) and P_e is
     over each forward's tokens: the step's loss, the mean over micro-batches and ranks, is
     E * sum_e f_e(previous step) * P_e(this step), whose gradient is the same for any dp, tp, pp and
-    micro-batch count. Training without install_balancing is refused. (Megatron-LM's
+    micro-batch count; with padding (a classifier) only where the micro-batches hold equal numbers of
+    real tokens, since each weighs the same in that mean. Training without install_balancing is refused. (Megatron-LM's
     global_aux_loss takes f_e as a running mean over the step's micro-batches so far instead:
     current, but dependent on the micro-batch count.)"""
 
