@@ -30,13 +30,20 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
 
 
 def parse_bytes(text: str | int) -> int:
-    """``"80GiB"`` -> 85899345920; ``"80GB"`` -> 8e10; a plain number is bytes."""
-    if isinstance(text, int):
-        return text
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"--device-memory ({text!r}) must be a size like 80GiB, 40GB or 512MiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """``"80GiB"`` -> 85899345920; ``"80GB"`` -> 8e10; a plain number is bytes (a fraction of a byte
+    rounds down). ``ValueError`` for anything else, and for a size under 1 byte: a device without
+    memory fits nothing."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        num_bytes = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"--device-memory ({text!r}) must be a size like 80GiB, 40GB or 512MiB")
+        num_bytes = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if num_bytes < 1:
+        raise ValueError(f"--device-memory ({text!r}) must be > 0 and at least 1 byte once parsed "
+                         f"(it is {num_bytes} bytes)")
+    return num_bytes
 
 
 def add_parsers(sub) -> None:
@@ -75,12 +82,14 @@ def add_parsers(sub) -> None:
 
 
 def _numbers(text: str, flag: str, kind):
+    """``text``'s comma-separated values: floats > 0 (``kind`` float) or integers >= 1 (``kind`` int)."""
     try:
         values = tuple(kind(x) for x in text.split(",") if x.strip())
     except ValueError:
         values = ()
     if not values or any(v <= 0 for v in values):
-        raise ValueError(f"{flag} ({text!r}) must be a comma-separated list of numbers > 0")
+        rule = "integers >= 1" if kind is int else "numbers > 0"
+        raise ValueError(f"{flag} ({text!r}) must be a comma-separated list of {rule}")
     return values
 
 
@@ -136,7 +145,7 @@ def _run_skew(args, cfg) -> int:
     from moetrain.plan.skew import confirm_buffers, format_buffer_checks, format_skew_plan, make_skew_plan
 
     device_memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
-    plan = make_skew_plan(cfg, nproc=args.nproc, skew=args.skew, routing_trace=args.routing_trace,
+    plan = make_skew_plan(cfg, nproc=args.nproc, nodes=args.nodes, skew=args.skew, routing_trace=args.routing_trace,
                           device_memory=device_memory, profile=_profile(args),
                           capacity_factors=_numbers(args.capacity_factors, "--capacity-factors", float),
                           spare_slots=_numbers(args.spare_slots, "--spare-slots", int))

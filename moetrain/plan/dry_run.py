@@ -7,12 +7,14 @@ What runs is the trainer's own setup for one rank ``R`` of ``N``, in the trainer
 
 1. a fake process group of world N (torch's ``FakeStore`` and backend "fake": every collective
    returns at once, nothing leaves the process), and ``ParallelDims`` builds its mesh on it;
-2. the model, built on the meta device (shapes, no storage);
+2. the model, built on the meta device (shapes, no storage), with its LoRA adapters (``apply_lora``);
 3. ``parallelize``: expert parallelism (dispatchers, experts sharded over ep, and with
    ``parallel.etp`` their hidden dim over etp), checkpointing,
    compile, then DDP (ZeRO 0/1) or the FSDP2 units (ZeRO 2/3), with the job's settings;
 4. the optimizer, ``build_optimizer`` + ``wrap_optimizer`` (ZeRO-1: ``ZeroShardedOptimizer``),
-   stepped once on placeholder meta gradients, so AdamW creates its states itself.
+   stepped once on placeholder meta gradients, so AdamW creates its states itself;
+5. the weight average (optim.ema_decay) and the ``Rebalancer`` (its replica banks, with
+   parallel.expert_slots_per_rank and moe.rebalance_every > 0).
 
 Then the bytes are read off what was built: parameters from the storage behind each local shard
 (FSDP2's padded shard storage included), optimizer states from the optimizer's ``state``, and
@@ -23,7 +25,10 @@ gradients from the buffers the data-parallel wrapper reduces into (there is no b
   ignores those; autograd accumulates them).
 * FSDP2 (stages 2/3): the reduce-scatter leaves each sharded gradient as a view into one output
   buffer per unit, a padded shard per parameter, in the parameters' dtype (torch's
-  ``foreach_reduce``); so each parameter's gradient costs its padded shard.
+  ``foreach_reduce``); so each trainable parameter's gradient costs its padded shard.
+
+The replica banks count their weights, and as much again for the gradient of each trainable one;
+1-bit Adam's residuals (dp.grad_compression "onebit") are the flat buffers its reducers allocate.
 
 The process group is process-wide: ``dry_run`` refuses to run where one exists, and
 ``dry_run_isolated`` runs it in a fresh interpreter then. Offloaded states are out of scope: a
@@ -97,7 +102,7 @@ def largest_rank(cfg: JobConfig, world: int, *, specs=None) -> tuple[int, str]:
     ranks, which the tests check against dry runs of first, middle and last ranks. Ranks differ
     only in which chunk of each sharded tensor they keep: ``torch.chunk``-style shards give the
     full chunks to the first ranks and the remainder (maybe nothing) to the last."""
-    specs = specs if specs is not None else param_specs(resolve_vocab(cfg), cfg.moe)
+    specs = specs if specs is not None else param_specs(resolve_vocab(cfg), cfg.moe, finetune=cfg.finetune)
     per_rank = state_bytes_per_rank(specs, Layout.of_config(cfg, world))
     totals = [s.total for s in per_rank]
     rank = totals.index(max(totals))
@@ -165,16 +170,17 @@ def dry_run(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> DryRun:
     a process without a process group; leaves none behind."""
     _check(cfg, nproc, rank)
     model_cfg = resolve_vocab(cfg)
-    specs = param_specs(model_cfg, cfg.moe)
+    specs = param_specs(model_cfg, cfg.moe, finetune=cfg.finetune)
     note = "given (--rank)"
     if rank is None:
         rank, note = largest_rank(cfg, nproc, specs=specs)
     t0 = time.perf_counter()
     with fake_process_group(world=nproc, rank=rank):
-        model, wrapped, optimizer, average = _build(cfg, model_cfg, nproc)
+        model, wrapped, optimizer, average, rebalancer = _build(cfg, model_cfg, nproc)
         measured = StateBytes(param=_param_bytes(model), grad=_grad_bytes(model, wrapped),
                               optim=_optim_bytes(optimizer),
-                              average=sum(_storage_bytes(t) for t in average.values()))
+                              average=sum(_storage_bytes(t) for t in average.values()),
+                              replica=_replica_bytes(rebalancer), residual=_residual_bytes(wrapped))
         buffers = sum(_storage_bytes(b) for b in model.buffers())
         devices = sorted({_local(p).device.type for p in model.parameters()})
         num_params = sum(1 for _ in model.parameters())
@@ -187,13 +193,16 @@ def dry_run(cfg: JobConfig, *, nproc: int, rank: int | None = None) -> DryRun:
 
 
 def _build(cfg: JobConfig, model_cfg, world: int):
-    """The trainer's build_model + build_optimizer (and weight average) for this rank, on the meta
-    device. Returns the model, its wrapper, the stepped optimizer and the average's tensors by name."""
+    """The trainer's build_model + build_optimizer (weight average and rebalancer too) for this rank,
+    on the meta device. Returns the model, its wrapper, the stepped optimizer, the average's tensors
+    by id and the rebalancer."""
     import torch
 
     from moetrain.distributed.data_parallel.ddp import wrap_optimizer, zero_settings
+    from moetrain.distributed.expert_parallel.rebalance import Rebalancer, rebalance_settings
     from moetrain.distributed.parallel_dims import ParallelDims
     from moetrain.distributed.parallelize import parallelize
+    from moetrain.models.lora import apply_lora
     from moetrain.models.transformer import Transformer
     from moetrain.train.optim import build_optimizer, optimizer_settings
     from moetrain.train.weight_average import WeightAverage
@@ -203,6 +212,7 @@ def _build(cfg: JobConfig, model_cfg, world: int):
     dims.build_mesh()  # "cpu" for the fake backend: the device type only names the mesh
     with torch.device("meta"):
         model = Transformer(model_cfg, moe=cfg.moe if model_cfg.is_moe else None, seed=cfg.train.seed)
+        apply_lora(model, cfg.finetune, seed=cfg.train.seed)  # as the trainer's build_model
     t, o = cfg.train, cfg.optim
     with _without_ddp_shape_check():
         wrapped = parallelize(model, dims, activation_checkpointing=t.activation_checkpointing,
@@ -220,7 +230,8 @@ def _build(cfg: JobConfig, model_cfg, world: int):
     for p in params:
         p.grad = None
     average = WeightAverage(model, decay=o.ema_decay).state_dict() if o.ema_decay > 0 else {}
-    return model, wrapped, optimizer, {id(t): t for t in average.values()}  # a tied weight once
+    rebalancer = Rebalancer(model, dims, **rebalance_settings(cfg))  # replica banks, as the trainer attaches them
+    return model, wrapped, optimizer, {id(t): t for t in average.values()}, rebalancer  # a tied weight once
 
 
 def _local(t):
@@ -259,7 +270,8 @@ def _grad_bytes(model, wrapped) -> int:
     fsdp_params = _fsdp_params(model)
     if fsdp_params:
         assert len(fsdp_params) == sum(1 for _ in model.parameters()), "a parameter outside every FSDP unit"
-        return sum(fp.padded_sharded_param_size.numel() * fp.sharded_param.dtype.itemsize for fp in fsdp_params)
+        return sum(fp.padded_sharded_param_size.numel() * fp.sharded_param.dtype.itemsize for fp in fsdp_params
+                   if fp.sharded_param.requires_grad)
     if isinstance(wrapped, DistributedDataParallel):
         buckets = sum(b.buffer().untyped_storage().nbytes() for b in wrapped.reducer._get_zeros_like_grad_buckets())
         ignored = set(wrapped.parameters_to_ignore)
@@ -268,6 +280,25 @@ def _grad_bytes(model, wrapped) -> int:
         return buckets + experts
     # No data parallelism: autograd gives every parameter a gradient of its own (local) shape.
     return sum(_local(p).numel() * p.dtype.itemsize for p in model.parameters() if p.requires_grad)
+
+
+def _replica_bytes(rebalancer) -> int:
+    """The rebalancer's replica banks: each tensor's storage, twice for a trainable one (its
+    gradient, the bank's shape, lives from the backward to ``sum_replica_grads``)."""
+    banks = [t for _, dispatcher in rebalancer.layers for t in dispatcher.bank.values()]
+    return sum(_storage_bytes(t) * (2 if t.requires_grad else 1) for t in banks)
+
+
+def _residual_bytes(wrapped) -> int:
+    """1-bit Adam's residuals: the flat worker and server buffers of each ``OneBitReducer`` (its
+    state_dict's tensors are views of them, padding excluded; the buffers are what is allocated)."""
+    from moetrain.distributed.data_parallel.ddp import MoEDataParallel
+
+    if not isinstance(wrapped, MoEDataParallel):
+        return 0
+    reducers = [r for r in (wrapped._dense_reducer, wrapped._expert_reducer) if r is not None]
+    flats = {id(t._base): t._base for r in reducers for t in r.state_dict().values() if t._base is not None}
+    return sum(_storage_bytes(t) for t in flats.values())
 
 
 def _optim_bytes(optimizer) -> int:
@@ -306,7 +337,9 @@ def format_dry_run(d: DryRun, *, name: str | None = None) -> str:
              f"{'':10s} {'dry run (bytes)':>18s} {'planner (bytes)':>18s} {'dry run GiB':>12s} {'diff':>8s}"]
     rows = [("param", d.measured.param, d.planned.param), ("grad", d.measured.grad, d.planned.grad),
             ("optim", d.measured.optim, d.planned.optim),
-            *([("average", d.measured.average, d.planned.average)] if d.measured.average or d.planned.average else []),
+            *[(label, m, p) for label, m, p in (("average", d.measured.average, d.planned.average),
+                                                 ("replicas", d.measured.replica, d.planned.replica),
+                                                 ("1-bit res", d.measured.residual, d.planned.residual)) if m or p],
             ("total", d.measured.total, d.planned.total),
             ("buffers", d.measured_buffer_bytes, d.planned_buffer_bytes)]
     for label, m, p in rows:

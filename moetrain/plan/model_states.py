@@ -26,6 +26,13 @@ instantiates. The sharding rules are those of the code that trains:
   whole matrix each Muon step forms (gathered at stages 1-3) is transient (``transient_state_bytes``).
 * optim.ema_decay (``WeightAverage``): one more copy of each parameter as this rank holds it, whole
   at stages 0/1 (ZeRO-1 slices only the optimizer states), the unpadded local shard at stages 2/3.
+* finetune.lora_rank > 0: the model the trainer builds (``apply_lora``: adapters added, every base
+  weight frozen); a frozen parameter (``ParamSpec.trainable`` False) has no gradient, no optimizer
+  state and no average.
+* dp.grad_compression "onebit" (stage 0): 1-bit Adam's error-feedback residuals
+  (``onebit_residual_bytes``).
+* parallel.expert_slots_per_rank with moe.rebalance_every > 0: the spare slots' replica bank
+  (``replica_slot_bytes`` per spare slot).
 
 Everything is fp32 at rest (mixed precision computes in bf16 from fp32 master parameters), so
 the bytes per parameter are 4 (param) + 4 (grad) + 8 (AdamW) = 16 -- the ZeRO paper's (Rajbhandari et
@@ -37,10 +44,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.job import JobConfig
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.data_parallel.fsdp import expert_shard_dim
+from moetrain.distributed.data_parallel.onebit_packing import chunk_len
 
 PARAM_BYTES = 4
 """fp32 parameters (the master weights; bf16/fp16 copies exist only while computing)."""
@@ -52,6 +61,8 @@ ADAM_STEP_BYTES = 4
 """AdamW's per-tensor ``step`` counter (a 0-dim fp32 tensor)."""
 MUON_STATE_BYTES = 4
 """Muon's momentum buffer, fp32 (no second moment, no step counter)."""
+RESIDUAL_BYTES = 4
+"""1-bit Adam's worker and server residuals, fp32."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +73,8 @@ class ParamSpec:
     """A routed-expert weight ``[E, ...]`` (GroupedExperts), sharded over ep (and edp)."""
     matrix: bool = False
     """A hidden or expert matrix: Muon's under optim.name "muon" (``muon_param_ids``)."""
+    trainable: bool = True
+    """False for a base weight LoRA freezes: no gradient, optimizer state or average."""
 
     @property
     def numel(self) -> int:
@@ -89,6 +102,11 @@ class Layout:
     """optim.ema_decay > 0: the rank keeps a moving average of the parameters it holds."""
     optimizer: str = "adamw"
     """optim.name: "muon" keeps one momentum buffer for each ``ParamSpec.matrix`` instead of two moments."""
+    grad_compression: str = "none"
+    """dp.grad_compression: "onebit" keeps 1-bit Adam's residuals at stage 0 (``onebit_residual_bytes``)."""
+    expert_slots_per_rank: int = 0
+    """parallel.expert_slots_per_rank when moe.rebalance_every > 0, else 0: the slots beyond a rank's
+    E/ep home experts hold a replica bank (at ep > 1, stages 0/1, where rebalancing runs)."""
 
     def __post_init__(self) -> None:
         if self.etp > 1 and self.zero_stage > 1:
@@ -100,7 +118,9 @@ class Layout:
         p, z = cfg.parallel, cfg.zero
         return cls(world=world, ep=p.ep, zero_stage=p.zero_stage, hsdp_replicate=p.hsdp_replicate, etp=p.etp,
                    offload_optimizer=z.offload_optimizer != "none", offload_params=z.offload_param != "none",
-                   weight_average=cfg.optim.ema_decay > 0, optimizer=cfg.optim.name)
+                   weight_average=cfg.optim.ema_decay > 0, optimizer=cfg.optim.name,
+                   grad_compression=cfg.dp.grad_compression,
+                   expert_slots_per_rank=p.expert_slots_per_rank if cfg.moe.rebalance_every > 0 else 0)
 
     @property
     def edp(self) -> int:
@@ -119,38 +139,48 @@ class StateBytes:
     optim: int = 0
     average: int = 0
     """The weight average of optim.ema_decay (0 without one)."""
+    replica: int = 0
+    """The spare expert slots' replica bank: weights, and gradients of the trainable ones (0 without)."""
+    residual: int = 0
+    """1-bit Adam's error-feedback residuals (0 without dp.grad_compression "onebit")."""
 
     @property
     def total(self) -> int:
-        return self.param + self.grad + self.optim + self.average
+        return self.param + self.grad + self.optim + self.average + self.replica + self.residual
 
     def as_dict(self) -> dict[str, int]:
         return {"param_bytes": self.param, "grad_bytes": self.grad, "optim_bytes": self.optim,
-                "average_bytes": self.average}
+                "average_bytes": self.average, "replica_bytes": self.replica, "residual_bytes": self.residual}
 
 
-def _meta_model(model: ModelConfig, moe: MoEConfig):
-    """``Transformer(model, moe)`` on the meta device: shapes and dtypes, no storage."""
+def _meta_model(model: ModelConfig, moe: MoEConfig, finetune: FinetuneConfig | None = None):
+    """``Transformer(model, moe)`` on the meta device, with ``finetune``'s LoRA adapters as the
+    trainer adds them (``apply_lora``): shapes and dtypes, no storage."""
     if model.vocab_size is None:
         raise ValueError("model.vocab_size (None) must be set to plan (it comes from the tokenizer: "
                          "data.vocab_size)")
     import torch
 
+    from moetrain.models.lora import apply_lora
     from moetrain.models.transformer import Transformer
 
     with torch.device("meta"):
-        return Transformer(model, moe=moe if model.is_moe else None)
+        net = Transformer(model, moe=moe if model.is_moe else None)
+        if finetune is not None:
+            apply_lora(net, finetune)
+    return net
 
 
-def param_specs(model: ModelConfig, moe: MoEConfig) -> list[ParamSpec]:
-    """The parameters ``Transformer(model, moe)`` creates, a tied embedding once, in model order."""
+def param_specs(model: ModelConfig, moe: MoEConfig, *, finetune: FinetuneConfig | None = None) -> list[ParamSpec]:
+    """The parameters ``Transformer(model, moe)`` creates (with ``finetune``'s LoRA adapters, its
+    base weights frozen), a tied embedding once, in model order."""
     from moetrain.distributed.muon import muon_param_ids
     from moetrain.models.moe.experts import GroupedExperts
 
-    net = _meta_model(model, moe)
+    net = _meta_model(model, moe, finetune)
     expert_ids = {id(p) for m in net.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
     matrices = muon_param_ids(net)
-    return [ParamSpec(name, tuple(p.shape), id(p) in expert_ids, id(p) in matrices)
+    return [ParamSpec(name, tuple(p.shape), id(p) in expert_ids, id(p) in matrices, p.requires_grad)
             for name, p in net.named_parameters()]
 
 
@@ -176,7 +206,7 @@ def _collapse(specs: list[ParamSpec]) -> list[tuple[ParamSpec, int]]:
     """Identical (shape, expert) parameters once, with their count: a model's blocks repeat."""
     counts: dict[tuple, list] = {}
     for s in specs:
-        key = (s.shape, s.expert, s.matrix)
+        key = (s.shape, s.expert, s.matrix, s.trainable)
         if key in counts:
             counts[key][1] += 1
         else:
@@ -192,13 +222,17 @@ def rank_state_bytes(specs: list[ParamSpec], layout: Layout, rank: int) -> State
 
 def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, rank: int) -> StateBytes:
     ep, edp, stage, etp = layout.ep, layout.edp, layout.zero_stage, layout.etp
-    avg_bytes = PARAM_BYTES if layout.weight_average else 0
     edp_rank = rank // (ep * etp)
-    total = StateBytes()
+    total = StateBytes(replica=replica_bank_bytes(collapsed, layout), residual=onebit_residual_bytes(collapsed, layout))
     for s, count in collapsed:
         out = StateBytes()
         muon = layout.optimizer == "muon" and s.matrix
         state_bytes, step_bytes = (MUON_STATE_BYTES, 0) if muon else (ADAM_STATE_BYTES, ADAM_STEP_BYTES)
+        # A frozen (LoRA base) weight: no gradient, outside the optimizer and the average.
+        grad_bytes = GRAD_BYTES if s.trainable else 0
+        avg_bytes = PARAM_BYTES if layout.weight_average and s.trainable else 0
+        if not s.trainable:
+            state_bytes = step_bytes = 0
         # The tensor this rank holds before any ZeRO sharding: experts are ep-sharded on dim 0
         # (which experts depends on the ep index; how many does not), and split over etp along
         # their hidden dim.
@@ -206,14 +240,14 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
         if stage in (0, 1):
             local = rows * s.row_numel // (etp if s.expert else 1)
             out.param += local * PARAM_BYTES
-            out.grad += local * GRAD_BYTES
+            out.grad += local * grad_bytes
             out.average += local * avg_bytes
             if stage == 0:
                 held = local
             else:
                 world, r = (edp, edp_rank) if s.expert else (layout.world, rank)
                 held = _slice(local, world, r)
-                if layout.offload_optimizer:
+                if layout.offload_optimizer and s.trainable:
                     out.optim += held * PARAM_BYTES  # the host master copy of the slice
             out.optim += held * state_bytes + step_bytes
             _add(total, out, count)
@@ -225,7 +259,7 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
                 # Fewer local experts than edp ranks: split dim 1 evenly instead (no padding).
                 local = rows * s.row_numel // edp
                 out.param += local * PARAM_BYTES
-                out.grad += local * GRAD_BYTES
+                out.grad += local * grad_bytes
                 out.optim += local * state_bytes + step_bytes
                 out.average += local * avg_bytes
                 _add(total, out, count)
@@ -235,11 +269,49 @@ def _rank_state_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout, ra
             r = rank % world
         local_rows, padded_rows = _chunk(rows, world, r)
         out.param += padded_rows * s.row_numel * PARAM_BYTES
-        out.grad += padded_rows * s.row_numel * GRAD_BYTES
+        out.grad += padded_rows * s.row_numel * grad_bytes
         out.optim += local_rows * s.row_numel * state_bytes + step_bytes
         out.average += local_rows * s.row_numel * avg_bytes
         _add(total, out, count)
     return total
+
+
+def replica_slot_bytes(specs: list[ParamSpec]) -> int:
+    """Bytes of one spare expert slot's replica (``ReplicatedDispatcher.attach``): one expert of every
+    routed-expert tensor (LoRA adapters included), fp32, and a gradient for the trainable ones
+    (alive from the backward until ``Rebalancer.sum_replica_grads`` sends it home). No optimizer
+    state or average: a replica follows its home's weights."""
+    return sum(s.row_numel * (PARAM_BYTES + (GRAD_BYTES if s.trainable else 0)) for s in specs if s.expert)
+
+
+def replica_bank_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout) -> int:
+    """The replica bank of every MoE layer on one rank: ``expert_slots_per_rank - E/ep`` spare slots
+    (the same on every rank), where rebalancing runs (ep > 1, stages 0/1: the config's rules)."""
+    slots = layout.expert_slots_per_rank
+    if not slots or layout.ep == 1 or layout.zero_stage > 1:
+        return 0
+    return sum(count * max(0, slots - s.shape[0] // layout.ep) * replica_slot_bytes([s]) for s, count in collapsed
+               if s.expert)
+
+
+def onebit_residual_bytes(collapsed: list[tuple[ParamSpec, int]], layout: Layout) -> int:
+    """1-bit Adam's error-feedback residuals on one rank, as ``OneBitReducer`` allocates them
+    (dp.grad_compression "onebit", stage 0, more than one rank): per trainable tensor of N elements
+    reduced over W ranks, a worker residual of the tensor zero-padded to W chunks of L =
+    ``chunk_len(N, W)`` elements and a server residual of this rank's chunk, (W + 1) * L fp32 in
+    all. Replicated tensors reduce over dp (the world, at tp = 1); expert shards (ep * etp > 1)
+    over edp, with no reducer at edp = 1."""
+    if layout.grad_compression != "onebit" or layout.zero_stage != 0 or layout.world == 1:
+        return 0
+    split = layout.ep * layout.etp
+    out = 0
+    for s, count in collapsed:
+        if not s.trainable:
+            continue
+        world, numel = (layout.edp, s.numel // split) if s.expert and split > 1 else (layout.world, s.numel)
+        if world > 1:
+            out += count * (world + 1) * chunk_len(numel, world) * RESIDUAL_BYTES
+    return out
 
 
 def _add(total: StateBytes, part: StateBytes, count: int) -> None:
@@ -284,9 +356,10 @@ def transient_state_bytes(specs: list[ParamSpec], layout: Layout, *, bucket_nume
     ep = layout.ep
     muon = muon_step_bytes(specs, layout)
     if layout.zero_stage in (0, 1):
-        out = max((s.numel // (ep * layout.etp) if s.expert else s.numel) for s in specs) * GRAD_BYTES
+        trainable = [s for s in specs if s.trainable]
+        out = max(((s.numel // (ep * layout.etp) if s.expert else s.numel) for s in trainable), default=0) * GRAD_BYTES
         if layout.zero_stage == 1:
-            dense = sum(s.numel for s in specs if not (s.expert and ep * layout.etp > 1))
+            dense = sum(s.numel for s in trainable if not (s.expert and ep * layout.etp > 1))
             gathered = min(bucket_numel, dense)
             out += (gathered + gathered // layout.world) * PARAM_BYTES
         return out + muon

@@ -19,7 +19,8 @@ dropless, under capacity factors, and with R spare expert slots per rank:
   modelled here, not run): the R * ep spare slots go one at a time to the expert with the most
   copies per replica (at most ep replicas), then greedy longest-processing-time packing: replicas
   by load, largest first, each to the least-loaded rank with a free slot that does not hold that
-  expert yet (ties to the lower rank). Each slot costs one expert's weights, gradients and states.
+  expert yet (ties to the lower rank). Each spare slot costs one expert's weights and gradients
+  (``replica_slot_bytes``: a replica follows its home and keeps no optimizer state).
 * **Memory**: ``plan.activations`` with the hottest rank's copies bounded by the mean + ``SIGMAS``
   standard deviations (a rank's copies of one micro-batch vary with a variance of at most their
   mean; never above its slots' capacity), the send and receive buffers beside, on top of the
@@ -46,7 +47,7 @@ from moetrain.config.moe import parse_force_skew
 from moetrain.models.moe.dispatcher import expert_capacity
 from moetrain.models.moe.skew import skew_seed, skew_weights, skewed_assignment
 from moetrain.plan.activations import estimate_activations
-from moetrain.plan.model_states import Layout, param_specs, state_bytes_per_rank
+from moetrain.plan.model_states import Layout, param_specs, replica_slot_bytes, state_bytes_per_rank
 
 SAMPLE_TOKENS = 1 << 16
 """Tokens drawn to measure a spec's shares (their standard error is below 0.2% of the copies)."""
@@ -161,7 +162,7 @@ class SkewRow:
     """The hottest rank's activation peak (``plan.activations`` at ``bound_copies``)."""
     a2a_buffer_bytes: int
     slot_state_bytes: int
-    """Weights, gradients and optimizer states of the spare slots."""
+    """Weights and gradients of the spare slots' replicas (``replica_slot_bytes`` each)."""
     device_bytes: int
     fits: bool | None = None
     step_s: float | None = None
@@ -209,15 +210,18 @@ class SkewPlan:
                 "recommendation": self.recommendation}
 
 
-def make_skew_plan(cfg: JobConfig, *, nproc: int, skew: str | None = None, routing_trace: str | None = None,
-                   device_memory: int | None = None, profile=None, capacity_factors=CAPACITY_FACTORS,
-                   spare_slots=SPARE_SLOTS) -> SkewPlan:
-    """The rows of the module docstring for ``cfg``'s layout on ``nproc`` ranks under one skew source
-    (``skew``: a moe.force_skew spec; ``routing_trace``: a run or trace folder)."""
+def make_skew_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, skew: str | None = None,
+                   routing_trace: str | None = None, device_memory: int | None = None, profile=None,
+                   capacity_factors=CAPACITY_FACTORS, spare_slots=SPARE_SLOTS) -> SkewPlan:
+    """The rows of the module docstring for ``cfg``'s layout on ``nproc`` ranks over ``nodes`` nodes
+    under one skew source (``skew``: a moe.force_skew spec; ``routing_trace``: a run or trace folder)."""
     from moetrain.plan.planner import planned_micro_batch, resolve_vocab
 
     if (skew is None) == (routing_trace is None):
         raise ValueError("--skew and --routing-trace: give exactly one")
+    if not isinstance(nodes, int) or nodes < 1 or nproc % nodes != 0:
+        raise ValueError(f"--nodes ({nodes!r}) must be an int >= 1 that divides --nproc ({nproc})")
+    per_node = nproc // nodes
     model, moe, ep = resolve_vocab(cfg), cfg.moe, cfg.parallel.ep
     if not model.is_moe or moe.is_expert_choice:
         raise ValueError("--skew / --routing-trace need a token-choice MoE model (model.moe_every > 0, moe.router "
@@ -232,16 +236,16 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, skew: str | None = None, routi
         raise ValueError(f"--routing-trace ({routing_trace!r}): its experts do not match moe.num_experts ({E})")
     micro, accum, _ = planned_micro_batch(cfg.train, nproc)
     t = cfg.train
-    specs = param_specs(model, moe)
-    row = _balanced_row(cfg, model, specs, nproc=nproc, micro=micro, accum=accum)
+    specs = param_specs(model, moe, finetune=cfg.finetune)
+    row = _balanced_row(cfg, model, specs, nproc=nproc, micro=micro, accum=accum, per_node=per_node)
     layout = Layout.of_config(cfg, nproc)
-    expert_states = max(s.total for s in state_bytes_per_rank([s for s in specs if s.expert], layout))
-    per_slot = expert_states * ep // E
+    per_slot = replica_slot_bytes(specs)
     T, dp = micro * cfg.data.seq_len, nproc
     N = T * K
     settings = [("dropless", None, 0), *((f"capacity {c}", c, 0) for c in capacity_factors),
                 *((f"dropless, {r} spare slot(s)", None, r) for r in spare_slots)]
-    balanced = profile and _step_parts(cfg, model, nproc=nproc, micro=micro, accum=accum, profile=profile)
+    balanced = profile and _step_parts(cfg, model, specs, nproc=nproc, micro=micro, accum=accum, per_node=per_node,
+                                       profile=profile)
     rows = []
     for label, factor, spare in settings:
         capacity = None if factor is None else expert_capacity(T * dp, num_experts=E, top_k=K, capacity_factor=factor)
@@ -279,23 +283,31 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, skew: str | None = None, routi
                     rows=rows, vectors=len(vectors))
 
 
-def _balanced_row(cfg: JobConfig, model, specs, *, nproc: int, micro: int, accum: int):
-    """The planner's row (``PlanRow``) of the config's own layout under balanced routing."""
+def _balanced_row(cfg: JobConfig, model, specs, *, nproc: int, micro: int, accum: int, per_node: int):
+    """The planner's row (``PlanRow``) of the config's own layout under balanced routing, with
+    ``per_node`` processes per node."""
     from moetrain.plan.planner import Choice, PlanRow, _fill, _invalid
 
     p = cfg.parallel
     choice = Choice(p.zero_stage, p.ep, "none", cfg.train.activation_checkpointing, p.hsdp_replicate)
-    reason = _invalid(choice, model, cfg.moe, nproc, per_node=nproc, hierarchical=p.ep_hierarchical)
+    reason = _invalid(choice, model, cfg.moe, nproc, per_node=per_node, hierarchical=p.ep_hierarchical)
     if reason is not None:
-        raise ValueError(f"the config's layout is invalid at --nproc {nproc}: {reason}")
+        raise ValueError(f"the config's layout is invalid at --nproc {nproc} over {nproc // per_node} node(s): "
+                         f"{reason}")
     row = PlanRow(choice=choice, valid=True)
+
+    def states(layout: Layout) -> list:
+        # The config's 1-bit residuals, and no replica bank: each row adds its own spare slots.
+        return state_bytes_per_rank(specs, replace(layout, grad_compression=cfg.dp.grad_compression,
+                                                   expert_slots_per_rank=0))
+
     _fill(row, specs, model, cfg, nproc=nproc, micro=micro, grad_accum=accum,
-          compute_bytes=4 if cfg.train.dtype == "fp32" else 2, per_node=nproc, device_memory=None,
-          states=lambda layout: state_bytes_per_rank(specs, layout))
+          compute_bytes=4 if cfg.train.dtype == "fp32" else 2, per_node=per_node, device_memory=None, states=states)
     return row
 
 
-def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, profile) -> dict[str, float]:
+def _step_parts(cfg: JobConfig, model, specs, *, nproc: int, micro: int, accum: int, per_node: int,
+                profile) -> dict[str, float]:
     """The balanced dropless step and its parts that scale with a rank's received copies: the expert
     GEMMs and the routed expert rows' elementwise passes, and the all-to-all's bytes over the link
     (seconds per step)."""
@@ -305,10 +317,10 @@ def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, pr
 
     t, moe = cfg.train, replace(cfg.moe, capacity_factor=None)
     layout = Layout.of_config(cfg, nproc)
-    est = estimate_step_time(param_specs(model, moe), layout, model, moe, micro_batch_size=micro,
+    est = estimate_step_time(specs, layout, model, moe, micro_batch_size=micro,
                              seq_len=cfg.data.seq_len, grad_accum=accum, profile=profile, dtype=t.dtype, tf32=t.tf32,
                              ac=t.activation_checkpointing, ac_every=t.activation_checkpointing_every,
-                             dispatch_chunks=moe.dispatch_chunks)
+                             procs_per_node=per_node, dispatch_chunks=moe.dispatch_chunks)
     work = step_work(model, moe, micro_batch_size=micro, seq_len=cfg.data.seq_len, grad_accum=accum, ep=layout.ep,
                      ac=t.activation_checkpointing, ac_every=t.activation_checkpointing_every, dtype=t.dtype)
     peak = profile.peak(t.dtype, tf32=t.tf32)
@@ -319,13 +331,15 @@ def _step_parts(cfg: JobConfig, model, *, nproc: int, micro: int, accum: int, pr
     rows_bytes = N * (2 * model.dim + hidden) * b * len(model.moe_layer_ids)  # input, output, hidden rows
     elementwise_s = ELEMENTWISE_PASSES * rows_bytes * accum / profile.memory_bandwidth
     # The all-to-all's bytes grow with the hottest rank's copies; its calls' latency does not.
-    vol = comm_per_step(param_specs(model, moe), layout, model, moe, tokens_per_micro_batch=micro * cfg.data.seq_len,
+    vol = comm_per_step(specs, layout, model, moe, tokens_per_micro_batch=micro * cfg.data.seq_len,
                         grad_accum=accum, compute_bytes=b,
                         ac_moe_layers_recomputed=moe_layers_recomputed(model, t.activation_checkpointing,
                                                                        t.activation_checkpointing_every),
-                        procs_per_node=nproc)
+                        procs_per_node=per_node)
+    # The ep group's link, as in estimate_step_time: inter-node when the group leaves the node.
+    link = profile.inter_node if layout.ep > per_node or per_node % layout.ep != 0 else profile.intra_node
     return {"step_s": est.step_s, "skewable_compute_s": expert_s + elementwise_s,
-            "all_to_all_s": profile.intra_node.seconds("all_to_all", vol.all_to_all, 0)}
+            "all_to_all_s": link.seconds("all_to_all", vol.all_to_all, 0)}
 
 
 def format_skew_plan(plan: SkewPlan) -> str:

@@ -39,7 +39,8 @@ def _check_states(runs, results, world):
         for rank in range(world):
             got = results[rank][run.name]["states"]
             planned = rank_state_bytes(specs, _layout(run, world), rank).as_dict()
-            assert planned.pop("average_bytes") == 0  # no optim.ema_decay in these runs
+            # No optim.ema_decay, rebalancing or 1-bit Adam in these runs.
+            assert [planned.pop(k) for k in ("average_bytes", "replica_bytes", "residual_bytes")] == [0, 0, 0]
             for key, value in planned.items():
                 assert got[key] == value, f"[{run.name}] rank {rank} {key}: measured {got[key]} != planned {value}"
 

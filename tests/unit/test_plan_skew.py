@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moetrain.config.loader import load_config
+from moetrain.plan.model_states import param_specs
 from moetrain.plan.skew import copies_bound, make_skew_plan, place_replicas, rank_copies, spec_shares
 from moetrain.plan.step_time import H100_SXM
 
@@ -81,8 +82,9 @@ def test_a_rank_computing_alone_gets_the_cores_its_waiting_peers_leave():
     shared = replace(H100_SXM, core_share=0.5)  # 4 single-thread ranks on 2 cores
     plan = make_skew_plan(cfg, nproc=4, skew="zipf:1.2", profile=H100_SXM)
     own, half = plan.rows[0], make_skew_plan(cfg, nproc=4, skew="zipf:1.2", profile=shared).rows[0]
-    parts = _step_parts(cfg, resolve_vocab(cfg), nproc=4, micro=plan.micro_batch_size, accum=plan.grad_accum,
-                        profile=H100_SXM)
+    model = resolve_vocab(cfg)
+    parts = _step_parts(cfg, model, param_specs(model, cfg.moe), nproc=4, micro=plan.micro_batch_size,
+                        accum=plan.grad_accum, per_node=4, profile=H100_SXM)
     f = own.max_over_mean
     assert f > 2 and half.step_s < own.step_s
     assert own.step_s - half.step_s == pytest.approx((f - 1) * parts["skewable_compute_s"] * 0.5, rel=1e-9)
