@@ -19,10 +19,11 @@ def add_parsers(sub) -> None:
                       help="experts per MoE layer of the grown model: a multiple of the source's")
     grow.add_argument("--to", required=True, help="output export folder")
     grow.add_argument("--top-k", type=int, default=None,
-                      help="moe.top_k of the grown model (default: the source's; scale it by the same factor, "
-                           "with renormalised gates, for the same function)")
+                      help="moe.top_k of the grown model (default: the source's; scale it by the same factor "
+                           "for the same function: moe settings that must change with it are changed and printed)")
     grow.add_argument("--noise", type=float, default=0.0,
-                      help="noise on every copy but the first, as a fraction of each tensor's std (default 0)")
+                      help="noise on every copy but the first, as a fraction of each tensor's std: a finite "
+                           "number >= 0 (default 0)")
     grow.add_argument("--seed", type=int, default=0, help="seed of the noise")
     grow.set_defaults(func=run_grow)
 
@@ -30,9 +31,12 @@ def add_parsers(sub) -> None:
 def run_grow(args: argparse.Namespace, overrides: list[str]) -> int:
     from moetrain.interop.surgery import grow_source
 
-    out = grow_source(args.source, args.to, num_experts=args.num_experts, top_k=args.top_k, noise=args.noise,
-                      seed=args.seed)
-    top_k = f" --moe.top_k={args.top_k}" if args.top_k is not None else ""
-    print(f"grew the experts of {args.source} to {args.num_experts} per MoE layer: export {out} (start a run "
-          f"from it with --checkpoint.init_from={out} --moe.num_experts={args.num_experts}{top_k})")
+    grown = grow_source(args.source, args.to, num_experts=args.num_experts, top_k=args.top_k, noise=args.noise,
+                        seed=args.seed)
+    out = grown.export
+    print(f"grew the experts of {args.source} to {args.num_experts} per MoE layer: export {out}")
+    for note in grown.notes:
+        print(f"  also changed: {note}")
+    print(f"train it: moetrain train --config {out / 'config.yaml'} (a fresh run in {out}-run, weights from {out}); "
+          f"from another config: --checkpoint.init_from={out} {' '.join(grown.overrides)}")
     return 0

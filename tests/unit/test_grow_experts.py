@@ -1,7 +1,8 @@
 """Growing a trained MoE's experts (moetrain.interop.surgery, ``moetrain experts grow``): the copy
 order and the per-expert state, the identity with top_k scaled alike (softmax and sigmoid routers,
-selection bias, shared experts, group-limited routing, routed scaling), what changes when top_k is
-kept, the noise, and the CLI over an export.
+selection bias, shared experts, group-limited routing by max and top2_sum, routed scaling, raw gates,
+top_k 1), what changes when top_k is kept, the noise, the CLI over an export, and the README recipe:
+the grown config trains the grown export in a fresh run.
 """
 
 from __future__ import annotations
@@ -54,7 +55,14 @@ IDENTITY_CASES = {
     "sigmoid_bias": {"router": "sigmoid", "expert_bias": True},
     "shared_swiglu": {"num_shared_experts": 1, "activation": "swiglu"},
     "groups_max": {"num_expert_groups": 2, "top_groups": 1, "group_score": "max"},
+    # top2_sum (the default, DeepSeek-V3's): the groups multiply with the experts.
+    "softmax_bias_groups_top2_sum": {"expert_bias": True, "num_expert_groups": 2, "top_groups": 1},
+    "sigmoid_bias_groups_top2_sum": {"router": "sigmoid", "expert_bias": True, "num_expert_groups": 2,
+                                     "top_groups": 1, "routed_scaling_factor": 2.5},
     "scaled": {"routed_scaling_factor": 2.5},
+    "softmax_raw": {"renormalize": False},
+    # Raw sigmoid gates: each copy keeps the score, so the routed scaling is divided by f.
+    "sigmoid_raw": {"router": "sigmoid", "renormalize": False, "routed_scaling_factor": 2.5},
 }
 
 
@@ -66,6 +74,39 @@ def test_grown_model_with_scaled_top_k_is_the_original(case, factor):
     assert grown_config["moe"]["num_experts"] == 4 * factor and grown_config["moe"]["top_k"] == 2 * factor
     assert config["moe"]["num_experts"] == 4, "the source config must not change"
     torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("factor", [2, 3])
+@pytest.mark.parametrize("case", ["softmax", "sigmoid", "sigmoid_bias"])
+def test_top_k_1_grows_with_raw_gates(case, factor):
+    # At top_k 1 the gate is the raw score (renormalize is ignored, though true): the grown model must
+    # not renormalise its copies to 1, and a sigmoid router's copies, each at the full score, are scaled
+    # down by f.
+    config, sd = source(top_k=1, **{**IDENTITY_CASES, "sigmoid": {"router": "sigmoid"}}[case])
+    grown_config, grown = grow_experts(config, sd, num_experts=4 * factor, top_k=factor)
+    moe = grown_config["moe"]
+    assert moe["renormalize"] is False and config["moe"]["renormalize"] is True
+    assert moe["routed_scaling_factor"] == (1.0 / factor if "sigmoid" in case else 1.0)
+    torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_top2_sum_groups_multiply_and_hold_one_copy_of_an_original_group():
+    config, sd = source(num_experts=8, num_expert_groups=4, top_groups=2)
+    grown_config, grown = grow_experts(config, sd, num_experts=24, top_k=6)
+    moe = grown_config["moe"]
+    assert (moe["num_expert_groups"], moe["top_groups"]) == (12, 6)
+    w = sd["layers.1.feed_forward.router.gate.weight"]
+    # Grown group 3g + c (3 copies, groups of 2) holds copy c of original group g's experts 2g, 2g + 1.
+    expected = [2 * (r // 6) + r % 2 for r in range(24)]
+    assert torch.equal(grown["layers.1.feed_forward.router.gate.weight"], w[expected])
+    torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
+    # The max score and a no-op limit keep the groups and the side-by-side copies.
+    for kwargs in ({"group_score": "max"}, {"top_groups": 4}):
+        config, sd = source(num_experts=8, num_expert_groups=4, **{"top_groups": 2, **kwargs})
+        grown_config, grown = grow_experts(config, sd, num_experts=16, top_k=4)
+        assert grown_config["moe"]["num_expert_groups"] == 4
+        w = sd["layers.1.feed_forward.router.gate.weight"]
+        assert torch.equal(grown["layers.1.feed_forward.router.gate.weight"], w.repeat_interleave(2, dim=0))
 
 
 @pytest.mark.parametrize("case", ["softmax_bias", "sigmoid_bias"])
@@ -142,7 +183,9 @@ def test_noise_spares_copy_zero_and_scales_with_the_std():
 @pytest.mark.parametrize("kwargs, message", [
     ({"num_experts": 6}, r"--num-experts \(6\) must be a multiple \(> 1x\) of the source's moe\.num_experts \(4\)"),
     ({"num_experts": 4}, r"--num-experts \(4\) must be a multiple"),
-    ({"num_experts": 8, "noise": -0.1}, r"--noise \(-0\.1\) must be >= 0"),
+    ({"num_experts": 8, "noise": -0.1}, r"--noise \(-0\.1\) must be a finite number >= 0"),
+    ({"num_experts": 8, "noise": float("inf")}, r"--noise \(inf\) must be a finite number >= 0"),
+    ({"num_experts": 8, "noise": float("nan")}, r"--noise \(nan\) must be a finite number >= 0"),
     ({"num_experts": 8, "top_k": 9}, r"moe\.top_k \(9\) must be <= moe\.num_experts \(8\)"),
 ])
 def test_bad_requests_name_the_value_and_rule(kwargs, message):
@@ -163,3 +206,43 @@ def test_cli_grows_an_export(tmp_path, capsys):
     torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
     assert main(["experts", "grow", str(tmp_path / "src"), "--num-experts", "6", "--to", str(tmp_path / "x")]) == 2
     assert "must be a multiple" in capsys.readouterr().err
+
+
+def _train(config: str | None, args: list[str]) -> dict[str, torch.Tensor]:
+    """Runs ``moetrain train`` in this process; the model's weights before its first step."""
+    from moetrain.config.loader import load_config
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(config, args))
+    try:
+        start = {n: p.detach().clone() for n, p in trainer.model.state_dict().items()}
+        trainer.fit()
+        return start
+    finally:
+        trainer.close()
+
+
+def test_readme_recipe_trains_the_grown_export_in_a_fresh_run(tmp_path, capsys, monkeypatch):
+    # README: `experts grow runs/RUN ... --to grown` then `train --config grown/config.yaml
+    # --checkpoint.init_from=grown`. The source run's folder holds a checkpoint of the 4-expert model
+    # that checkpoint.resume "auto" would find: the grown config must start its own run instead.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "docs.txt").write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    run = tmp_path / "runs" / "base"
+    _train(None, ["--model.dim=32", "--model.num_layers=2", "--model.num_heads=4", "--model.max_seq_len=16",
+                  "--moe.num_experts=4", "--moe.top_k=1", "--moe.expert_hidden_dim=16", "--data.corpus=path",
+                  f"--data.path={tmp_path / 'docs.txt'}", "--data.tokenizer=bytes", "--data.seq_len=16",
+                  "--train.steps=2", "--train.global_batch_size=2", "--train.micro_batch_size=2",
+                  "--train.eval_every=0", "--train.device=cpu", "--log.every=1", "--log.progress_bar=false",
+                  "--log.tensorboard=false", "--log.report=false", "--log.run_dir=runs/base"])
+    assert main(["experts", "grow", "runs/base", "--num-experts", "8", "--top-k", "2", "--to", "grown"]) == 0
+    out = capsys.readouterr().out
+    assert "moe.renormalize true -> false" in out and "--moe.renormalize=false" in out
+    grown_config, grown, _ = read_export(tmp_path / "grown")
+    values = [v for section in grown_config.values() if isinstance(section, dict) for v in section.values()]
+    assert not [v for v in values if isinstance(v, str) and ("runs/base" in v or str(run) in v)]
+    assert grown_config["checkpoint"]["init_from"] == str(tmp_path / "grown")
+    start = _train("grown/config.yaml", ["--checkpoint.init_from=grown", "--train.steps=1"])
+    for name in ("layers.0.feed_forward.experts.w1", "layers.1.feed_forward.router.gate.weight"):
+        assert torch.equal(start[name], grown[name]), name
+    assert (tmp_path / "grown-run" / "checkpoints").is_dir()
