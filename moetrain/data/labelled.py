@@ -14,12 +14,14 @@ Splits: test comes from the data (a registered corpus's test file or its fixed-s
 test file or ``classify.test_fraction`` of a single file); validation is always carved out of the
 train split (``data.val_fraction``, seeded by ``classify.split_seed``), so that model selection never
 sees the test examples; a class that a held-out split would take whole keeps one example in train.
-Class ids are the sorted train labels; a test label that training never saw is an error naming its line.
+Class ids are the sorted train labels (numerically sorted when every label is an integer); a test label
+that training never saw is an error naming its line.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,6 +203,18 @@ def _hold_out(examples: Examples, fraction: float, *, seed: int, salt: int) -> t
     return examples.take(np.sort(rest)), examples.take(np.sort(held))
 
 
+def class_order(labels: set[str]) -> list[str]:
+    """The class names in class-id order: numerically when every label is an integer ("2" before "10"),
+    else as sorted text."""
+    if all(INTEGER_LABEL.fullmatch(label) for label in labels):
+        return sorted(labels, key=lambda label: (int(label), label))
+    return sorted(labels)
+
+
+INTEGER_LABEL = re.compile(r"[+-]?[0-9]+")
+"""A label that sorts as a number when every label of the data is one."""
+
+
 def _train_test_files(files: list[Path], where: str) -> tuple[Path, Path]:
     train = [f for f in files if "train" in f.name]
     test = [f for f in files if "test" in f.name]
@@ -250,7 +264,7 @@ def load_splits(data: DataConfig, cfg: ClassifyConfig, *, download: bool = True)
         train, test = read_examples(train_file, fmt, cfg), read_examples(test_file, fmt, cfg)
     # Salt 1: the validation carve is independent of the test split even under the same seed.
     train, val = _hold_out(train, data.val_fraction, seed=cfg.split_seed, salt=1)
-    classes = sorted(set(train.labels))
+    classes = class_order(set(train.labels))
     if len(classes) < 2:
         raise ValueError(f"the train split of {source} has {len(classes)} distinct label(s); classification "
                          "needs at least 2")

@@ -18,8 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from moetrain.data.classify_data import PreparedLabelled
+from moetrain.data.labelled import INTEGER_LABEL as _INTEGER
+from moetrain.train.metrics import read_class_names
+from moetrain.utils.files import atomic_write_text
 
 log = logging.getLogger("moetrain")
+
+CLASSES_FILE = "classes.json"
 
 
 def classification_loss(logits_BC: torch.Tensor, labels_B: torch.Tensor, *, label_smoothing: float = 0.0
@@ -63,18 +68,61 @@ def metrics_from_confusion(confusion_CC: torch.Tensor, *, prefix: str) -> dict:
 
 def describe_classes(data: PreparedLabelled, *, num_classes: int, run_dir: Path | None) -> None:
     """Check ``model.num_classes`` against the data and log the splits and the example lengths; with
-    ``run_dir`` (rank 0) write ``RUN/classes.json``: the class names (the report labels the confusion
-    matrix with them), the split sizes and the length distribution."""
+    ``run_dir`` (rank 0) write ``RUN/classes.json`` (``write_classes``)."""
     classes = data.classes
     if num_classes != len(classes):
         raise ValueError(f"model.num_classes ({num_classes}) must equal the number of classes in the train split "
-                         f"({len(classes)}: {', '.join(classes[:12])}{', ...' if len(classes) > 12 else ''})")
+                         f"({len(classes)}: {_listing(classes)})")
     stats, sizes = data.length_stats, {k: len(v) for k, v in data.splits.items()}
     log.info("%d classes; %d train / %d val / %d test examples; tokens per example p50 %.0f p90 %.0f p99 %.0f max %d, "
              "%.2f%% cut at data.seq_len=%d", len(classes), sizes["train"], sizes["val"], sizes["test"],
              stats["tokens_p50"], stats["tokens_p90"], stats["tokens_p99"], stats["tokens_max"],
              100 * stats["truncated_fraction"], stats["seq_len"])
     if run_dir is not None:
-        summary = {"classes": classes, "examples": sizes, "length_stats": stats}
-        (Path(run_dir) / "classes.json").write_text(json.dumps(summary, indent=1, ensure_ascii=False) + "\n",
-                                                    encoding="utf-8")
+        write_classes(data, run_dir)
+
+
+def write_classes(data: PreparedLabelled, run_dir: Path) -> None:
+    """``RUN/classes.json``: the class names in class-id order (the report, eval and generate name the
+    classes with them; ``check_run_classes`` holds later data to them), the split sizes and the length
+    distribution."""
+    summary = {"classes": data.classes, "examples": {k: len(v) for k, v in data.splits.items()},
+               "length_stats": data.length_stats}
+    atomic_write_text(Path(run_dir) / CLASSES_FILE, json.dumps(summary, indent=1, ensure_ascii=False) + "\n")
+
+
+def check_run_classes(classes: list[str], run_dir: str | Path, *, num_classes: int | None = None) -> None:
+    """Refuse data whose classes (class id = index) are not those the run was trained with
+    (``RUN/classes.json``): its head's row i is class i of that file, so other names, another order or
+    another count would score (or train) every example against the wrong row. A run without the file
+    (written before it existed) is checked on the class count ``num_classes`` only, with a warning."""
+    path = Path(run_dir) / CLASSES_FILE
+    run_classes = read_class_names(run_dir)
+    if run_classes is None:
+        if num_classes is not None and num_classes != len(classes):
+            raise ValueError(f"the run's model has {num_classes} classes (model.num_classes), the data "
+                             f"{len(classes)}: {_listing(classes)}")
+        log.warning("%s is missing or unreadable: the data's classes (%s) cannot be checked against those the run "
+                    "was trained with", path, _listing(classes))
+        return
+    if classes == run_classes:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(classes, run_classes, strict=False)) if a != b),
+                 min(len(classes), len(run_classes)))
+    if sorted(classes) != sorted(run_classes):
+        why = (f"{len(classes)} classes in the data, {len(run_classes)} in the run" if len(classes) != len(run_classes)
+               else "other class names")
+        hint = " Use the data the run was trained with (data.path, data.corpus, classify.label_field)."
+    elif all(_INTEGER.fullmatch(c) for c in classes):
+        why, hint = "the same classes in another order", (
+            " Integer labels are now sorted numerically (\"2\" before \"10\"): a run made before that has its "
+            "head's rows in text order and cannot be continued or evaluated with this version.")
+    else:
+        why, hint = "the same classes in another order", ""
+    raise ValueError(f"the data's classes differ from those the run was trained with ({path}): {why}; from class "
+                     f"id {first} the data has {_listing(classes[first:])}, the run {_listing(run_classes[first:])}."
+                     + hint)
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    return "[" + ", ".join(map(repr, names[:limit])) + (", ...]" if len(names) > limit else "]")

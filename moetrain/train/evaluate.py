@@ -32,7 +32,7 @@ from moetrain.distributed.parallelize import parallelize
 from moetrain.models.transformer import IGNORE_INDEX
 from moetrain.train.checkpoint.files import latest_checkpoint, resolve_checkpoint
 from moetrain.train.checkpoint.state import load_checkpoint
-from moetrain.train.classification import confusion_matrix, metrics_from_confusion
+from moetrain.train.classification import check_run_classes, confusion_matrix, metrics_from_confusion
 from moetrain.train.optim import build_optimizer, optimizer_settings
 from moetrain.train.precision import autocast_context
 from moetrain.train.task import build_model, build_task_data, is_classifier
@@ -150,6 +150,8 @@ def evaluate_run(run_dir: str | Path, *, split: str | None = None, checkpoint: s
                                     num_experts=cfg.moe.num_experts if cfg.model.is_moe else None)
     dims.build_mesh(proc.device.type)
     data = build_task_data(cfg, is_main=proc.is_main)
+    if is_classifier(cfg):  # every rank reads the file: all raise together
+        check_run_classes(data.classes, run_dir, num_classes=cfg.model.num_classes)
     _, model = build_model(cfg, data)
     model.to(proc.device)
     parallelize(model, dims, zero_stage=0, mixed_precision=cfg.train.dtype)

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -149,6 +150,42 @@ PER_CLASS_SUFFIX = "_per_class_f1"
 matrices (``val_confusion``, [true][predicted] counts) stay in metrics.jsonl; the report draws them."""
 
 
+def read_class_names(run_dir: str | os.PathLike) -> list[str] | None:
+    """The class names a classifier run wrote (``RUN/classes.json``; class id = index), or None."""
+    try:
+        names = json.loads((Path(run_dir) / "classes.json").read_text(encoding="utf-8"))["classes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+
+def class_tags(names: list[str] | None, num_classes: int) -> list[str]:
+    """The name of each class's per-class scalar (``val_per_class_f1/<tag>``): the class name with every
+    character but letters, digits, "_", "." and "-" made "_" (TensorBoard's tag rule; a "/" would nest it).
+    ``class<i>`` for every class without names for ``num_classes`` classes, or where two names would
+    give the same tag."""
+    fallback = [f"class{i}" for i in range(num_classes)]
+    if names is None or len(names) != num_classes:
+        return fallback
+    tags = [re.sub(r"[^\w.\-]", "_", name) for name in names]
+    return tags if len(set(tags)) == len(tags) and all(tags) else fallback
+
+
+class ClassNames:
+    """A run's class names for its per-class scalars, read from ``RUN/classes.json`` at the first record
+    that has per-class values (the trainer writes the file before its first evaluation)."""
+
+    def __init__(self, run_dir: str | os.PathLike) -> None:
+        self.run_dir = Path(run_dir)
+        self._names: list[str] | None = None
+        self._read = False
+
+    def for_record(self, metrics: dict) -> list[str] | None:
+        if not self._read and any(key.endswith(PER_CLASS_SUFFIX) for key in metrics):
+            self._names, self._read = read_class_names(self.run_dir), True
+        return self._names
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (and TensorBoard events) in ``run_dir``.
 
@@ -167,6 +204,7 @@ class MetricsLogger:
         self.tags = dict(tags or {})
         self.run_dir = Path(run_dir)
         self.trackers = list(trackers)
+        self.class_names = ClassNames(run_dir)
         self.path = Path(run_dir) / "metrics.jsonl"
         self._file: TextIO | None = None
         self._tb: SummaryWriter | None = None
@@ -191,8 +229,9 @@ class MetricsLogger:
         assert self._file is not None, "an enabled logger holds its file until close()"
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
+            names = self.class_names.for_record(metrics)
             for key, value in metrics.items():
-                _tb_write(self._tb, key, value, step)
+                _tb_write(self._tb, key, value, step, names)
 
     def close(self) -> None:
         if self._file is not None:
@@ -212,7 +251,7 @@ class MetricsLogger:
             self._tb = None
 
 
-def _tb_write(tb: SummaryWriter, key: str, value, step: int) -> None:
+def _tb_write(tb: SummaryWriter, key: str, value, step: int, class_names: list[str] | None) -> None:
     if isinstance(value, bool) or value is None:
         return
     if isinstance(value, (int, float)):
@@ -220,9 +259,9 @@ def _tb_write(tb: SummaryWriter, key: str, value, step: int) -> None:
             tb.add_scalar(key, value, step)
     elif key.endswith(PER_CLASS_SUFFIX) and isinstance(value, list):
         # A classifier's per-class F1 (None for a class neither present nor predicted).
-        for i, v in enumerate(value):
+        for tag, v in zip(class_tags(class_names, len(value)), value, strict=True):
             if v is not None:
-                tb.add_scalar(f"{key}/class{i}", v, step)
+                tb.add_scalar(f"{key}/{tag}", v, step)
     elif isinstance(value, list) and value and all(isinstance(v, (int, float)) for v in value):
         # Per-layer lists (load_cv, dropped_fraction, ...) become one scalar per layer.
         for i, v in enumerate(value):

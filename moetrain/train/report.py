@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # headless: report runs on training nodes without a displ
 import matplotlib.pyplot as plt
 import numpy as np
 
-from moetrain.train.metrics import read_metrics
+from moetrain.train.metrics import read_class_names, read_metrics
 from moetrain.train.routing_trace import INDEX, TRACE_DIR, rank_loads, straggler_factors
 
 
@@ -211,19 +211,11 @@ def plot_rank_load(run_dir: Path, out: Path) -> list[Path]:
     return [_save(fig, out / "rank_load.png"), json_path]
 
 
-def _class_names(run_dir: Path) -> list[str] | None:
-    """The class names a classifier run wrote (``RUN/classes.json``), if any."""
-    try:
-        return json.loads((run_dir / "classes.json").read_text(encoding="utf-8"))["classes"]
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:
     records = read_metrics(run_dir)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "report"
     out.mkdir(parents=True, exist_ok=True)
     made = [plot_loss(records, out), plot_throughput(records, out), plot_expert_load(records, out),
             plot_expert_health(records, out), plot_dropped(records, out), plot_accuracy(records, out),
-            plot_confusion(records, out, _class_names(Path(run_dir)))]
+            plot_confusion(records, out, read_class_names(run_dir))]
     return [p for p in made if p is not None] + plot_rank_load(Path(run_dir), out)

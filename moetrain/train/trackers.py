@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, cast
 
 from moetrain.config.log import LogConfig, MlflowConfig, WandbConfig
-from moetrain.train.metrics import PER_CLASS_SUFFIX, PER_EXPERT_KEYS
+from moetrain.train.metrics import PER_CLASS_SUFFIX, PER_EXPERT_KEYS, ClassNames, class_tags
 
 
-def scalars(metrics: dict) -> dict[str, float]:
+def scalars(metrics: dict, class_names: list[str] | None = None) -> dict[str, float]:
     """The finite numbers of a metrics record, per-layer lists as ``key/layer<i>`` and per-class lists as
-    ``key/class<i>``; tables, strings, flags and non-finite values left out."""
+    ``key/<class name>`` (``metrics.class_tags``; ``key/class<i>`` without ``class_names``); tables,
+    strings, flags and non-finite values left out."""
     out: dict[str, float] = {}
     for key, value in metrics.items():
         if isinstance(value, bool) or value is None:
@@ -30,7 +31,8 @@ def scalars(metrics: dict) -> dict[str, float]:
             if math.isfinite(value):
                 out[key] = float(value)
         elif key.endswith(PER_CLASS_SUFFIX) and isinstance(value, list):
-            out.update({f"{key}/class{i}": float(v) for i, v in enumerate(value) if v is not None})
+            tags = class_tags(class_names, len(value))
+            out.update({f"{key}/{tag}": float(v) for tag, v in zip(tags, value, strict=True) if v is not None})
         elif isinstance(value, list) and value and all(_is_number(v) for v in value):
             out.update({f"{key}/layer{i}": float(v) for i, v in enumerate(value) if math.isfinite(v)})
     return out
@@ -71,6 +73,7 @@ class WandbTracker:
         import wandb
 
         self._wandb = wandb
+        self.class_names = ClassNames(run_dir)
         run_id, _ = _run_id(run_dir / "wandb_run_id", lambda: uuid.uuid4().hex[:12])
         mode = cast(Literal["online", "offline", "disabled"], cfg.mode)  # WandbConfig validated it
         self.run = wandb.init(project=cfg.project, entity=cfg.entity, mode=mode, dir=str(run_dir), id=run_id,
@@ -80,7 +83,7 @@ class WandbTracker:
     def log(self, step: int, metrics: dict) -> None:
         if step <= self.last_step:  # W&B keeps one history row per step, in order
             return
-        row: dict[str, Any] = dict(scalars(metrics))
+        row: dict[str, Any] = dict(scalars(metrics, self.class_names.for_record(metrics)))
         for key in PER_EXPERT_KEYS:
             if isinstance(metrics.get(key), list):
                 table = metrics[key]
@@ -109,6 +112,7 @@ class MlflowTracker:
         from mlflow.tracking import MlflowClient
 
         self._metric, self._status = Metric, RunStatus
+        self.class_names = ClassNames(run_dir)
         self.client = MlflowClient(tracking_uri=cfg.tracking_uri)
         experiment = self.client.get_experiment_by_name(cfg.experiment)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.experiment)
@@ -128,7 +132,8 @@ class MlflowTracker:
         if step <= self.last_step:
             return
         now = int(time.time() * 1000)
-        batch = [self._metric(k, v, now, step) for k, v in scalars(metrics).items()]
+        names = self.class_names.for_record(metrics)
+        batch = [self._metric(k, v, now, step) for k, v in scalars(metrics, names).items()]
         for i in range(0, len(batch), 1000):  # MLflow takes at most 1,000 metrics per batch
             self.client.log_batch(self.run_id, metrics=batch[i:i + 1000])
         for key in PER_EXPERT_KEYS:

@@ -4,6 +4,7 @@ character tokenizer, padding, and the classification loader's sharding and resum
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +234,19 @@ def _jsonl_pair(folder: Path, train: list, test: list) -> Path:
     for name, rows in (("train.jsonl", train), ("test.jsonl", test)):
         _write(folder / name, "".join(json.dumps({"label": y, "text": t}) + "\n" for y, t in rows))
     return folder
+
+
+def test_integer_labels_are_numbered_in_numeric_order(tmp_path):
+    rows = [(i % 11, f"text {i}") for i in range(110)]
+    folder = _jsonl_pair(tmp_path / "ints", rows, rows[:22])
+    data = DataConfig(corpus="path", path=str(folder), seq_len=8, val_fraction=0.1, cache_dir=str(tmp_path / "c"))
+    splits = load_splits(data, ClassifyConfig())
+    assert splits.classes == [str(i) for i in range(11)]  # as text "10" would come before "2"
+    # class id = the integer label: the reference is the file's own numbers
+    assert splits.label_ids("test").tolist() == [y for y, _ in rows[:22]]
+    mixed = _jsonl_pair(tmp_path / "mixed", [(y, f"t{i}") for i, y in enumerate(["10", "2", "b", "10", "2", "b"] * 4)],
+                        [("2", "t")])
+    assert load_splits(replace(data, path=str(mixed)), ClassifyConfig()).classes == ["10", "2", "b"]
 
 
 def test_validation_carve_out_leaves_every_class_in_train(tmp_path):

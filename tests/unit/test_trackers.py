@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from moetrain.config.loader import load_config
-from moetrain.train.metrics import MetricsLogger
+from moetrain.train.metrics import MetricsLogger, class_tags
 from moetrain.train.trackers import MlflowTracker, WandbTracker, expert_rows, scalars
 from tests.helpers import wandb_records
 
@@ -30,6 +30,26 @@ def test_scalars_flatten_like_tensorboard():
     assert scalars(RECORDS[1][1])["val_per_class_f1/class2"] == 1.0
     assert "val_per_class_f1/class1" not in scalars(RECORDS[1][1])
     assert expert_rows([[0.5, 0.5], [0.75, 0.25]]) == [[0, 0, 0.5], [0, 1, 0.5], [1, 0, 0.75], [1, 1, 0.25]]
+
+
+def test_per_class_scalars_are_named_after_the_classes(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = RECORDS[1][1]  # val_per_class_f1 [0.5, None, 1.0]
+    assert {k: v for k, v in scalars(record, ["10", "2", "a/b c"]).items() if "per_class" in k} == {
+        "val_per_class_f1/10": 0.5, "val_per_class_f1/a_b_c": 1.0}
+    # Names that would give the same tag, or names for another count: the class ids.
+    assert class_tags(["a b", "a_b", "c"], 3) == class_tags(None, 3) == ["class0", "class1", "class2"]
+    assert class_tags(["x", "y"], 3) == ["class0", "class1", "class2"]
+    (tmp_path / "classes.json").write_text(json.dumps({"classes": ["10", "2", "a/b c"]}))
+    logger = MetricsLogger(tmp_path, report=False)
+    logger.log(4, record)
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = {t for t in events.Tags()["scalars"] if "per_class" in t}
+    assert tags == {"val_per_class_f1/10", "val_per_class_f1/a_b_c"}
+    assert events.Scalars("val_per_class_f1/10")[0].value == 0.5
 
 
 def test_config_errors_name_the_field():
@@ -88,14 +108,17 @@ def test_mlflow_run_holds_the_jsonl_scalars_tables_and_resumes(tmp_path, monkeyp
     cfg = load_config("tiny", [f"--log.mlflow={{tracking_uri: '{uri}', experiment: moetrain-test}}"])
     run_dir = tmp_path / "run"
     run_dir.mkdir()
+    (run_dir / "classes.json").write_text(json.dumps({"classes": ["neg", "pos", "a/b"]}))
     _log_all(run_dir, [MlflowTracker(cfg.log.mlflow, run_dir=run_dir, config={"train": {"steps": 4}})])
     client = MlflowClient(tracking_uri=uri)
     run_id = (run_dir / "mlflow_run_id").read_text().strip()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.params["train.steps"] == "4"
-    for key in ("loss", "load_cv/layer1", "val_per_class_f1/class0"):
-        expected = [(s, scalars(r)[key]) for s, r in RECORDS if key in scalars(r)]
-        assert [(m.step, m.value) for m in client.get_metric_history(run_id, key)] == expected, key
+    named = [(s, scalars(r, ["neg", "pos", "a/b"])) for s, r in RECORDS]
+    for key in ("loss", "load_cv/layer1", "val_per_class_f1/neg", "val_per_class_f1/a_b"):
+        expected = [(s, values[key]) for s, values in named if key in values]
+        assert expected and [(m.step, m.value) for m in client.get_metric_history(run_id, key)] == expected, key
+    assert client.get_metric_history(run_id, "val_per_class_f1/class0") == []
     artifacts = {a.path for a in client.list_artifacts(run_id)} | {a.path for a in client.list_artifacts(run_id,
                                                                                                       "expert_share")}
     assert {"config.yaml", "loss.png", "expert_share/step00000002.json"} <= artifacts
