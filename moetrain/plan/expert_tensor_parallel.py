@@ -104,7 +104,7 @@ def etp_choices(specs: list[ParamSpec], cfg: JobConfig, model: ModelConfig, *, w
         vol = comm_per_step(specs, Layout(world=world, ep=ep, zero_stage=0, etp=etp), model, cfg.moe,
                             tokens_per_micro_batch=tokens_per_micro_batch, grad_accum=grad_accum,
                             compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed, procs_per_node=per_node,
-                            ep_hierarchical=cfg.parallel.ep_hierarchical)
+                            ep_hierarchical=cfg.parallel.ep_hierarchical, seq_len=cfg.data.seq_len)
         fits = None if device_memory is None or reason else expert_bytes + other_bytes <= device_memory
         out.append(EtpChoice(etp, ep, reason is None, reason, expert_bytes, other_bytes, vol.all_gather,
                              vol.reduce_scatter, vol.all_to_all, fits, per_node % (ep * etp) != 0))

@@ -195,7 +195,7 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
         raise ValueError(f"parallel.dp ({cfg.parallel.dp}) must be -1 or the world size ({nproc}) to plan")
     micro, grad_accum, batch_note = planned_micro_batch(cfg.train, nproc)
     T = micro * cfg.data.seq_len
-    specs = param_specs(model, moe)
+    specs = param_specs(model, moe, finetune=cfg.finetune)
     compute_bytes = 4 if cfg.train.dtype == "fp32" else 2
     per_node = nproc // nodes
     if eps is None:
@@ -243,7 +243,9 @@ def make_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, device_memory: int 
 def _layout(c: Choice, cfg: JobConfig, nproc: int) -> Layout:
     return Layout(world=nproc, ep=c.ep, zero_stage=c.zero_stage, hsdp_replicate=c.hsdp_replicate,
                   offload_optimizer=c.offload != "none", offload_params=c.offload == "params",
-                  weight_average=cfg.optim.ema_decay > 0, optimizer=cfg.optim.name)
+                  weight_average=cfg.optim.ema_decay > 0, optimizer=cfg.optim.name,
+                  grad_compression=cfg.dp.grad_compression,
+                  expert_slots_per_rank=cfg.parallel.expert_slots_per_rank if cfg.moe.rebalance_every > 0 else 0)
 
 
 def _layout_note(cfg: JobConfig) -> str | None:
@@ -316,7 +318,7 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
         host = 0
         device_states = worst.total
     elif c.zero_stage == 1:  # the weight average stays with the weights, on the device
-        host, device_states = worst.optim, worst.param + worst.grad + worst.average
+        host, device_states = worst.optim, worst.total - worst.optim
     else:
         host, device_states = worst.total, 0
     row.host_bytes = host
@@ -326,7 +328,8 @@ def _fill(row: PlanRow, specs, model: ModelConfig, cfg: JobConfig, *, nproc: int
     row.comm = comm_per_step(specs, layout, model, cfg.moe, tokens_per_micro_batch=T, grad_accum=grad_accum,
                              compute_bytes=compute_bytes, ac_moe_layers_recomputed=recomputed,
                              procs_per_node=per_node, ep_hierarchical=cfg.parallel.ep_hierarchical,
-                             grad_compression=_compression(cfg.dp.grad_compression, c.zero_stage)).as_dict()
+                             grad_compression=_compression(cfg.dp.grad_compression, c.zero_stage),
+                             seq_len=cfg.data.seq_len).as_dict()
     if c.ep > per_node or per_node % c.ep != 0:
         row.ep_spans_nodes = True
         row.notes.append(f"ep={c.ep} spans nodes ({per_node} processes per node): all-to-alls cross the "

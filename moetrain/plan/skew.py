@@ -335,7 +335,7 @@ def _step_parts(cfg: JobConfig, model, specs, *, nproc: int, micro: int, accum: 
                         grad_accum=accum, compute_bytes=b,
                         ac_moe_layers_recomputed=moe_layers_recomputed(model, t.activation_checkpointing,
                                                                        t.activation_checkpointing_every),
-                        procs_per_node=per_node)
+                        procs_per_node=per_node, seq_len=cfg.data.seq_len)
     # The ep group's link, as in estimate_step_time: inter-node when the group leaves the node.
     link = profile.inter_node if layout.ep > per_node or per_node % layout.ep != 0 else profile.intra_node
     return {"step_s": est.step_s, "skewable_compute_s": expert_s + elementwise_s,
