@@ -143,7 +143,9 @@ def prepare_labelled(data: DataConfig, cfg: ClassifyConfig, *, download: bool = 
     tokenizer = build_classify_tokenizer(splits, data, cfg)
     label_ids = {name: splits.label_ids(name) for name in SPLITS}  # unknown labels fail here, by line
     end_id, pad_id = _end_and_pad(tokenizer)
-    key = _fingerprint(splits.train, splits.val, splits.test, [tokenizer.key, str(data.seq_len)])[:24]
+    # The cache holds class ids: the class order is part of what they mean.
+    key = _fingerprint(splits.train, splits.val, splits.test, [tokenizer.key, str(data.seq_len)],
+                       splits.classes)[:24]
     path = resolve_cache_dir(data.cache_dir) / "labelled" / f"{key}.npz"
     cached = _read_cache(path)
     if cached is not None:

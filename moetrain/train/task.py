@@ -5,15 +5,19 @@ through the same trainer, layouts and checkpoints; here are their data and loade
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from moetrain.config import JobConfig
+from moetrain.config.loader import save_config
 from moetrain.config.model import ModelConfig
 from moetrain.data import prepare_data
 from moetrain.data.classify_data import prepare_labelled, prepare_labelled_lm
 from moetrain.data.registry import CORPORA
+from moetrain.data.tokenizer import save_tokenizer
 from moetrain.distributed import runtime
 from moetrain.models.lora import apply_lora
 from moetrain.models.transformer import Transformer
+from moetrain.train.classification import check_run_classes, write_classes
 
 
 def is_classifier(cfg: JobConfig) -> bool:
@@ -68,3 +72,18 @@ def build_model(cfg: JobConfig, data) -> tuple[ModelConfig, Transformer]:
     model = Transformer(model_config, moe=cfg.moe if model_config.is_moe else None, seed=cfg.train.seed)
     apply_lora(model, cfg.finetune, seed=cfg.train.seed)  # adapters + frozen base; no-op at lora_rank 0
     return model_config, model
+
+
+def write_run_record(cfg: JobConfig, data, run_dir: Path, *, resumed: bool, is_main: bool) -> None:
+    """The run folder's record of the job: its config.yaml, the tokenizer (generate and export decode
+    without the corpus) and a classifier's classes.json. Written once the run has started or resumed,
+    so that a relaunch the checkpoint refuses leaves the folder as it was. A classifier resumed on
+    data whose classes differ from its classes.json is refused (the head's row i is its class i)."""
+    if is_classifier(cfg) and resumed:
+        check_run_classes(data.classes, run_dir)
+    if not is_main:
+        return
+    save_config(cfg, run_dir / "config.yaml")
+    save_tokenizer(data.tokenizer, run_dir)
+    if is_classifier(cfg):
+        write_classes(data, run_dir)

@@ -28,8 +28,6 @@ from torch import nn
 from moetrain.config import JobConfig
 from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.convert import config_to_dict
-from moetrain.config.loader import save_config
-from moetrain.data.tokenizer import save_tokenizer
 from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
 from moetrain.distributed.data_parallel import ddp as data_parallel
@@ -54,7 +52,7 @@ from moetrain.train.pipeline_step import PipelineStep, build_pipeline, next_step
 from moetrain.train.precision import DynamicLossScaler, autocast_context
 from moetrain.train.rng_state import restore_rng_state, seed_rng_state
 from moetrain.train.routing_trace import RoutingHooks, build_routing_hooks
-from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier
+from moetrain.train.task import build_loaders, build_model, build_task_data, is_classifier, write_run_record
 from moetrain.train.trackers import build_trackers
 from moetrain.train.weight_average import WeightAverage
 from moetrain.utils.memory import MemoryTracker
@@ -101,22 +99,19 @@ class Trainer:
 
     def setup_run_dir(self) -> None:
         self.run_dir = Path(self.cfg.log.run_dir)
-        if self.is_main:
+        if self.is_main:  # its record is written once the run has started (write_run_record)
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            save_config(self.cfg, self.run_dir / "config.yaml")
         self.barrier()
 
     def build_data(self) -> None:
         self.classifier = is_classifier(self.cfg)
         self.data = build_task_data(self.cfg, is_main=self.is_main)
-        if self.is_main:  # beside config.yaml: generate and export decode without the corpus
-            save_tokenizer(self.data.tokenizer, self.run_dir)
         self.train_loader, self.val_loader = build_loaders(self.cfg, self.data, grad_accum=self.grad_accum,
                                                            dp_rank=self.dp_rank, dp_size=self.dp_size)
         if self.classifier:
             num_classes = self.cfg.model.num_classes
             assert num_classes is not None  # ModelConfig requires it of a classifier head
-            describe_classes(self.data, num_classes=num_classes, run_dir=self.run_dir if self.is_main else None)
+            describe_classes(self.data, num_classes=num_classes, run_dir=None)
 
     def build_model(self) -> None:
         cfg = self.cfg
@@ -186,6 +181,7 @@ class Trainer:
         self.skips = SkipCounter(max_consecutive=self.cfg.train.max_consecutive_skips)
         self.interrupted = False
         resumed = self.checkpointer.resume()
+        write_run_record(self.cfg, self.data, self.run_dir, resumed=resumed is not None, is_main=self.is_main)
         self.resumed_from = resumed.path if resumed is not None else None
         if resumed is not None:
             self.step = resumed.step

@@ -263,3 +263,20 @@ def test_validation_carve_out_leaves_every_class_in_train(tmp_path):
         took_rare += len(splits.val) == 3  # round(41 * 0.1) = 4, one given back
         assert len(splits.train) + len(splits.val) == 41
     assert took_rare > 0  # the seeds include ones whose pick held the rare example
+
+
+def test_cached_label_ids_follow_the_class_order(tmp_path, monkeypatch):
+    # The encoded-split cache holds class ids: data cached under another class order (a run of a version
+    # that sorted integer labels as text) must not hand its ids to this one.
+    import moetrain.data.labelled as labelled
+
+    rows = [(i % 11, f"text {i}") for i in range(110)]
+    folder = _jsonl_pair(tmp_path / "ints", rows, rows[:22])
+    data = DataConfig(corpus="path", path=str(folder), seq_len=8, val_fraction=0.1, cache_dir=str(tmp_path / "c"))
+    cfg = ClassifyConfig(tokenizer="char", min_char_count=1)
+    with monkeypatch.context() as m:
+        m.setattr(labelled, "class_order", sorted)  # the text order: "10" before "2"
+        as_text = prepare_labelled(data, cfg)
+    assert as_text.classes[2] == "10"
+    prepared = prepare_labelled(data, cfg)
+    assert [prepared.classes[i] for i in prepared.splits["test"].labels_N] == [str(y) for y, _ in rows[:22]]

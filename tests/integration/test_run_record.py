@@ -1,0 +1,24 @@
+"""A relaunch that the run's checkpoint refuses leaves the run folder as it was: config.yaml (which
+reproduces the run) and tokenizer.json (which generate and export decode with) are written once
+the run has started or resumed. Before, both were replaced first, and generate then decoded the
+old weights with the new tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.dist_launcher import RankError, run_ranks
+from tests.integration.conftest import job_overrides, train_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+
+
+def test_a_refused_relaunch_keeps_the_runs_config_and_tokenizer(tmp_path, shakespeare_cached):
+    run_dir = tmp_path / "run"
+    bpe = ("--data.tokenizer=bpe", "--data.vocab_size=300", "--checkpoint.save_final=true")
+    run_ranks(train_job, 1, job_overrides(run_dir, steps=1, extra=bpe), timeout_s=120)
+    before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "tokenizer.json")}
+    other = ("--data.tokenizer=bpe", "--data.vocab_size=280")  # another embedding: the checkpoint refuses it
+    with pytest.raises(RankError, match="does not match"):
+        run_ranks(train_job, 1, job_overrides(run_dir, steps=2, extra=other), timeout_s=120)
+    assert {name: (run_dir / name).read_bytes() for name in before} == before
