@@ -88,6 +88,8 @@ def world_size(args: argparse.Namespace, *, default: int | None) -> int | None:
     else ``default``."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc ({args.nproc}) must be an int >= 1")
     return args.nproc or default
 
 
@@ -111,6 +113,9 @@ def load_job(args: argparse.Namespace, overrides: list[str], *, world: int | Non
         raise ValueError(f"--sample-tokens ({sample_tokens}) needs the whole model in each process, and "
                          f"parallel.pp ({par.pp}) splits it: sample after training with `moetrain generate`")
     num_experts = cfg.moe.num_experts if cfg.model.is_moe else None
+    fixed = world is None and par.dp != -1
+    if fixed:
+        world = par.dp * par.tp * par.pp  # a fixed dp fixes the world: check every rule at it
     if world is None:
         if deepspeed is not None and par.ep > 1:
             raise ValueError(f"moe.ep_size ({par.ep}) of {deepspeed} needs a world of at least {par.ep} processes: "
@@ -124,7 +129,9 @@ def load_job(args: argparse.Namespace, overrides: list[str], *, world: int | Non
         cfg.grad_accum_steps(world)
     except ValueError as e:
         told = "WORLD_SIZE" in os.environ or args.nproc
-        raise ValueError(str(e) if told else f"{e} (this runs 1 process: pass --nproc N to launch N)") from e
+        where = (f"parallel.dp * tp * pp fixes the world at {world} processes" if fixed
+                 else "this runs 1 process: pass --nproc N to launch N")
+        raise ValueError(str(e) if told else f"{e} ({where})") from e
     return cfg
 
 

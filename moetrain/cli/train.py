@@ -115,7 +115,9 @@ def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
         # Imported here: matplotlib costs every rank a third of a second at start-up otherwise.
         from moetrain.train.report import write_report
 
-        pngs = write_report(trainer.run_dir) if cfg.log.report else []
+        # The report reads metrics.jsonl, which log.jsonl false does not write.
+        draw = cfg.log.report and cfg.log.jsonl
+        pngs = write_report(trainer.run_dir) if draw else []
         print()
         if "test_accuracy" in final:  # a classifier's last eval covers the test split
             print(f"final test accuracy {final['test_accuracy']:.4f} (macro-F1 {final['test_macro_f1']:.4f}; val "
@@ -128,7 +130,8 @@ def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
             print("--- sample ---")
             print(sample)
             print("--------------")
-        drawn = ", ".join(p.name for p in pngs) if cfg.log.report else "not drawn, log.report is false"
+        drawn = ", ".join(p.name for p in pngs) if draw else (
+            "not drawn, " + ("log.jsonl" if cfg.log.report else "log.report") + " is false")
         print(f"run directory: {trainer.run_dir}  (config.yaml, metrics.jsonl, tensorboard/, report/: {drawn})")
     return 0, trainer.world_size
 

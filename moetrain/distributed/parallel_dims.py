@@ -157,9 +157,11 @@ class ParallelDims:
     @classmethod
     def from_config(cls, parallel: ParallelConfig, *, world_size: int, num_experts: int | None = None,
                     ranks_per_node: int | None = None) -> ParallelDims:
-        return cls(world_size=world_size, ep=parallel.ep, dp=parallel.dp, tp=parallel.tp, pp=parallel.pp,
+        dims = cls(world_size=world_size, ep=parallel.ep, dp=parallel.dp, tp=parallel.tp, pp=parallel.pp,
                    etp=parallel.etp, num_experts=num_experts, ranks_per_node=ranks_per_node,
                    ep_hierarchical=parallel.ep_hierarchical)
+        dims.check_hsdp(parallel.hsdp_replicate)  # here too: a job is checked before its ranks start
+        return dims
 
     # ----- degrees -------------------------------------------------------------------------------
 
@@ -358,10 +360,8 @@ class ParallelDims:
         assert self.moe_mesh is not None
         return ep if self.etp == 1 else self.moe_mesh[("ep", "etp")]
 
-    def hsdp_mesh(self, replicate: int) -> DeviceMesh:
-        """The (dp_replicate, dp_shard) mesh of HSDP with ``replicate`` replicas: shard groups of
-        dp / replicate consecutive ranks (one node), replicas striding across nodes. Collective the
-        first time; built once."""
+    def check_hsdp(self, replicate: int) -> None:
+        """ValueError unless HSDP with ``replicate`` replicas fits these degrees."""
         if not isinstance(replicate, int) or replicate < 1 or self.dp % replicate != 0:
             raise ValueError(f"parallel.hsdp_replicate ({replicate!r}) must be an int >= 1 that divides "
                              f"parallel.dp ({self.dp})")
@@ -369,6 +369,12 @@ class ParallelDims:
             raise ValueError(f"parallel.hsdp_replicate ({replicate}) needs parallel.tp = 1 and parallel.pp = 1 "
                              f"(are {self.tp}, {self.pp}): its mesh is a root of its own, which tensor-parallel "
                              "DTensors and pipeline stages cannot share")
+
+    def hsdp_mesh(self, replicate: int) -> DeviceMesh:
+        """The (dp_replicate, dp_shard) mesh of HSDP with ``replicate`` replicas: shard groups of
+        dp / replicate consecutive ranks (one node), replicas striding across nodes. Collective the
+        first time; built once."""
+        self.check_hsdp(replicate)
         if self.mesh is None:
             raise RuntimeError("call ParallelDims.build_mesh() first")
         shape = (replicate, self.dp // replicate)

@@ -71,6 +71,9 @@ def resolve_backend(backend: str, *, device_type: str, host_collectives: bool = 
     tensors only)."""
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
+    if backend == "nccl" and device_type != "cuda":
+        raise ValueError(f"parallel.backend ('nccl') needs a CUDA device (this process trains on {device_type!r}): "
+                         "NCCL moves GPU tensors only; use 'gloo' or 'auto'")
     return "cuda:nccl,cpu:gloo" if backend == "nccl" and host_collectives else backend
 
 

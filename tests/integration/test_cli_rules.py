@@ -38,6 +38,10 @@ RULES = {
     "dense-ep": (2, ["--model.moe_every=0"], "parallel.ep (2) must be 1 for a dense model"),
     "dense-etp": (2, ["--model.moe_every=0", "--parallel.ep=1", "--parallel.etp=2"],
                   "parallel.etp (2) must be 1 for a dense model"),
+    # ParallelDims.from_config: HSDP's replicas (the ranks used to start, then fail on every rank)
+    "hsdp-replicas": (2, ["--parallel.zero_stage=2", "--parallel.hsdp_replicate=4"],
+                      "parallel.hsdp_replicate (4) must be an int >= 1 that divides parallel.dp (2)"),
+    "nproc-zero": (0, [], "--nproc (0) must be an int >= 1"),
     "etp-capacity": (2, ["--parallel.ep=1", "--parallel.etp=2", "--moe.capacity_factor=1.25"],
                      "moe.capacity_factor (1.25) must be null with parallel.etp (2) > 1"),
     "etp-hidden": (2, ["--parallel.ep=1", "--parallel.etp=2", "--moe.capacity_factor=null",
@@ -186,3 +190,12 @@ def test_every_field_a_cross_section_rule_names_has_a_case():
     messages = " ".join(message for _, _, message in RULES.values())
     missing = sorted(f for f in fields if f"{f} (" not in messages)
     assert not missing, f"rules on these fields have no case in RULES: {missing}"
+
+
+def test_a_fixed_dp_fixes_the_world_the_config_is_checked_at(capsys):
+    from moetrain.cli import main
+
+    # No --nproc: parallel.dp = 3 still means 3 processes, where ep = 2 cannot divide the world.
+    assert main(["config", "show", "--config", "tiny", "--parallel.dp=3", "--train.global_batch_size=24"]) == 2
+    assert ("parallel.ep (2) must divide the world size (3) (parallel.dp * tp * pp fixes the world at 3 processes)"
+            in capsys.readouterr().err)

@@ -22,3 +22,11 @@ def test_a_refused_relaunch_keeps_the_runs_config_and_tokenizer(tmp_path, shakes
     with pytest.raises(RankError, match="does not match"):
         run_ranks(train_job, 1, job_overrides(run_dir, steps=2, extra=other), timeout_s=120)
     assert {name: (run_dir / name).read_bytes() for name in before} == before
+
+
+def test_a_run_without_metrics_jsonl_finishes_without_its_report(tmp_path, shakespeare_cached, capsys):
+    # The report reads metrics.jsonl: with log.jsonl false the run used to train, save, then fail (exit 2).
+    from moetrain.cli import main
+
+    assert main(["train", *job_overrides(tmp_path / "run", steps=1, extra=("--log.jsonl=false",))]) == 0
+    assert "report/: not drawn, log.jsonl is false" in capsys.readouterr().out

@@ -33,3 +33,10 @@ def test_a_job_asks_for_host_collectives_exactly_when_it_offloads(monkeypatch, o
     runtime.init_job_runtime(cfg)
     assert asked == {"device": "cpu", "backend": "gloo", "deterministic": cfg.train.deterministic, "tf32": True,
                      "host_collectives": host}
+
+
+def test_nccl_on_a_cpu_device_is_one_clear_error():
+    # Before, torch raised "Distributed package doesn't have NCCL built in" from deep in its setup.
+    with pytest.raises(ValueError, match=r"parallel.backend \('nccl'\) needs a CUDA device \(this process "
+                                         r"trains on 'cpu'\)"):
+        resolve_backend("nccl", device_type="cpu")
