@@ -296,6 +296,7 @@ class Trainer:
         elif self.balancer is not None:
             self.balancer.discard_step()  # a skipped step's routing counts must not move the bias
         self.scaler.update(good)
+        self.step_lr = self.scheduler.get_last_lr()[0]  # this step's, logged with it (Megatron's)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if stop:
@@ -347,7 +348,7 @@ class Trainer:
             # The loss, the aux loss and each multi-token depth's loss (mtp_loss_1 ... mtp_loss_D).
             sums = torch.cat([w.loss.reshape(1), w.aux.reshape(1), *([] if w.mtp is None else [w.mtp.reshape(-1)])])
             loss, aux, *per_depth = mean_over_dp(sums / (good * self.grad_accum), self.dims).tolist()
-        m = {"loss": loss, "aux_loss": aux, "lr": self.scheduler.get_last_lr()[0],
+        m = {"loss": loss, "aux_loss": aux, "lr": self.step_lr,
              "grad_norm": float(self.grad_norm) if self.grad_norm is not None else None,
              **w.throughput(seq_len=self.cfg.data.seq_len, num_ranks=self.world_size,
                             flops_per_token=self.flops_per_token, peak_flops=self.peak_flops),

@@ -5,6 +5,8 @@ old weights with the new tokenizer."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.helpers.dist_launcher import RankError, run_ranks
@@ -17,6 +19,9 @@ def test_a_refused_relaunch_keeps_the_runs_config_and_tokenizer(tmp_path, shakes
     run_dir = tmp_path / "run"
     bpe = ("--data.tokenizer=bpe", "--data.vocab_size=300", "--checkpoint.save_final=true")
     run_ranks(train_job, 1, job_overrides(run_dir, steps=1, extra=bpe), timeout_s=120)
+    # Logged with its step, the learning rate that step used: the first of 2 warmup steps, half of 3e-3.
+    (record,) = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert record["lr"] == pytest.approx(1.5e-3)
     before = {name: (run_dir / name).read_bytes() for name in ("config.yaml", "tokenizer.json")}
     other = ("--data.tokenizer=bpe", "--data.vocab_size=280")  # another embedding: the checkpoint refuses it
     with pytest.raises(RankError, match="does not match"):
