@@ -21,9 +21,15 @@ shard over edp; gradients reduced in fp32; parameters gathered in the compute dt
               the replicas
 
 All-to-all (the textbook per-layer volume, dispatch + combine of every routed copy, made per rank):
-each MoE layer sends its T*K routed copies (times min(1, capacity factor)) of D values, of which
+each MoE layer sends its T*K routed copies (times min(1, capacity factor); expert choice
+E * ceil(capacity factor * T*K / E) for any factor, ``routed_copies``) of D values, of which
 (ep-1)/ep go to other ranks under balanced routing, in dispatch and again in combine:
 2 * T*K*D*bytes * (ep-1)/ep per layer and forward.
+With ``moe.dispatch_dedup`` a token's row goes once to each rank its copies' experts live on,
+``ranks_per_token`` rows per token (``expected_groups_hit(E, K, ep)`` under uniform routing; E=8,
+K=2, ep=2: 0.79x the per-copy rows), and each remote copy adds its fp32 gate weight (and the
+weight's gradient in backward) and its row's index (int64; int32 with a compressed
+``dispatch_dtype``) in forward.
 Backward repeats both exchanges, and a checkpointed MoE layer's recompute repeats the forward.
 The multi-token modules' blocks are MoE blocks in an MoE model (``moetrain.models.mtp``): depth k
 routes the S - k positions of each sequence that have a token k places ahead (under tensor
@@ -61,7 +67,8 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.data_parallel.compression import chunk_len
 from moetrain.distributed.data_parallel.fsdp import expert_shard_dim
-from moetrain.distributed.expert_parallel.wire import wire_row_bytes
+from moetrain.distributed.expert_parallel.wire import TOKEN_BOUND, int_wire_dtype, wire_row_bytes
+from moetrain.models.moe.dispatcher import expert_capacity
 from moetrain.plan.model_states import Layout, ParamSpec, _chunk
 
 COLLECTIVES = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather")
@@ -112,6 +119,31 @@ def routed_tokens(model: ModelConfig, tokens: int, seq_len: int | None) -> int:
     return tokens * len(model.moe_layer_ids) + depths
 
 
+def routed_copies(moe: MoEConfig, tokens: int) -> float:
+    """Copies one MoE layer sends to its experts for ``tokens`` tokens: token choice T * K, times
+    min(1, capacity factor) (an expert keeps ceil(f * T * K / E), which balanced routing fills up
+    to T * K); expert choice E * ceil(f * T * K / E) for any factor (every expert takes its
+    capacity, at most the T candidates)."""
+    f = moe.capacity_factor
+    if moe.is_expert_choice:
+        assert f is not None, "MoEConfig requires a capacity factor with expert choice"
+        return moe.num_experts * min(tokens, expert_capacity(tokens, num_experts=moe.num_experts, top_k=moe.top_k,
+                                                             capacity_factor=f))
+    return tokens * moe.top_k * (1.0 if f is None else min(1.0, f))
+
+
+def ranks_per_token(moe: MoEConfig, ep: int, tokens: int) -> float:
+    """Rows a token sends under ``moe.dispatch_dedup``: the distinct ep ranks among its kept copies'
+    experts. Token choice under uniform routing ``expected_groups_hit(E, K, ep)`` (times min(1,
+    capacity factor)); expert choice, each of a rank's E / ep experts taking a token with
+    probability copies / (E * T), one minus the chance that none does."""
+    E = moe.num_experts
+    copies = routed_copies(moe, tokens)
+    if moe.is_expert_choice:
+        return ep * (1.0 - (1.0 - copies / (E * tokens)) ** (E // ep))
+    return expected_groups_hit(E, moe.top_k, ep) * copies / (tokens * moe.top_k)
+
+
 def _row_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int | None, compute_bytes: int,
                num_recomputed: int) -> int:
     """All-to-all bytes if every routed token's row left the rank once in every MoE layer, over a
@@ -126,14 +158,40 @@ def _row_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int 
     return forward_row * (routed + recomputed) + 2 * bf16_row * routed
 
 
-def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per_micro_batch: int, grad_accum: int,
-                      compute_bytes: int, num_recomputed: int, seq_len: int | None = None) -> int:
-    """Expert all-to-all bytes of one optimizer step (forward, backward and recompute): of each
-    token's K routed copies (times min(1, capacity factor)), (ep - 1) / ep leave the rank."""
-    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
-    rows = _row_bytes(model, moe, tokens=tokens_per_micro_batch, seq_len=seq_len, compute_bytes=compute_bytes,
+def _copy_metadata_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int | None,
+                         num_recomputed: int) -> int:
+    """Once per rank, the per-copy metadata if every routed token had one copy leave in every MoE
+    layer over a micro-step: each forward its fp32 gate weight and the index of its row (int64, or
+    int32 in a compressed ``dispatch_dtype``); the backward the gate weight's gradient."""
+    routed = routed_tokens(model, tokens, seq_len)
+    index = 8 if moe.dispatch_dtype == "none" else int_wire_dtype(TOKEN_BOUND).itemsize
+    return (routed + tokens * num_recomputed) * (GATE_WEIGHT_BYTES + index) + routed * GATE_WEIGHT_BYTES
+
+
+def _exchange_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int | None, compute_bytes: int,
+                    num_recomputed: int, ep: int, share: float, dedup_ranks: float | None) -> float:
+    """Bytes one rank sends in a micro-step's expert all-to-alls to the fraction ``share`` of the
+    destinations of its tokens' copies (rows and, once per rank, metadata): per copy, one row per
+    routed copy (``routed_copies``); once per rank (``moe.dispatch_dedup``), ``dedup_ranks`` rows
+    per token (default ``ranks_per_token``) and each copy's metadata."""
+    per_token = routed_copies(moe, tokens) / tokens
+    rows = _row_bytes(model, moe, tokens=tokens, seq_len=seq_len, compute_bytes=compute_bytes,
                       num_recomputed=num_recomputed)
-    return int(rows * moe.top_k * kept * (ep - 1) / ep * grad_accum)
+    if not moe.dispatch_dedup:
+        return rows * per_token * share
+    ranks = ranks_per_token(moe, ep, tokens) if dedup_ranks is None else dedup_ranks
+    meta = _copy_metadata_bytes(model, moe, tokens=tokens, seq_len=seq_len, num_recomputed=num_recomputed)
+    return (rows * ranks + meta * per_token) * share
+
+
+def _all_to_all_bytes(model: ModelConfig, moe: MoEConfig, *, ep: int, tokens_per_micro_batch: int, grad_accum: int,
+                      compute_bytes: int, num_recomputed: int, seq_len: int | None = None,
+                      dedup_ranks: float | None = None) -> int:
+    """Expert all-to-all bytes of one optimizer step (forward, backward and recompute): (ep - 1) / ep
+    of what each token sends leaves the rank."""
+    return int(_exchange_bytes(model, moe, tokens=tokens_per_micro_batch, seq_len=seq_len,
+                               compute_bytes=compute_bytes, num_recomputed=num_recomputed, ep=ep,
+                               share=(ep - 1) / ep, dedup_ranks=dedup_ranks) * grad_accum)
 
 
 EXPERT_ID_BYTES = 8
@@ -175,7 +233,7 @@ def expected_groups_hit(num_experts: int, top_k: int, num_groups: int) -> float:
 
 def _ep_node_bytes(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: int, per_node: int,
                    tokens_per_micro_batch: int, seq_len: int | None, grad_accum: int, compute_bytes: int,
-                   num_recomputed: int, hierarchical: bool) -> None:
+                   num_recomputed: int, hierarchical: bool, dedup_ranks: float | None) -> None:
     """Inter-node all-to-all bytes, flat and hierarchical; with ``hierarchical`` (and ep groups of
     whole nodes) the all-to-all volume of the two-stage exchange too."""
     if per_node % ep == 0:
@@ -184,11 +242,17 @@ def _ep_node_bytes(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: i
         vol.all_to_all_inter_node_flat = vol.all_to_all_inter_node_hierarchical = vol.all_to_all
         return
     num_nodes, E, K = ep // per_node, moe.num_experts, moe.top_k
-    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
+    T = tokens_per_micro_batch
+    # Flat, (Q - 1) / Q of what each token sends goes to another node; the two-stage exchange
+    # sends one row per other node a token's kept copies reach.
+    flat = _exchange_bytes(model, moe, tokens=T, seq_len=seq_len, compute_bytes=compute_bytes,
+                           num_recomputed=num_recomputed, ep=ep, share=(num_nodes - 1) / num_nodes,
+                           dedup_ranks=dedup_ranks)
+    kept = min(1.0, routed_copies(moe, T) / (T * K))
     per_token = kept * grad_accum * _row_bytes(model, moe, tokens=tokens_per_micro_batch, seq_len=seq_len,
                                                compute_bytes=compute_bytes, num_recomputed=num_recomputed)
     other_nodes = expected_groups_hit(E, K, num_nodes) * (num_nodes - 1) / num_nodes
-    vol.all_to_all_inter_node_flat = int(per_token * K * (num_nodes - 1) / num_nodes)
+    vol.all_to_all_inter_node_flat = int(flat * grad_accum)
     vol.all_to_all_inter_node_hierarchical = int(per_token * other_nodes)
     if hierarchical:
         forwarded = expected_groups_hit(E, K, ep) * (ep - num_nodes) / ep
@@ -230,7 +294,7 @@ def _add_replicated(vol: CommVolume, specs: list[ParamSpec], layout: Layout, *, 
 
 def _add_token_exchanges(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *, ep: int, etp: int, per_node: int,
                          tokens: int, seq_len: int | None, grad_accum: int, compute_bytes: int, num_recomputed: int,
-                         ep_hierarchical: bool) -> None:
+                         ep_hierarchical: bool, dedup_ranks: float | None) -> None:
     """The expert all-to-all (dispatch + combine; forward, backward and recompute) of ``tokens``
     per micro-batch, and under etp the gathers and reduce-scatters around the experts: every rank
     then dispatches its etp group's gathered tokens."""
@@ -244,10 +308,11 @@ def _add_token_exchanges(vol: CommVolume, model: ModelConfig, moe: MoEConfig, *,
         return
     dispatched = tokens * etp
     vol.all_to_all = _all_to_all_bytes(model, moe, ep=ep, tokens_per_micro_batch=dispatched, grad_accum=grad_accum,
-                                       compute_bytes=compute_bytes, num_recomputed=num_recomputed, seq_len=seq_len)
+                                       compute_bytes=compute_bytes, num_recomputed=num_recomputed, seq_len=seq_len,
+                                       dedup_ranks=dedup_ranks)
     _ep_node_bytes(vol, model, moe, ep=ep, per_node=per_node, tokens_per_micro_batch=dispatched, seq_len=seq_len,
                    grad_accum=grad_accum, compute_bytes=compute_bytes, num_recomputed=num_recomputed,
-                   hierarchical=ep_hierarchical)
+                   hierarchical=ep_hierarchical, dedup_ranks=dedup_ranks)
     ep_crosses = ep > per_node or per_node % ep != 0
     hierarchical = ep_hierarchical and ep_crosses and ep % per_node == 0
     vol.inter_node += vol.all_to_all_inter_node_hierarchical if hierarchical else vol.all_to_all_inter_node_flat
@@ -257,7 +322,7 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
                   tokens_per_micro_batch: int, grad_accum: int, compute_bytes: int,
                   ac_moe_layers_recomputed: int = 0, procs_per_node: int | None = None,
                   ep_hierarchical: bool = False, grad_compression: str = "none",
-                  seq_len: int | None = None) -> CommVolume:
+                  seq_len: int | None = None, dedup_ranks_per_token: float | None = None) -> CommVolume:
     """Bytes this rank sends in one optimizer step (``grad_accum`` micro-batches of
     ``tokens_per_micro_batch`` tokens). ``ac_moe_layers_recomputed``: MoE layers whose forward
     (all-to-alls included) checkpointing repeats in backward. ``procs_per_node`` (default: all
@@ -268,7 +333,9 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     all-reduce; "onebit" counts a step of 1-bit Adam's compressed phase (after its fp32 warm-up):
     per tensor, the all-to-all and all-gather of W chunks of packed signs and an fp32 scale.
     ``seq_len``: the length of the micro-batch's sequences, which sets the tokens the multi-token
-    depths route (``routed_tokens``; None counts them at ``tokens_per_micro_batch``)."""
+    depths route (``routed_tokens``; None counts them at ``tokens_per_micro_batch``).
+    ``dedup_ranks_per_token``: with ``moe.dispatch_dedup``, the mean distinct ep ranks a token's
+    copies go to, for a routing known exactly (default ``ranks_per_token``, uniform routing)."""
     W, ep, edp, stage, etp = layout.world, layout.ep, layout.edp, layout.zero_stage, layout.etp
     per_node = W if procs_per_node is None else procs_per_node
     vol = CommVolume()
@@ -280,7 +347,8 @@ def comm_per_step(specs: list[ParamSpec], layout: Layout, model: ModelConfig, mo
     if model.is_moe:
         _add_token_exchanges(vol, model, moe, ep=ep, etp=etp, per_node=per_node, tokens=tokens_per_micro_batch,
                              seq_len=seq_len, grad_accum=grad_accum, compute_bytes=compute_bytes,
-                             num_recomputed=ac_moe_layers_recomputed, ep_hierarchical=ep_hierarchical)
+                             num_recomputed=ac_moe_layers_recomputed, ep_hierarchical=ep_hierarchical,
+                             dedup_ranks=dedup_ranks_per_token)
 
     # 2. Gradient and parameter collectives.
     if stage in (0, 1):

@@ -1,7 +1,8 @@
 """``log.comm_timing``: every expert-parallel exchange timed, in both directions, and the gradient
 reduction and ZeRO-1 parameter gather, with the same numbers as an untimed run (timing waits for
 each collective where it is issued; nothing else changes). With a multi-token module and a forced,
-exactly balanced routing, the planner's all-to-all bytes per step are the counted ones."""
+exactly balanced routing, the planner's all-to-all bytes per step are the counted ones (with
+moe.dispatch_dedup too)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,38 @@ def _check_planner(cfg, record: dict) -> None:
     assert grad_accum == 1 and counted == remote_rows * 2 * 2 * 64 * 4
 
 
+DEDUP_BALANCED = ("--moe.dispatch_dtype=fp8_e4m3", "--moe.dispatch_dedup=true", "--moe.force_balance=round_robin")
+"""Once per rank, under round-robin routing (E = 4, K = 2, ep = 2): token t's copies go to experts
+2t mod 4 and 2t + 1 mod 4, both on rank t mod 2, so each token sends one row, to the other rank
+for half of them, and both its copies' metadata."""
+
+
+def _check_dedup_planner(cfg, record: dict) -> None:
+    """The planner's all-to-all bytes of a step, told the one rank per token of ``DEDUP_BALANCED``,
+    against the counted ones: the rows (the dispatch and combine payloads, sent and received) and
+    each remote copy's fp32 gate weight (forward, its gradient backward) and int32 row index
+    (forward), which the record counts with the routing metadata."""
+    t, model = cfg.train, resolve_vocab(cfg)
+    vol = comm_per_step(param_specs(model, cfg.moe), Layout.of_config(cfg, 2), model, cfg.moe,
+                        tokens_per_micro_batch=t.micro_batch_size * cfg.data.seq_len, grad_accum=1,
+                        compute_bytes=4, seq_len=cfg.data.seq_len, dedup_ranks_per_token=1.0)
+    T, layers, D = 4 * 64, 2, 64
+    counted = (record["a2a_dispatch_bytes"] + record["a2a_combine_bytes"]) / 2  # two steps per record
+    # T / 2 rows leave per layer and T / 2 arrive, each an e4m3 row with its scale and a bf16 combine
+    # row; the backward sends the gradients of those that arrived, two bf16 rows each.
+    remote_rows = T // 2 * layers
+    assert counted == 2 * remote_rows * ((D + 4) + 2 * D)
+    rows = counted / 2 + remote_rows * 2 * 2 * D
+    remote_copies = T * 2 // 2
+    # Routing, two steps a record, per layer: the per-expert counts (L = 2) and the unique-row count
+    # to the other rank and from it (int32), and the remote copies' gate weights and row indices.
+    assert record["a2a_routing_bytes"] == 2 * layers * (2 * (2 + 1) * 4 + 2 * remote_copies * (4 + 4))
+    assert vol.all_to_all == rows + remote_copies * (4 + 4 + 4) * layers, (vol.all_to_all, rows)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("extra", [(), ("--moe.dispatch_dtype=fp8_e4m3", "--moe.dispatch_dedup=true"),
+@pytest.mark.parametrize("extra", [(), DEDUP_BALANCED,
                                    ("--parallel.zero_stage=1", *MTP_BALANCED)],
                          ids=["plain", "fp8-dedup", "zero1-mtp"])
 def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakespeare_cached, extra):
@@ -94,6 +124,8 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
         assert record["a2a_bytes_per_step"] == record["a2a_bytes"] / 2
         if extra[-len(MTP_BALANCED):] == MTP_BALANCED:
             _check_planner(cfg, record)
+        if extra == DEDUP_BALANCED:
+            _check_dedup_planner(cfg, record)
     assert not any(k.startswith("comm_") for r in plain["records"] for k in r)  # off by default
 
 

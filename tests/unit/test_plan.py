@@ -144,6 +144,52 @@ def test_comm_all_to_all_accounts_for_dispatch_dtype():
     assert a2a("fp8_e4m3") / fp32 == pytest.approx((7 * D + 4) / (16 * D))
 
 
+def test_comm_dedup_sends_a_row_per_token_and_rank_and_the_copies_metadata():
+    """moe.dispatch_dedup by hand (E = 8, K = 2, ep = 2): a token's row goes once to each rank its
+    copies' experts live on, expected_groups_hit(8, 2, 2) = 2 * (1 - C(4, 2) / C(8, 2)) = 11/7
+    ranks under uniform routing, half of them the other one; each remote copy adds its fp32 gate
+    weight (forward, its gradient backward) and its row's index (int64; int32 in a compressed
+    dispatch_dtype), forward only."""
+    model_cfg, moe = _tiny()
+    specs = param_specs(model_cfg, moe)
+    D, T, accum, num_moe = model_cfg.dim, 2048, 2, len(model_cfg.moe_layer_ids)
+    remote_copies = T * moe.top_k / 2  # per layer and pass
+
+    def a2a(dispatch_dtype="none", **kw):
+        return comm_per_step(specs, Layout(world=4, ep=2, zero_stage=0), model_cfg,
+                             replace(moe, dispatch_dtype=dispatch_dtype, dispatch_dedup=True),
+                             tokens_per_micro_batch=T, grad_accum=accum, compute_bytes=4, **kw).all_to_all
+
+    rows = T * 11 / 7 / 2
+    assert a2a() == pytest.approx((rows * 2 * 4 * D * 2 + remote_copies * (4 + 8 + 4)) * num_moe * accum, abs=1)
+    fp8_forward = (D + 4) + 2 * D
+    assert a2a("fp8_e4m3") == pytest.approx(
+        (rows * (fp8_forward + 2 * 2 * D) + remote_copies * (4 + 4 + 4)) * num_moe * accum, abs=1)
+    # A routing known exactly: one rank per token (round-robin routing at E = 4, K = 2, ep = 2).
+    assert a2a(dedup_ranks_per_token=1.0) == pytest.approx(
+        (T / 2 * 2 * 4 * D * 2 + remote_copies * (4 + 8 + 4)) * num_moe * accum, abs=1)
+
+
+def test_comm_expert_choice_routes_its_capacity():
+    """Expert choice (moe.router expert_choice) routes E * capacity copies, the MoE layer's own
+    ``capacity``: at capacity factor 2 twice the T * K of token choice, which min(1, f) caps."""
+    from moetrain.models.moe.layer import MoELayer
+
+    model_cfg, moe = _tiny()
+    ec = replace(moe, router="expert_choice", capacity_factor=2.0)
+    D, T, accum, num_moe = model_cfg.dim, 2000, 2, len(model_cfg.moe_layer_ids)
+    copies = ec.num_experts * MoELayer(model_cfg.dim, ec).capacity(T)
+
+    def a2a(m):
+        return comm_per_step(param_specs(model_cfg, m), Layout(world=4, ep=2, zero_stage=0), model_cfg, m,
+                             tokens_per_micro_batch=T, grad_accum=accum, compute_bytes=4).all_to_all
+
+    # Half the copies leave the rank, D fp32 values a row, dispatch and combine, forward and backward.
+    assert a2a(ec) == int(copies / 2 * 4 * D * 2 * 2 * num_moe * accum)
+    assert copies == 2 * T * moe.top_k and a2a(ec) == 2 * a2a(moe)
+    assert a2a(replace(moe, capacity_factor=2.0)) == a2a(moe)
+
+
 def test_comm_counts_the_multi_token_depths_tokens():
     """Depth k of model.mtp_depth is an MoE block routing the S - k positions of each sequence with a
     token k places ahead: its all-to-all (fp32 and fp8) and etp bytes are those of a trunk MoE layer
