@@ -8,9 +8,13 @@ Per rank (ranks are alike under balanced routing; the slowest one sets the step)
 
     dense GEMMs    2 * T * (attention projections + dense FFNs + shared experts + routers + head)
                    FLOPs forward; backward twice the forward (input and weight gradients)
-    expert GEMMs   2 * N * (2 or 3) * D * F forward, N = T*K*min(1, capacity factor) routed copies:
+    expert GEMMs   2 * N * (2 or 3) * D * F forward, N = T*K*min(1, capacity factor) routed copies
+                   (expert choice: E * ceil(capacity factor * T*K / E), for any factor):
                    under balanced routing a rank's experts receive as many copies as it sends, so
                    ep spreads the experts, not the work per rank
+    multi-token    depth k of ``model.mtp_depth``: its block, eh_proj (2*D*D) and the shared head over
+                   the (S - k) / S of the tokens with a token k places ahead, attention over S - k
+                   positions; recomputed only by "moe" checkpointing (its MoE FFN)
     attention      2 * S * D FLOPs per token and layer forward (QK^T and AV, causal: the masked half
                    is skipped, as flash kernels do); backward 2.5x (it recomputes the probabilities:
                    5 matmuls to the forward's 2)
@@ -58,7 +62,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.models.transformer import attention_params
 from moetrain.plan.activations import estimate_activations, moe_layers_recomputed
-from moetrain.plan.comm import comm_per_step, num_moe_layers
+from moetrain.plan.comm import comm_per_step, num_moe_layers, routed_copies
 from moetrain.plan.device_profiles import (  # noqa: F401  (re-exported: the step-time API)
     H100_SXM,
     H200,
@@ -122,26 +126,39 @@ def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_
     dense_ffn = mats[model.activation] * D * model.resolved_dense_hidden_dim
     shared = mats[moe.activation] * D * moe.resolved_shared_hidden_dim if moe.num_shared_experts > 0 else 0
     moe_dense = shared + D * moe.num_experts  # shared experts + router
-    kept = 1.0 if moe.capacity_factor is None else min(1.0, moe.capacity_factor)
-    expert_per_token = moe.top_k * kept * mats[moe.activation] * D * moe.expert_hidden_dim
+    # Copies per token: T * K (times min(1, capacity factor)), or expert choice's E * capacity.
+    expert_per_token = routed_copies(moe, T) / T * mats[moe.activation] * D * moe.expert_hidden_dim
     head = D * model.num_outputs
-    attention_fwd = 2 * S * D  # per token and layer
 
-    def block(i: int, ffn_only: bool = False) -> tuple[float, float, float]:
-        """Forward (dense GEMM, expert GEMM, attention) FLOPs of block i per token."""
-        ffn = (moe_dense, expert_per_token) if model.is_moe_layer(i) else (dense_ffn, 0.0)
+    def block(moe_ffn: bool, positions: int = S, ffn_only: bool = False) -> tuple[float, float, float]:
+        """Forward (dense GEMM, expert GEMM, attention) FLOPs per token of a block over sequences
+        of ``positions``."""
+        ffn = (moe_dense, expert_per_token) if moe_ffn else (dense_ffn, 0.0)
         if ffn_only:
             return 2 * ffn[0], 2 * ffn[1], 0.0
-        return 2 * (attn_proj + ffn[0]), 2 * ffn[1], attention_fwd
+        return 2 * (attn_proj + ffn[0]), 2 * ffn[1], 2 * positions * D
 
-    fwd = [sum(x) for x in zip(*(block(i) for i in range(model.num_layers)), strict=True)]
+    def add(total: list[float], part: tuple[float, ...], share: float = 1.0) -> list[float]:
+        return [a + share * b for a, b in zip(total, part, strict=True)]
+
+    fwd = [0.0, 0.0, 0.0]
+    for i in range(model.num_layers):
+        fwd = add(fwd, block(model.is_moe_layer(i)))
     fwd[0] += 2 * head
     whole, ffn_only = _recomputed_blocks(model, ac, ac_every)
     rec = [0.0, 0.0, 0.0]
     for i in whole:
-        rec = [a + b for a, b in zip(rec, block(i), strict=True)]
-    for i in ffn_only:
-        rec = [a + b for a, b in zip(rec, block(i, ffn_only=True), strict=True)]
+        rec = add(rec, block(model.is_moe_layer(i)))
+    for _ in ffn_only:  # MoE layers ("moe" checkpointing)
+        rec = add(rec, block(True, ffn_only=True))
+    # Multi-token depth k: its block, eh_proj ([2D] -> D) and the shared head over the (S - k) / S
+    # of the positions that have a token k places ahead; checkpointed only by "moe" (its MoE FFN).
+    for k in range(1, model.mtp_depth + 1):
+        share = (S - k) / S
+        fwd = add(fwd, block(model.is_moe, S - k), share)
+        fwd = add(fwd, (2.0 * (2 * D * D + head), 0.0, 0.0), share)
+        if ac == "moe" and model.is_moe:
+            rec = add(rec, block(True, ffn_only=True), share)
     tokens = T * grad_accum
 
     def act(mode: str) -> int:

@@ -268,3 +268,84 @@ def test_calibration_measures_two_real_processes(tmp_path):
     assert p.peak("fp32") > 0 and p.gemm_efficiency > 0 and p.memory_bandwidth > 0
     assert set(p.intra_node.by_collective) == {"all_reduce", "all_to_all", "all_gather", "reduce_scatter"}
     assert all(bw > 0 and lat > 0 for bw, lat in p.intra_node.by_collective.values())
+
+
+def _tiny_mla():
+    model, moe = _tiny()
+    return replace(model, attention="mla", q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                   qk_rope_head_dim=8, v_head_dim=16, moe_layer_offset=1), replace(moe, num_shared_experts=1)
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+@pytest.mark.parametrize("which", ["tiny", "mla-dense-first", "deepseek-v3"])
+def test_step_gemm_flops_are_the_models_flops_per_token_with_the_multi_token_depths(which, depth):
+    """The planner's GEMM FLOPs of a step (forward + backward) against the model's own
+    ``flops_per_token`` (6 x the active matmul parameters, its attention term taken out): the same
+    but for the norm weights, which the planner counts as elementwise work, and the multi-token
+    depths, which the model counts at all S positions and the planner at the S - k that have a
+    token k places ahead."""
+    from moetrain.models.transformer import flops_per_token
+
+    if which == "deepseek-v3":
+        cfg = load_config("deepseek-v3", [])
+        model, moe = cfg.model, cfg.moe
+    else:
+        model, moe = _tiny() if which == "tiny" else _tiny_mla()
+    model = replace(model, mtp_depth=depth)
+    micro, S, accum = 2, 128, 3
+    D, L, H = model.dim, model.num_layers, model.num_heads
+    A = model.resolved_head_dim
+    U = model.v_head_dim if model.attention == "mla" else A
+
+    def gemm_per_token(m):  # 6 x the matmul parameters the model counts, its attention term out
+        return flops_per_token(m, moe, seq_len=S) - 6 * (L + m.mtp_depth) * H * (A + U) * S
+
+    trunk = gemm_per_token(replace(model, mtp_depth=0)) - 6 * (2 * L * D + D)  # block norms, final norm
+    per_depth = (gemm_per_token(model) - gemm_per_token(replace(model, mtp_depth=0))) / max(depth, 1) \
+        - 6 * (2 * D + 3 * D)  # a depth's block norms, hnorm, enorm, norm
+    shares = [(S - k) / S for k in range(1, depth + 1)]
+    work = step_work(model, moe, micro_batch_size=micro, seq_len=S, grad_accum=accum)
+    tokens = micro * S * accum
+    planned = sum(work.dense_gemm_flops) + sum(work.expert_gemm_flops)
+    assert planned == pytest.approx(tokens * (trunk + per_depth * sum(shares)), rel=1e-12)
+    # Attention: 2 * positions * D per token forward, 2.5x backward; a depth over S - k positions.
+    attention = 2 * D * (L * S + sum(share * (S - k) for k, share in enumerate(shares, start=1)))
+    assert sum(work.attention_flops) == pytest.approx(tokens * 3.5 * attention, rel=1e-12)
+    if depth:
+        # The compute time grows with the depths: MFU (whose model FLOPs count them) no longer rises.
+        base = step_work(replace(model, mtp_depth=0), moe, micro_batch_size=micro, seq_len=S, grad_accum=accum)
+        assert sum(work.dense_gemm_flops) > sum(base.dense_gemm_flops)
+
+
+def test_moe_checkpointing_recomputes_the_multi_token_depths_moe_ffn():
+    """ac "moe" checkpoints every MoE layer, the depths' too (at their S - k positions); "full"
+    only the trunk's blocks."""
+    model, moe = _tiny()
+    mtp, S = replace(model, mtp_depth=1), 256
+    work = {(m.mtp_depth, ac): step_work(m, moe, micro_batch_size=2, seq_len=S, grad_accum=1, ac=ac)
+            for m in (model, mtp) for ac in ("none", "moe", "full")}
+
+    def recomputed(depth, ac):
+        return work[(depth, ac)].expert_gemm_flops[1] - 2 * work[(depth, ac)].expert_gemm_flops[0]
+
+    assert recomputed(1, "moe") == pytest.approx(recomputed(0, "moe") * (1 + (S - 1) / S / len(model.moe_layer_ids)))
+    assert recomputed(1, "full") == pytest.approx(recomputed(0, "full"))
+
+
+def test_expert_choice_routes_its_capacity_above_a_factor_of_one():
+    """Expert choice with capacity factor f routes E * ceil(f * T * K / E) copies (the MoE layer's own
+    ``capacity``), f = 2 twice the copies of token choice; token choice keeps min(1, f) of T * K."""
+    from moetrain.models.moe.layer import MoELayer
+
+    model, moe = _tiny()
+    ec = replace(moe, router="expert_choice", capacity_factor=2.0)
+    micro, S = 2, 100
+    T = micro * S
+    layer = MoELayer(model.dim, ec)
+    copies = ec.num_experts * layer.capacity(T)
+    assert copies == 2 * T * moe.top_k
+    plain = step_work(model, moe, micro_batch_size=micro, seq_len=S, grad_accum=1)
+    work = step_work(model, ec, micro_batch_size=micro, seq_len=S, grad_accum=1)
+    assert work.expert_gemm_flops[0] == pytest.approx(plain.expert_gemm_flops[0] * copies / (T * moe.top_k))
+    capped = step_work(model, replace(moe, capacity_factor=2.0), micro_batch_size=micro, seq_len=S, grad_accum=1)
+    assert capped.expert_gemm_flops == plain.expert_gemm_flops
