@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moetrain.distributed.comm.timer import CommTimer
 from moetrain.distributed.data_parallel.ddp import MoEDataParallel, apply_data_parallel
+from moetrain.distributed.data_parallel.finalize import GRAD_TIMER
 from moetrain.distributed.data_parallel.zero1 import ZeroShardedOptimizer
 from moetrain.distributed.expert_parallel.apply import apply_expert_parallel
 from moetrain.distributed.expert_parallel.apply import collect_comm_times as collect_dispatch_times
@@ -153,6 +154,8 @@ def enable_comm_timing(model: nn.Module, parallel_model: nn.Module, optimizer: t
     enable_dispatch_timing(model, device)
     if isinstance(parallel_model, MoEDataParallel):
         parallel_model.enable_comm_timing(device)
+    else:  # a model finalize_grads reduces after the backward (pipeline stages)
+        setattr(parallel_model, GRAD_TIMER, CommTimer(enabled=True, device=device))
     if isinstance(optimizer, ZeroShardedOptimizer):
         optimizer.timer = CommTimer(enabled=True, device=device)
 
@@ -165,6 +168,8 @@ def collect_comm_times(model: nn.Module, parallel_model: nn.Module,
     out = collect_dispatch_times(model)
     if isinstance(parallel_model, MoEDataParallel):
         out.update(parallel_model.timer.read())
+    elif getattr(parallel_model, GRAD_TIMER, None) is not None:
+        out.update(getattr(parallel_model, GRAD_TIMER).read())
     if isinstance(optimizer, ZeroShardedOptimizer):
         out.update(optimizer.timer.read())
         out["param_gather_bytes"], optimizer.gather_bytes = float(optimizer.gather_bytes), 0

@@ -31,6 +31,7 @@ Who applies it, and when (``finalize_grads``):
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -98,12 +99,22 @@ def mark_summed(p: torch.Tensor) -> None:
                                 run_check=False, shape=g.shape, stride=g.stride())
 
 
+GRAD_TIMER = "grad_timer"
+"""The attribute of a model whose ``CommTimer`` times ``reduce_grads`` (``log.comm_timing``)."""
+
+
 @torch.no_grad()
 def reduce_grads(model: nn.Module, dims: ParallelDims) -> None:
     """Apply the rule to every gradient of ``model`` now: each scaled by 1/dp and summed over its
     copies; a Partial gradient (a sequence-parallel norm weight) becomes Replicate. One flat
     all-reduce per group and dtype; every rank of a group must hold the same parameters in the same
-    order. Collective over the copies groups."""
+    order. Collective over the copies groups; timed as "grad_reduce" with log.comm_timing."""
+    timer = getattr(model, GRAD_TIMER, None)
+    with timer.span("grad_reduce") if timer is not None else contextlib.nullcontext():
+        _reduce_grads(model, dims)
+
+
+def _reduce_grads(model: nn.Module, dims: ParallelDims) -> None:
     rules = {axis: grad_reduction(dims, axis) for axis in COPIES_AXES}
     # Keyed by the group itself: at tp = 1 the dp and dp_tp groups are one, and one buffer.
     buckets: dict[tuple[int, torch.dtype], tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
