@@ -189,6 +189,21 @@ def build_model(config: dict, state_dict: dict[str, torch.Tensor] | None = None)
     return model
 
 
+def fresh_run_config(config: dict, source: str | os.PathLike, out: Path) -> dict:
+    """``config`` as a new run's from the export ``out``: its weights through checkpoint.init_from,
+    its own run folder ``<out>-run`` with its checkpoints, so that no checkpoint of the source's run
+    (checkpoint.resume "auto" or a path) replaces the exported model."""
+    run_dir = out.resolve().with_name(out.resolve().name + "-run")
+    old_run = (config.get("log") or {}).get("run_dir")
+    if run_dir in {Path(source).resolve(), *([Path(old_run).resolve()] if old_run else [])}:
+        raise ValueError(f"--to {str(out)!r} would train in {str(run_dir)!r}, the source's run folder: pick another "
+                         "--to")
+    log = {**(config.get("log") or {}), "run_dir": str(run_dir)}
+    checkpoint = {**(config.get("checkpoint") or {}), "dir": None, "resume": "auto", "init_from": str(out.resolve()),
+                  "init_from_new_head": False}
+    return {**config, "log": log, "checkpoint": checkpoint}
+
+
 def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                  max_shard_bytes: int | None = None) -> Path:
     """``moetrain export``: the model of ``source`` (a run folder, a checkpoint, ...) as full
@@ -203,5 +218,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         w.close()
     folder = source_folder(source)
     save_tokenizer(load_saved_tokenizer(folder) if folder is not None else None, out, durable=True)
+    if "log" in config or "checkpoint" in config:  # a run's whole config: train --config starts a new run
+        config = fresh_run_config(config, source, out)
     write_config_yaml(out, config, info)  # last: an export with a config.yaml is complete
     return out

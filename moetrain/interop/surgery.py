@@ -54,7 +54,13 @@ import torch
 from moetrain.config.convert import build_section
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.interop.export import load_source, model_configs, without_adapters, write_export
+from moetrain.interop.export import (
+    fresh_run_config,
+    load_source,
+    model_configs,
+    without_adapters,
+    write_export,
+)
 from moetrain.models.lora import merge_lora
 from moetrain.utils.seeds import seeded_generator
 
@@ -183,21 +189,6 @@ def grow_experts(config: dict, state_dict: dict[str, torch.Tensor], *, num_exper
     return new_config, out
 
 
-def _fresh_run(config: dict, source: str | os.PathLike, out: Path) -> dict:
-    """``config`` as a new run's from the export ``out``: its weights through checkpoint.init_from,
-    its own run folder ``<out>-run`` with its checkpoints, so that no checkpoint of the source's run
-    (checkpoint.resume "auto" or a path) replaces the grown model."""
-    run_dir = out.resolve().with_name(out.resolve().name + "-run")
-    old_run = (config.get("log") or {}).get("run_dir")
-    if run_dir in {Path(source).resolve(), *([Path(old_run).resolve()] if old_run else [])}:
-        raise ValueError(f"--to {str(out)!r} would train in {str(run_dir)!r}, the source's run folder: pick another "
-                         "--to")
-    log = {**(config.get("log") or {}), "run_dir": str(run_dir)}
-    checkpoint = {**(config.get("checkpoint") or {}), "dir": None, "resume": "auto", "init_from": str(out.resolve()),
-                  "init_from_new_head": False}
-    return {**config, "log": log, "checkpoint": checkpoint}
-
-
 @dataclasses.dataclass
 class Grown:
     """What ``grow_source`` wrote: the export, the ``--moe.X=V`` overrides that make another config's
@@ -215,7 +206,7 @@ def grow_source(source: str | os.PathLike, out_dir: str | os.PathLike, *, num_ex
     config, state_dict, info = load_source(source)
     new_config, grown = grow_experts(config, state_dict, num_experts=num_experts, top_k=top_k, noise=noise, seed=seed)
     _, notes = grown_config(config, num_experts=num_experts, top_k=top_k)
-    new_config = _fresh_run(new_config, source, Path(out_dir))
+    new_config = fresh_run_config(new_config, source, Path(out_dir))
     old_moe, new_moe = config.get("moe") or {}, new_config["moe"]
     overrides = [f"--moe.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in new_moe.items()
                  if old_moe.get(k) != v]

@@ -113,6 +113,10 @@ def test_generate_reads_the_runs_saved_bpe_without_the_corpus(tmp_path, capsys, 
     checkpoint = next((run / "checkpoints").glob("step*"))
     export_model(checkpoint, tmp_path / "export")
     assert (tmp_path / "export" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    # `train --config EXPORT/config.yaml` starts a new run from the export; it used to resume the source run.
+    exported = yaml.safe_load((tmp_path / "export" / "config.yaml").read_text())
+    assert exported["log"]["run_dir"] == str((tmp_path / "export-run").resolve())
+    assert exported["checkpoint"]["init_from"] == str((tmp_path / "export").resolve())
     shutil.rmtree(cache)
     (tmp_path / "corpus.txt").unlink()
     monkeypatch.setattr("moetrain.data.prepare.prepare_data", _refuse)
