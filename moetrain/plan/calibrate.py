@@ -221,7 +221,7 @@ def _ep_host(cfg, world: int, *, a2a_latency_s: float, all_reduce_latency_s: flo
     from moetrain.plan.host_ops import parallel_small_step
     from moetrain.plan.model_states import param_specs
     from moetrain.plan.planner import resolve_vocab
-    from moetrain.plan.step_time import ALL_TO_ALLS_PER_MOE_LAYER
+    from moetrain.plan.step_time import all_to_alls_per_moe_layer
 
     model = resolve_vocab(cfg)
     num_moe = num_moe_layers(model)  # the small model's multi-token depths are MoE layers too
@@ -235,7 +235,7 @@ def _ep_host(cfg, world: int, *, a2a_latency_s: float, all_reduce_latency_s: flo
                                       barrier=barrier))
         dist.barrier()
     num_expert_tensors = sum(1 for spec in param_specs(model, cfg.moe) if spec.expert)
-    layer_s = (times[world][0] - times[1][0]) / num_moe - ALL_TO_ALLS_PER_MOE_LAYER * a2a_latency_s
+    layer_s = (times[world][0] - times[1][0]) / num_moe - all_to_alls_per_moe_layer(cfg.moe)[0] * a2a_latency_s
     return {"ep_layer_host_s": max(0.0, layer_s),
             "dtensor_param_host_s": max(0.0, (times[world][1] - times[1][1] - all_reduce_latency_s)
                                         / num_expert_tensors)}

@@ -181,6 +181,13 @@ DDP_FIRST_BUCKET_BYTES = 1 << 20
 """DDP's first bucket (the gradients ready first) is capped at 1 MiB, the others at ``bucket_cap_mb``."""
 ALL_TO_ALLS_PER_MOE_LAYER = 5
 """Per MoE layer and micro-batch at ep > 1: forward counts, dispatch, combine; backward the two gradients."""
+
+
+def all_to_alls_per_moe_layer(moe: MoEConfig) -> tuple[int, int]:
+    """(all-to-all calls of one MoE layer and micro-batch at ep > 1, and of a recompute of its
+    forward): ``ALL_TO_ALLS_PER_MOE_LAYER`` and 3; ``moe.dispatch_dedup`` adds the unique-row
+    counts, the copies' gate weights and their row indices forward, the weights' gradient backward."""
+    return (ALL_TO_ALLS_PER_MOE_LAYER + 4, 3 + 3) if moe.dispatch_dedup else (ALL_TO_ALLS_PER_MOE_LAYER, 3)
 STEP_COLLECTIVES = 2
 """Latency-bound all-reduces of every step: the global gradient norm, the agreement on the step."""
 
@@ -255,7 +262,7 @@ def _num_units(specs: list[ParamSpec], ep: int) -> int:
 
 
 def _calls(specs: list[ParamSpec], layout: Layout, *, num_moe: int, recomputed: int, grad_accum: int,
-           bucket_cap_bytes: int) -> tuple[dict[str, int], int, float]:
+           bucket_cap_bytes: int, a2a_per_layer: tuple[int, int]) -> tuple[dict[str, int], int, float]:
     """(calls per collective in one step, FSDP units, the share of the stage-0/1 reduction in its
     last bucket)."""
     units = _num_units(specs, layout.ep)
@@ -268,8 +275,8 @@ def _calls(specs: list[ParamSpec], layout: Layout, *, num_moe: int, recomputed: 
     rest = grad_bytes - DDP_FIRST_BUCKET_BYTES
     last_bucket = (rest % bucket_cap_bytes or bucket_cap_bytes) if rest > 0 else grad_bytes
     buckets = 1 + max(0, -(-rest // bucket_cap_bytes))
-    # Per MoE layer: forward counts, dispatch, combine; backward the two gradients; a recompute 3 more.
-    a2a = (num_moe * ALL_TO_ALLS_PER_MOE_LAYER + recomputed * 3) * grad_accum if ep > 1 else 0
+    # Per MoE layer (``all_to_alls_per_moe_layer``), and again per recompute of its forward.
+    a2a = (num_moe * a2a_per_layer[0] + recomputed * a2a_per_layer[1]) * grad_accum if ep > 1 else 0
     calls = {"all_to_all": a2a,
              "all_reduce": buckets + expert_tensors if stage < 2 else units * (layout.hsdp_replicate > 1),
              "reduce_scatter": units if stage >= 2 else 0,
@@ -310,7 +317,8 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
                         seq_len=seq_len)
     # 1. Each collective's time: its bytes over its link, one latency per call.
     calls, units, last_bucket_share = _calls(specs, layout, num_moe=num_moe, recomputed=recomputed,
-                                             grad_accum=grad_accum, bucket_cap_bytes=bucket_cap_bytes)
+                                             grad_accum=grad_accum, bucket_cap_bytes=bucket_cap_bytes,
+                                             a2a_per_layer=all_to_alls_per_moe_layer(moe))
     spans = _spans_nodes(layout, per_node)
     comm = {}
     for c, n in calls.items():

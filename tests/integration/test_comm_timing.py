@@ -14,6 +14,7 @@ from moetrain.config.loader import load_config
 from moetrain.plan.comm import comm_per_step, num_moe_layers
 from moetrain.plan.model_states import Layout, param_specs
 from moetrain.plan.planner import resolve_vocab
+from moetrain.plan.step_time import all_to_alls_per_moe_layer
 from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides
 
@@ -109,6 +110,11 @@ def test_timed_exchanges_report_every_kind_and_change_no_number(tmp_path, shakes
             assert record[f"comm_calls/{kind}"] == num_moe, (kind, record)
             assert record[f"comm_time/{kind}"] > 0
         assert record["comm_calls/routing"] >= 2 and record["comm_time/routing"] > 0
+        # The step-time model's all-to-all calls are those (once per rank: the unique-row counts, the
+        # gate weights and row indices, the weights' gradient more).
+        calls = sum(v for k, v in record.items() if k.startswith("comm_calls/") and k != "comm_calls/grad_reduce"
+                    and not k.startswith("comm_calls/param_gather"))
+        assert calls == all_to_alls_per_moe_layer(cfg.moe)[0] * num_moe, record
         # dp = 2 for the dense weights: DDP's buckets, once per step (the experts have edp = 1).
         assert record["comm_calls/grad_reduce"] >= 1 and record["comm_time/grad_reduce"] > 0
         zero1 = "--parallel.zero_stage=1" in extra

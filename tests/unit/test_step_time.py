@@ -349,3 +349,19 @@ def test_expert_choice_routes_its_capacity_above_a_factor_of_one():
     assert work.expert_gemm_flops[0] == pytest.approx(plain.expert_gemm_flops[0] * copies / (T * moe.top_k))
     capped = step_work(model, replace(moe, capacity_factor=2.0), micro_batch_size=micro, seq_len=S, grad_accum=1)
     assert capped.expert_gemm_flops == plain.expert_gemm_flops
+
+
+def test_dedup_adds_its_metadata_all_to_alls():
+    """moe.dispatch_dedup: per MoE layer 9 all-to-alls instead of 5 (the unique-row counts, the gate
+    weights and row indices forward, the weights' gradient backward), 6 per recompute instead of 3,
+    each one latency; the bytes are ``comm_per_step``'s."""
+    model, moe = _tiny()
+    dedup = replace(moe, dispatch_dedup=True)
+    layout, prof = Layout(world=2, ep=2, zero_stage=0), _profile(latency=1e-3)
+    num_moe = len(model.moe_layer_ids)
+    for ac, recomputed in (("none", 0), ("moe", num_moe)):
+        est = estimate_step_time(param_specs(model, dedup), layout, model, dedup, micro_batch_size=8, seq_len=256,
+                                 grad_accum=1, profile=prof, ac=ac)
+        vol = comm_per_step(param_specs(model, dedup), layout, model, dedup, tokens_per_micro_batch=8 * 256,
+                            grad_accum=1, compute_bytes=4, ac_moe_layers_recomputed=recomputed)
+        assert est.comm_s["all_to_all"] == pytest.approx(vol.all_to_all / 1e9 + (9 * num_moe + 6 * recomputed) * 1e-3)
