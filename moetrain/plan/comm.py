@@ -34,7 +34,8 @@ Backward repeats both exchanges, and a checkpointed MoE layer's recompute repeat
 The multi-token modules' blocks are MoE blocks in an MoE model (``moetrain.models.mtp``): depth k
 routes the S - k positions of each sequence that have a token k places ahead (under tensor
 parallelism too, whose padded last k positions its token mask leaves unrouted), so T * (S - k) / S
-tokens, never recomputed (checkpointing wraps the trunk's blocks only).
+tokens, recomputed only by "moe" checkpointing (which wraps every MoE layer; "full" and
+"every_n" wrap the trunk's blocks), again at those tokens (``recomputed_tokens``).
 With ``moe.dispatch_dtype`` "bf16" every one of them moves 2 bytes per value; with "fp8_e4m3" the
 forward dispatch moves D + 4 * ceil(D / 128) bytes per row (e4m3 values and fp32 block scales),
 the combine and both backward exchanges 2 * D (bf16).
@@ -119,6 +120,16 @@ def routed_tokens(model: ModelConfig, tokens: int, seq_len: int | None) -> int:
     return tokens * len(model.moe_layer_ids) + depths
 
 
+def recomputed_tokens(model: ModelConfig, tokens: int, seq_len: int | None, num_recomputed: int) -> int:
+    """Tokens routed by ``num_recomputed`` recomputed MoE layers: the trunk's first, at ``tokens``
+    each, then (under "moe" checkpointing, which wraps every MoE layer) the multi-token depths' at
+    their S - k positions, as ``routed_tokens``."""
+    trunk = min(num_recomputed, len(model.moe_layer_ids))
+    S = seq_len
+    depths = sum(tokens if S is None else tokens * (S - k) // S for k in range(1, num_recomputed - trunk + 1))
+    return tokens * trunk + depths
+
+
 def routed_copies(moe: MoEConfig, tokens: int) -> float:
     """Copies one MoE layer sends to its experts for ``tokens`` tokens: token choice T * K, times
     min(1, capacity factor) (an expert keeps ceil(f * T * K / E), which balanced routing fills up
@@ -150,7 +161,7 @@ def _row_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int 
     micro-step of ``tokens`` tokens: dispatch and combine forward, both again in backward, the
     forward again per recomputed layer, in the wire formats of ``moe.dispatch_dtype``."""
     routed = routed_tokens(model, tokens, seq_len)
-    recomputed = tokens * num_recomputed
+    recomputed = recomputed_tokens(model, tokens, seq_len, num_recomputed)
     if moe.dispatch_dtype == "none":
         return 2 * model.dim * compute_bytes * (2 * routed + recomputed)
     bf16_row = wire_row_bytes(model.dim, "bf16")
@@ -165,7 +176,8 @@ def _copy_metadata_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq
     int32 in a compressed ``dispatch_dtype``); the backward the gate weight's gradient."""
     routed = routed_tokens(model, tokens, seq_len)
     index = 8 if moe.dispatch_dtype == "none" else int_wire_dtype(TOKEN_BOUND).itemsize
-    return (routed + tokens * num_recomputed) * (GATE_WEIGHT_BYTES + index) + routed * GATE_WEIGHT_BYTES
+    recomputed = recomputed_tokens(model, tokens, seq_len, num_recomputed)
+    return (routed + recomputed) * (GATE_WEIGHT_BYTES + index) + routed * GATE_WEIGHT_BYTES
 
 
 def _exchange_bytes(model: ModelConfig, moe: MoEConfig, *, tokens: int, seq_len: int | None, compute_bytes: int,
@@ -218,7 +230,7 @@ def etp_bytes_per_micro_batch(model: ModelConfig, *, etp: int, tokens: int, top_
                                                 compute_bytes=compute_bytes)
     f, D, c = etp - 1, model.dim, compute_bytes
     backwards = routed_tokens(model, tokens, seq_len)
-    forwards = backwards + tokens * num_recomputed
+    forwards = backwards + recomputed_tokens(model, tokens, seq_len, num_recomputed)
     gather = forwards * gather_row + backwards * f * D * c
     scatter = forwards * scatter_row + backwards * f * (D * c + GATE_WEIGHT_BYTES * top_k)
     return gather, scatter

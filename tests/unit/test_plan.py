@@ -221,6 +221,11 @@ def test_comm_counts_the_multi_token_depths_tokens():
     forwards = routed + T * num_moe
     assert etp.all_gather == (forwards * gather_fwd + routed * D * 4) * accum
     assert etp.reduce_scatter == (forwards * scatter_fwd + routed * (D * 4 + 2 * 4)) * accum
+    # "moe" checkpointing recomputes every MoE layer, the depths' at their tokens too.
+    every = comm_per_step(param_specs(mtp, moe), Layout(world=4, ep=2, zero_stage=0), mtp, moe,
+                          tokens_per_micro_batch=T, grad_accum=1, compute_bytes=4, seq_len=S,
+                          ac_moe_layers_recomputed=num_moe + 2)
+    assert every.all_to_all == int(routed * 2 * 3 * moe.top_k / 2 * D * 4)
     # Without seq_len every depth counts at the whole micro-batch.
     no_len = comm_per_step(param_specs(mtp, moe), Layout(world=4, ep=2, zero_stage=0), mtp, moe,
                            tokens_per_micro_batch=T, grad_accum=1, compute_bytes=4)
