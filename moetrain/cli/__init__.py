@@ -30,7 +30,8 @@ SUBCOMMANDS = (train, plan, verify, data, convert, experts, generate, compare, r
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="moetrain", description="Train Mixture-of-Experts models.",
-                                epilog="Any --section.field=value argument overrides the config.")
+                                epilog="Any --section.field=value (or --section.field value) argument overrides "
+                                       "the config, a --deepspeed JSON's values included.")
     # Only the job commands (train, demo, config, plan, launch, verify) take --section.field=value overrides.
     p.set_defaults(takes_overrides=False)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, overrides = parser.parse_known_args(argv)
-    bad = [a for a in overrides if not args.takes_overrides or "." not in a.split("=")[0]]
+    bad = _not_overrides(overrides) if args.takes_overrides else overrides
     if bad:
         parser.error(f"unrecognised arguments: {' '.join(bad)}")
     args.argv = argv  # what a command that starts local processes hands them
@@ -60,3 +61,18 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"moetrain: error: {e}", file=sys.stderr)
         return 2
+
+
+def _not_overrides(extra: list[str]) -> list[str]:
+    """The arguments argparse left over that are not ``--section.field=value`` overrides. An override
+    written ``--section.field value`` takes the next argument as its value, the way
+    ``moetrain.config.parse_overrides`` reads it (a value may start with one '-': ``--parallel.dp -1``)."""
+    bad, i = [], 0
+    while i < len(extra):
+        key, sep, _ = extra[i].partition("=")
+        if "." not in key:
+            bad.append(extra[i])
+        elif not sep and i + 1 < len(extra) and not extra[i + 1].startswith("--"):
+            i += 1  # the value of the override before it
+        i += 1
+    return bad

@@ -6,6 +6,7 @@ Every user-facing check raises ``ValueError`` with the field, its value and the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 
@@ -19,11 +20,15 @@ def require_choice(field: str, value: Any, choices: tuple) -> None:
     require(value in choices, field, value, f"must be one of {', '.join(map(repr, choices))}")
 
 
+def _finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def require_positive(field: str, value: Any) -> None:
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
-            field, value, "must be > 0")
+    """A finite number > 0 (inf would reach the optimizer or the init as inf or nan)."""
+    require(_finite_number(value) and value > 0, field, value, "must be a finite number > 0")
 
 
 def require_non_negative(field: str, value: Any) -> None:
-    require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-            field, value, "must be >= 0")
+    """A finite number >= 0."""
+    require(_finite_number(value) and value >= 0, field, value, "must be a finite number >= 0")

@@ -63,8 +63,9 @@ class CheckpointConfig:
                 self.dir, "must be None (<log.run_dir>/checkpoints) or a non-empty path")
         require_int("checkpoint.every", self.every, note=" (0 = only the final checkpoint)")
         require_int("checkpoint.keep_last", self.keep_last, note=" (0 = keep all)")
-        # "none"/"no"/... would silently be read as a checkpoint path: make the user say "never".
-        ok = isinstance(self.resume, str) and self.resume.lower() not in ("", "none", "no", "false", "off")
+        # "none"/"null"/"no"/... would silently be read as a checkpoint path: make the user say "never".
+        ok = isinstance(self.resume, str) and self.resume.strip().lower() not in (
+            "", "none", "null", "~", "no", "false", "off")
         require(ok, "checkpoint.resume", self.resume, 'must be "auto", "never" or a checkpoint path')
         require_bool("checkpoint.save_final", self.save_final)
         require_bool("checkpoint.async_save", self.async_save)

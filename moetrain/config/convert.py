@@ -16,6 +16,7 @@ from typing import Any
 
 from moetrain.config.base import require
 from moetrain.config.job import JobConfig
+from moetrain.config.log import ROUTING_TRACES
 from moetrain.config.presets import get_preset
 
 
@@ -48,7 +49,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> JobConfig:
     merged = {section: dict(raw.get(section) or {}) for section in SECTIONS}
     preset = merged["model"].get("preset")
     if preset is not None:
-        for section, values in _preset_dicts(preset).items():
+        for section, values in preset_dicts(preset).items():
             merged[section] = {**values, **merged[section]}
     return JobConfig(**{section: build_section(cls, section, merged[section]) for section, cls in SECTIONS.items()})
 
@@ -102,7 +103,8 @@ def unwrap_optional(hint: Any) -> tuple[bool, Any]:
 # --- internals ----------------------------------------------------------------------------------
 
 
-def _preset_dicts(name: Any) -> dict[str, dict[str, Any]]:
+def preset_dicts(name: Any) -> dict[str, dict[str, Any]]:
+    """The model and moe values of preset ``name`` (every field but model.preset), by section."""
     p = get_preset(name)
     model = {k: v for k, v in dataclasses.asdict(p.model).items() if k != "preset"}
     return {"model": model, "moe": dataclasses.asdict(p.moe)}
@@ -133,6 +135,8 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
             return value
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, bool):
+            return _bool_word(field, value)
     elif typing.get_origin(tp) is tuple and typing.get_args(tp)[1:] == (Ellipsis,):
         if isinstance(value, (list, tuple)):  # tuple[T, ...]: a list of any length
             return tuple(_coerce(f"{field}[{i}]", v, typing.get_args(tp)[0]) for i, v in enumerate(value))
@@ -150,6 +154,22 @@ def _coerce(field: str, value: Any, hint: Any) -> Any:
     else:
         raise AssertionError(f"unsupported config annotation {hint} of {field}")
     raise ValueError(f"{field} ({value!r}) must be {_type_name(hint)}")
+
+
+BOOL_WORD_CHOICES: dict[str, tuple[str, ...]] = {"log.routing_trace": ROUTING_TRACES}
+"""String fields whose choices hold "off" or "on": YAML 1.1 reads the unquoted words as booleans."""
+
+
+def _bool_word(field: str, value: bool) -> str:
+    """``off``/``on`` for a string field that YAML read as false/true, where the word is one of the
+    field's choices; else ValueError asking for quotes."""
+    choices = BOOL_WORD_CHOICES.get(field, ())
+    word = "on" if value else "off"
+    if word in choices:
+        return word
+    listed = f" (one of {', '.join(map(repr, choices))})" if choices else ""
+    raise ValueError(f"{field} ({value!r}) must be a string{listed}: YAML reads unquoted yes/no/on/off/true/false "
+                     "as a boolean; write the value quoted")
 
 
 def _as_float(value: Any) -> float | None:

@@ -160,6 +160,8 @@ def _apply_scheduler(d: dict, block: Any, ignored: list[str]) -> None:
         ignored.append(f"scheduler (type {kind!r})")
         return
     d["optim"]["schedule"] = "constant" if kind == "WarmupLR" else "cosine"
+    if kind == "WarmupLR":
+        d["optim"]["min_lr"] = None  # a constant schedule has no floor: the file's min_lr was for its cosine
     params = {k: v for k, v in (block.get("params") or {}).items() if not _auto(v)}
     if params.get("warmup_num_steps") != 0 and params.get("warmup_type", "log") == "log":
         # DeepSpeed's default warmup (WarmupLR and WarmupCosineLR alike) is "log", which the

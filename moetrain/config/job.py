@@ -142,6 +142,10 @@ class JobConfig:
         require(not lora_experts or self.moe.expert_lr_scale_max == 1.0, "moe.expert_lr_scale_max",
                 self.moe.expert_lr_scale_max, "must be 1.0 with LoRA on the routed experts (finetune.lora_targets): "
                 "the per-expert learning rate scales the expert weights, which LoRA freezes")
+        # "auto" on a machine without CUDA resolves to cpu: refused when the processes start.
+        require(par.backend != "nccl" or self.train.device != "cpu", "parallel.backend", par.backend,
+                'needs train.device "cuda" or "auto" (train.device is "cpu"): NCCL runs on GPUs only; use "gloo" '
+                'or "auto"')
         ckpt = self.train.activation_checkpointing
         require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
                 'cannot be "moe" for a dense model (model.moe_every = 0)')

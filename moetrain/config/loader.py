@@ -5,6 +5,8 @@ overrides ``--section.field=value``. Values are parsed as YAML scalars and check
 dataclass annotations, so ``--moe.top_k=abc`` fails naming ``moe.top_k``. ``model.preset`` names a
 preset whose model and moe values come first; everything written in the file or on the command
 line overrides them. The saved config has every field resolved and loads back to an equal config.
+A key written twice in one mapping (a section repeated further down the file) is refused: plain YAML
+would keep only the last.
 
 The job files shipped with the package (``moetrain/configs/*.yaml``) load by name as well as by
 path: ``load_config("tiny")``, ``moetrain train --config tiny``, or ``--config configs/tiny.yaml`` where
@@ -25,6 +27,7 @@ from moetrain.config.convert import (
     config_from_dict,
     config_to_dict,
     field_type,
+    preset_dicts,
     section_class,
     unwrap_optional,
 )
@@ -64,20 +67,30 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     all defaults), with ``overrides`` (``["--train.steps=100", "--model.preset=tiny"]``) applied
     on top.
 
-    ``deepspeed`` (a JSON path or an already parsed dict) is applied last, for ``world_size``
-    processes; see ``moetrain.config.deepspeed.apply_deepspeed_config``.
+    ``deepspeed`` (a JSON path or an already parsed dict) is applied over the file, for
+    ``world_size`` processes (see ``moetrain.config.deepspeed.apply_deepspeed_config``); the
+    ``overrides`` win over it too.
     """
     raw = _read_yaml(resolve_config_path(path)) if path is not None else {}
-    for section, name, value in parse_overrides(overrides):
-        raw.setdefault(section, {})[name] = value
-    cfg = config_from_dict(raw)
-    if deepspeed is not None:
-        if world_size is None:
-            raise ValueError("world_size (None) must be given with a DeepSpeed config "
-                             "(its batch sizes are per rank)")
-        ds = deepspeed if isinstance(deepspeed, Mapping) else load_deepspeed_config(deepspeed)
-        cfg = apply_deepspeed_config(cfg, ds, world_size=world_size)
-    return cfg
+    parsed = parse_overrides(overrides)
+    _check_preset_acts(raw, parsed)
+    cfg = config_from_dict(_with_overrides(raw, parsed))
+    if deepspeed is None:
+        return cfg
+    if world_size is None:
+        raise ValueError("world_size (None) must be given with a DeepSpeed config "
+                         "(its batch sizes are per rank)")
+    ds = deepspeed if isinstance(deepspeed, Mapping) else load_deepspeed_config(deepspeed)
+    cfg = apply_deepspeed_config(cfg, ds, world_size=world_size)
+    if not parsed:
+        return cfg
+    # An explicit --section.field=value is the user's last word: it wins over the DeepSpeed JSON too
+    # (applied before it as well, so the JSON's per-rank batch sizes see the overridden layout).
+    resolved = config_to_dict(cfg)
+    named = {(section, name) for section, name, _ in parsed}
+    if named & {("train", "global_batch_size"), ("train", "micro_batch_size")} and ("train", "grad_accum") not in named:
+        resolved["train"]["grad_accum"] = None  # the JSON's accumulation follows the overridden batch sizes
+    return config_from_dict(_with_overrides(resolved, parsed))
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str, Any]]:
@@ -130,17 +143,71 @@ def format_config(cfg: JobConfig) -> str:
 # --- internals ----------------------------------------------------------------------------------
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping: plain YAML keeps the
+    last, so a section written twice would silently lose its first block."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise ValueError(f"config file {self.name!r}: key {key!r} is written twice in one mapping "
+                                 f"(line {key_node.start_mark.line + 1}); YAML would keep only the last")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _load_yaml(text: str, name: str) -> Any:
+    """``yaml.safe_load`` with duplicate keys refused (``name`` is the file the error names)."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = name
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def _read_yaml(path: Path) -> dict:
     text = path.read_text()
     try:
-        raw = yaml.safe_load(text)
+        raw = _load_yaml(text, str(path))
     except yaml.YAMLError as e:
         raise ValueError(f"config file {str(path)!r} is not valid YAML: {e}") from e
     if raw is None:
         return {}
     require(isinstance(raw, dict), f"config file {str(path)!r}", type(raw).__name__,
             "must hold a mapping of sections")
-    return {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    # A section holding only comments reads as null: the same as an empty section.
+    return {k: {} if v is None else dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+
+
+def _check_preset_acts(raw: Mapping[str, Any], parsed: Sequence[tuple[str, str, Any]]) -> None:
+    """A command-line ``--model.preset`` that would change only the label is refused: the file's
+    explicit fields win over any preset, so over a file that writes every model and moe field the
+    preset sets (a saved run config) the new preset would have no effect at all."""
+    preset = next((v for s, n, v in reversed(parsed) if (s, n) == ("model", "preset")), None)
+    sections = {k: v for k, v in raw.items() if isinstance(v, Mapping)}
+    if preset is None or preset == sections.get("model", {}).get("preset"):
+        return
+    if all(set(values) <= set(sections.get(section, {})) for section, values in preset_dicts(preset).items()):
+        raise ValueError(f"--model.preset ({preset!r}) would change only the label: the config file sets "
+                         "every model and moe field, and a file's explicit fields win over a preset (a saved "
+                         "run config writes them all); start from a config without model fields, or override "
+                         "the fields themselves")
+
+
+def _with_overrides(raw: Mapping[str, Any], parsed: Sequence[tuple[str, str, Any]]) -> dict:
+    """``raw`` (sections of the file) with the parsed overrides written into it."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for section, name, value in parsed:
+        values = out.setdefault(section, {})
+        if values is None:
+            values = out[section] = {}
+        require(isinstance(values, dict), f"config section {section!r}", values,
+                f"must be a mapping of fields (overridden by --{section}.{name})")
+        values[name] = value
+    return out
 
 
 def _parse_text(text: str, hint: Any) -> Any:
@@ -149,6 +216,6 @@ def _parse_text(text: str, hint: Any) -> Any:
     if inner is str:
         return None if optional and text.strip().lower() in NULLS + ("",) else text
     try:
-        return yaml.safe_load(text)
+        return _load_yaml(text, "<command line>")
     except yaml.YAMLError:
         return text  # reported with the field name by the coercion in config_from_dict

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from moetrain.config._checks import require_bool, require_int
 from moetrain.config.base import require, require_choice
 
+ROUTING_TRACES = ("counts", "full", "off")
+"""The choices of ``log.routing_trace``."""
+
 
 @dataclass
 class WandbConfig:
@@ -114,7 +117,7 @@ class LogConfig:
         require_bool("log.report", self.report)
         require_bool("log.memory", self.memory)
         require_bool("log.comm_timing", self.comm_timing)
-        require_choice("log.routing_trace", self.routing_trace, ("counts", "full", "off"))
+        require_choice("log.routing_trace", self.routing_trace, ROUTING_TRACES)
         require_choice("log.level", self.level, ("debug", "info", "warning"))
         require(self.wandb is None or isinstance(self.wandb, WandbConfig), "log.wandb", self.wandb,
                 "must be None or a mapping of project, entity, mode")

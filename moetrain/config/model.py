@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 
@@ -16,8 +17,10 @@ class ModelConfig:
     preset: str | None = None
     """Name of a preset in ``moetrain.config.presets`` ("tiny", "tiny-dense", "mixtral-mini", "mixtral-8x7b",
     "deepseek-moe-16b"). ``load_config`` checks and applies it: the preset's model and moe values
-    come first and every field written in the file or on the command line overrides them. (Built
-    directly in Python, a ModelConfig only records the name.)"""
+    come first and every field written in the file or on the command line overrides them, even with
+    the preset given on the command line. A command-line preset over a file that writes every model
+    and moe field (a saved run config) would change only the label and is refused. (Built directly in
+    Python, a ModelConfig only records the name.)"""
 
     vocab_size: int | None = None
     """Vocabulary size V. None = take it from the tokenizer when the model is built."""
@@ -193,6 +196,8 @@ class ModelConfig:
         require_bool("model.rope_interleave", self.rope_interleave)
         require_int("model.moe_every", self.moe_every, note=" (0 = dense model)")
         require_int("model.moe_layer_offset", self.moe_layer_offset)
+        require(self.moe_every > 0 or self.moe_layer_offset == 0, "model.moe_layer_offset", self.moe_layer_offset,
+                "acts only with model.moe_every > 0 (model.moe_every is 0, a dense model): leave it at 0")
         require(self.moe_every == 0 or self.moe_layer_offset < self.num_layers, "model.moe_layer_offset",
                 self.moe_layer_offset, f"must be < model.num_layers ({self.num_layers}) so that some block "
                 "is MoE (set model.moe_every=0 for a dense model)")
@@ -213,7 +218,9 @@ class ModelConfig:
         require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
                 and 0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be a number in [0, 1)")
         require_choice("model.head", self.head, ("lm", "classifier"))
-        if self.head == "classifier" or self.num_classes is not None:
+        require(self.head == "classifier" or self.num_classes is None, "model.num_classes", self.num_classes,
+                f'acts only with model.head "classifier" (model.head is {self.head!r}): leave it null')
+        if self.head == "classifier":
             require_int("model.num_classes", self.num_classes, min_value=2,
                         note=' (required when model.head is "classifier")')
         self._check_layers_and_heads()
@@ -258,9 +265,9 @@ class ModelConfig:
                     f"must divide model.num_heads ({self.num_heads})")
         require_bool("model.qkv_bias", self.qkv_bias)
         require_choice("model.qk_norm", self.qk_norm, ("none", "head", "full"))
-        require(self.clip_qkv is None or (isinstance(self.clip_qkv, (int, float))
-                                          and not isinstance(self.clip_qkv, bool) and self.clip_qkv > 0),
-                "model.clip_qkv", self.clip_qkv, "must be None or > 0")
+        c = self.clip_qkv
+        require(c is None or (isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) and c > 0),
+                "model.clip_qkv", c, "must be None or a finite number > 0")
         for name in _MLA_FIELDS:
             default = _DEFAULTS[name]
             require(getattr(self, name) == default, f"model.{name}", getattr(self, name),

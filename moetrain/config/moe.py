@@ -298,9 +298,13 @@ class MoEConfig:
             require(math.isfinite(self.capacity_factor), "moe.capacity_factor", self.capacity_factor,
                     "must be finite (use null for dropless)")
         require_choice("moe.drop_policy", self.drop_policy, ("position", "score"))
+        require(self.drop_policy == "position" or self.capacity_factor is not None, "moe.drop_policy", self.drop_policy,
+                'acts only with moe.capacity_factor set (it is null: dropless): leave it "position"')
         require_positive("moe.router_init_std", self.router_init_std)
         require_int("moe.num_shared_experts", self.num_shared_experts, min_value=0)
         require_int("moe.shared_hidden_dim", self.shared_hidden_dim, min_value=1, none_ok=True)
+        require(self.shared_hidden_dim is None or self.num_shared_experts > 0, "moe.shared_hidden_dim",
+                self.shared_hidden_dim, "acts only with moe.num_shared_experts > 0 (it is 0): leave it null")
         require_bool("moe.shared_expert_gate", self.shared_expert_gate)
         require(not self.shared_expert_gate or self.num_shared_experts > 0, "moe.shared_expert_gate",
                 self.shared_expert_gate, "needs moe.num_shared_experts > 0 (it gates their output)")
@@ -382,6 +386,10 @@ class MoEConfig:
         shift = self.dynamic_capacity_shift
         require(isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift),
                 "moe.dynamic_capacity_shift", shift, "must be a finite number")
+        for name in ("dynamic_capacity_base", "dynamic_capacity_scale", "dynamic_capacity_shift"):
+            value, default = getattr(self, name), getattr(MoEConfig, name)
+            require(self.dynamic_capacity or value == default, f"moe.{name}", value,
+                    f"acts only with moe.dynamic_capacity true (it is false): leave it at {default}")
         require_int("moe.balance_interval", self.balance_interval, min_value=1)
         require(isinstance(self.expert_lr_scale_max, (int, float)) and not isinstance(self.expert_lr_scale_max, bool)
                 and math.isfinite(self.expert_lr_scale_max) and self.expert_lr_scale_max >= 1,

@@ -102,6 +102,10 @@ class TrainConfig:
         require_choice("train.activation_checkpointing", self.activation_checkpointing,
                        ("none", "full", "moe", "every_n"))
         require_int("train.activation_checkpointing_every", self.activation_checkpointing_every, min_value=1)
+        every, default = self.activation_checkpointing_every, TrainConfig.activation_checkpointing_every
+        require(every == default or self.activation_checkpointing == "every_n",
+                "train.activation_checkpointing_every", every, f'acts only with train.activation_checkpointing '
+                f'"every_n" (it is {self.activation_checkpointing!r}): leave it at {default}')
         require_bool("train.compile", self.compile)
         require_int("train.max_consecutive_skips", self.max_consecutive_skips, note=" (0 = never stop)")
         timeout = self.collective_timeout_s

@@ -135,7 +135,8 @@ def test_ep_against_the_experts_is_checked_by_parallel_dims_alone():
 @pytest.mark.parametrize("cls, kwargs", [
     (ModelConfig, {"preset": "tiny", "dim": 64, "num_heads": 2, "num_kv_heads": 1, "head": "classifier",
                    "num_classes": 3}),
-    (OptimConfig, {"lr": 1e-3, "min_lr": 0.0, "betas": (0.8, 0.9), "schedule": "constant"}),
+    (OptimConfig, {"lr": 1e-3, "min_lr": 0.0, "betas": (0.8, 0.9)}),
+    (OptimConfig, {"lr": 1e-3, "betas": (0.8, 0.9), "schedule": "constant"}),
     (TrainConfig, {"global_batch_size": 32, "micro_batch_size": 4, "grad_accum": 8, "dtype": "bf16"}),
     (CheckpointConfig, {"dir": "/tmp/ckpt", "every": 10, "keep_last": 0, "resume": "never"}),
     (LogConfig, {"run_dir": "runs/x", "tensorboard": True, "level": "debug"}),

@@ -15,7 +15,7 @@ def test_warmup_steps_default_and_explicit():
     assert DataParallelConfig().onebit_warmup(300) == 60  # 20% of the run
     assert DataParallelConfig().onebit_warmup(100) == 20
     assert DataParallelConfig().onebit_warmup(2) == 1  # never zero
-    assert DataParallelConfig(onebit_warmup_steps=7).onebit_warmup(300) == 7
+    assert DataParallelConfig(grad_compression="onebit", onebit_warmup_steps=7).onebit_warmup(300) == 7
 
 
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "10"])
