@@ -38,7 +38,7 @@ WORLD2 = [PPCase("mtp2_1f1b_clip", steps=2, model=MTP2, max_grad_norm=0.5),
                  model={"mtp_depth": 1, "tie_embeddings": True}),
           PPCase("tied_gpipe", steps=2, schedule="gpipe", model={"tie_embeddings": True})]
 WORLD4 = [PPCase("mtp1_ep2_zero2", steps=2, ep=2, zero_stage=2, model={"mtp_depth": 1}),
-          PPCase("mtp2_dp2_zero1", steps=2, zero_stage=1, model=MTP2, max_grad_norm=0.5),
+          PPCase("mtp2_dp2_zero1", steps=2, zero_stage=1, model=MTP2, max_grad_norm=0.5, comm_timing=True),
           # The tied head and the embedding row-wise over tp in both stages (dp = 1: the check pairs
           # the first and last stage's ranks of each tp position), and the module on the last stage split
           # over tp as the trunk's blocks are (its depth padded to the whole sequence).
@@ -111,6 +111,15 @@ def test_pp2_shared_embedding_matches_one_process(world2, name):
 def test_pp2_x2_shared_embedding_matches_one_process(world4, name):
     case, ranks = world4[name]
     check_case(case, ranks, dp=2 // case.tp)
+
+
+def test_comm_timing_times_the_stages_gradient_reduction(world4):
+    # log.comm_timing under pp: finalize_grads' all-reduce after the schedule, once a step on every
+    # rank, beside the ZeRO-1 parameter gather (it used to time no gradient reduction under pp).
+    case, ranks = world4["mtp2_dp2_zero1"]
+    for r in ranks:
+        times = r["comm_times"]
+        assert times["comm_calls/grad_reduce"] == case.steps and times["comm_time/grad_reduce"] > 0, times
 
 
 def test_a_sequence_tp_does_not_divide_is_refused_by_the_first_stage(world4):

@@ -22,6 +22,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.distributed.data_parallel.ddp import wrap_optimizer
 from moetrain.distributed.parallel_dims import ParallelDims
+from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing
 from moetrain.distributed.pipeline.stages import build_pipeline_model, parallelize_pipeline
 from moetrain.models.moe import MoELayer
 from moetrain.models.transformer import Transformer
@@ -57,14 +58,16 @@ class PPCase:
     """Install the between-step balancing (``install_balancing``) on the optimizer, and record
     every MoE layer's selection bias after every step."""
     prev_step_routed: tuple[int, ...] | None = None
+    """With ``moe.aux_loss_type="global_batch"``: the routed counts preset in every MoE layer's
+    ``prev_step_routed_E`` (the first step's f_e, instead of the uniform one that gives no gradient)."""
     model: dict = field(default_factory=dict)
     """Extra ``ModelConfig`` fields (``mtp_depth``, ``tie_embeddings``, ...)."""
     meta: bool = False
     """Build the ranks' model on the meta device (the kept stages initialised by name)."""
     save_to: str = ""
     """Save a checkpoint (model and optimizer) into this folder before the last step."""
-    """With ``moe.aux_loss_type="global_batch"``: the routed counts preset in every MoE layer's
-    ``prev_step_routed_E`` (the first step's f_e, instead of the uniform one that gives no gradient)."""
+    comm_timing: bool = False
+    """Time the collectives as log.comm_timing does (``enable_comm_timing``); the counts are returned."""
 
     def configs(self) -> tuple[ModelConfig, MoEConfig]:
         moe = {"num_experts": 4, "top_k": 2, "expert_hidden_dim": 16, "aux_loss_coef": 0.1, "z_loss_coef": 0.01,
@@ -169,6 +172,8 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         opt = wrap_optimizer(opt, dims, zero_stage=1)
     if case.balancing:
         install_balancing(opt, pm, dims)
+    if case.comm_timing:
+        enable_comm_timing(pm, pm, opt, torch.device("cpu"))
     out = {"loss": [], "aux": [], "mtp": [], "norm": [], "grads": [], "stage_ids": pm.stage_ids,
            "dp_rank": dims.dp_rank, "expert_bias": []}
     for i, (ids_DXS, labels_DXS) in enumerate(make_batches(case, dims.dp)):
@@ -191,6 +196,8 @@ def pp_worker(rank: int, world: int, case: PPCase, *, meta: bool = False) -> dic
         out["expert_bias"].append(_expert_bias(pm))
     out["params"] = {n: _full(p.detach()).clone() for n, p in pm.named_parameters()}
     out["metrics"] = step.metrics()
+    if case.comm_timing:
+        out["comm_times"] = collect_comm_times(pm, pm, opt)
     if case.tp > 1 and pm.chunks[0].is_first:
         try:  # refused before the stage's first collective, so it cannot hang the other ranks
             pm.chunks[0](torch.zeros(1, SEQ - 1, dtype=torch.long))
