@@ -78,7 +78,9 @@ def add_job_args(sp: argparse.ArgumentParser, *, default_config: str | None = No
     sp.add_argument("--config", default=default_config,
                     help="YAML config (a run's config.yaml reproduces it) or a shipped config's name: "
                          + ", ".join(shipped_config_names()))
-    sp.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
+    sp.add_argument("--deepspeed", default=None,
+                    help="import a DeepSpeed JSON config (explicit --section.field=value "
+                         "overrides win over its values)")
     sp.add_argument("--nproc", type=int, default=None,
                     help="launch N local processes (torch.distributed.run); not needed under torchrun")
 

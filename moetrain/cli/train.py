@@ -45,7 +45,9 @@ def add_parsers(sub) -> None:
     cfg_sub = cfg.add_subparsers(dest="config_cmd", required=True)
     show = cfg_sub.add_parser("show")
     show.add_argument("--config", default=None, help="YAML config or a shipped config's name")
-    show.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
+    show.add_argument("--deepspeed", default=None,
+                      help="import a DeepSpeed JSON config (explicit --section.field=value "
+                           "overrides win over its values)")
     show.add_argument("--nproc", type=int, default=None,
                       help="world size: checks the parallel layout and sizes --deepspeed batches")
     cfg.set_defaults(func=run_config_show, takes_overrides=True)

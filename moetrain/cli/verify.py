@@ -22,7 +22,9 @@ from pathlib import Path
 def add_parsers(sub) -> None:
     sp = sub.add_parser("verify", help="check that the job's parallel layouts train the same model as one process")
     sp.add_argument("--config", required=True, help="YAML config or a shipped config's name")
-    sp.add_argument("--deepspeed", default=None, help="import a DeepSpeed JSON config")
+    sp.add_argument("--deepspeed", default=None,
+                    help="import a DeepSpeed JSON config (explicit --section.field=value "
+                         "overrides win over its values)")
     sp.add_argument("--layouts", default="auto",
                     help='layouts to verify, ";"-separated, e.g. "ep=2,dp=2; pp=2,ep=2; zero=3,ep=2" '
                          "(keys dp, ep, tp, pp, etp, zero), or auto: the two layouts moetrain plan ranks best "

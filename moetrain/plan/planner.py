@@ -1,7 +1,7 @@
 """The memory/communication planner behind ``moetrain plan``: for each (zero_stage, ep, offload,
 activation checkpointing) choice, the per-rank bytes of parameters, gradients, optimizer states,
 activations and all-to-all buffers, and the per-step bytes of each collective; invalid choices
-with the rule they break; the valid ones that fit the device ranked by communication.
+with the rule they break; the valid ones that fit the device ranked (``Plan.ranked``).
 
 Model states are exact (``model_states``), activations an estimate (``activations``, within a
 few percent of the measured peak on the tested presets), communication the ring volumes of
@@ -372,13 +372,11 @@ def _step_columns(step: dict | None) -> str:
 def stage3_advice(plan: Plan) -> list[str]:
     """What the ranking decided about stage 3, from the numbers: it ranks after every lighter
     choice that fits (``Plan.ranked``), so it leads only when nothing lighter fits."""
-    out = []
     ranked = plan.ranked
-    if ranked and ranked[0].choice.zero_stage == 3:
-        out.append("only ZeRO-3 fits this device: parameters must be sharded")
-    if plan.device_memory is not None and not ranked:
-        out.append("nothing fits: add ranks, offload, checkpoint activations or shrink the micro-batch")
-    return out
+    if ranked:
+        return ["only ZeRO-3 fits this device: parameters must be sharded"] if ranked[0].choice.zero_stage == 3 else []
+    fits = plan.device_memory is None
+    return [] if fits else ["nothing fits: add ranks, offload, checkpoint activations or shrink the micro-batch"]
 
 
 def format_plan(plan: Plan, *, top: int | None = 20, show_invalid: bool = True) -> str:
