@@ -322,7 +322,7 @@ class MoEConfig:
         require(not expert_choice or self.capacity_factor is not None, "moe.capacity_factor",
                 self.capacity_factor, 'must be set (tokens per expert = factor * T * K / E) when moe.router is '
                 '"expert_choice"')
-        _require_finite_non_negative("moe.router_bias_update_rate", self.router_bias_update_rate)
+        require_non_negative("moe.router_bias_update_rate", self.router_bias_update_rate)
         require(not (expert_choice and self.router_bias_update_rate > 0), "moe.router_bias_update_rate",
                 self.router_bias_update_rate, 'must be 0 with moe.router "expert_choice" (experts pick tokens; '
                 'there is no token-choice selection to bias)')
@@ -332,13 +332,12 @@ class MoEConfig:
                 'token-choice selection to bias)')
         factor = self.routed_scaling_factor
         require_positive("moe.routed_scaling_factor", factor)
-        require(math.isfinite(factor), "moe.routed_scaling_factor", factor, "must be finite")
         require(not (expert_choice and factor != 1), "moe.routed_scaling_factor", factor,
                 'must be 1.0 with moe.router "expert_choice" (token-choice routers only)')
-        _require_finite_non_negative("moe.router_jitter", self.router_jitter)
+        require_non_negative("moe.router_jitter", self.router_jitter)
         require(self.router_jitter < 1, "moe.router_jitter", self.router_jitter,
                 "must be < 1 (inputs are scaled by U(1 - eps, 1 + eps))")
-        _require_finite_non_negative("moe.router_noise_std", self.router_noise_std)
+        require_non_negative("moe.router_noise_std", self.router_noise_std)
         require_choice("moe.force_balance", self.force_balance, ("none", "round_robin", "random"))
         require(not (expert_choice and self.force_balance != "none"), "moe.force_balance", self.force_balance,
                 'must be "none" with moe.router "expert_choice" (experts pick tokens; it is balanced by construction)')
@@ -375,6 +374,9 @@ class MoEConfig:
         require(not expert_choice or self.aux_loss_type == "batch", "moe.aux_loss_type", self.aux_loss_type,
                 'must be "batch" with moe.router "expert_choice" (its balance loss does not read it: the '
                 "sequence and global-batch forms are for token-choice routers)")
+        self._check_balancing(expert_choice)
+
+    def _check_balancing(self, expert_choice: bool) -> None:
         require_bool("moe.dynamic_capacity", self.dynamic_capacity)
         if self.dynamic_capacity:
             require(self.capacity_factor is not None, "moe.capacity_factor", self.capacity_factor,
@@ -382,7 +384,7 @@ class MoEConfig:
             require(not expert_choice, "moe.dynamic_capacity", self.dynamic_capacity,
                     'must be false with moe.router "expert_choice" (its load is balanced by construction)')
         require_positive("moe.dynamic_capacity_base", self.dynamic_capacity_base)
-        _require_finite_non_negative("moe.dynamic_capacity_scale", self.dynamic_capacity_scale)
+        require_non_negative("moe.dynamic_capacity_scale", self.dynamic_capacity_scale)
         shift = self.dynamic_capacity_shift
         require(isinstance(shift, (int, float)) and not isinstance(shift, bool) and math.isfinite(shift),
                 "moe.dynamic_capacity_shift", shift, "must be a finite number")
@@ -399,8 +401,8 @@ class MoEConfig:
                 "must be in (0, 1] (a fraction of the tokens; 1 = never)")
         require_int("moe.collapse_warmup_steps", self.collapse_warmup_steps, min_value=0)
         require_int("moe.collapse_consecutive_checks", self.collapse_consecutive_checks, min_value=1)
-        _require_finite_non_negative("moe.collapse_aux_increase", self.collapse_aux_increase)
-        _require_finite_non_negative("moe.collapse_aux_max", self.collapse_aux_max)
+        require_non_negative("moe.collapse_aux_increase", self.collapse_aux_increase)
+        require_non_negative("moe.collapse_aux_max", self.collapse_aux_max)
         require_int("moe.unused_expert_steps", self.unused_expert_steps, min_value=1)
 
     @property
@@ -417,11 +419,6 @@ class MoEConfig:
         if self.shared_hidden_dim is not None:
             return self.shared_hidden_dim
         return self.num_shared_experts * self.expert_hidden_dim
-
-
-def _require_finite_non_negative(field: str, value) -> None:
-    require_non_negative(field, value)
-    require(math.isfinite(value), field, value, "must be finite")
 
 
 def parse_force_skew(text: str, *, num_experts: int) -> tuple[str, tuple]:
