@@ -15,7 +15,7 @@ no such file exists (from any directory, as from an installed wheel).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     named = {(section, name) for section, name, _ in parsed}
     if named & {("train", "global_batch_size"), ("train", "micro_batch_size")} and ("train", "grad_accum") not in named:
         resolved["train"]["grad_accum"] = None  # the JSON's accumulation follows the overridden batch sizes
+    _follow_min_lr(resolved, {(section, name): value for section, name, value in parsed})
     return config_from_dict(_with_overrides(resolved, parsed))
+
+
+def _follow_min_lr(resolved: dict, given: dict) -> None:
+    """The cosine floor as DeepSpeed's WarmupCosineLR has it, a ratio of the lr (cos_min_ratio):
+    an overridden lr keeps the ratio, an overridden schedule without a cosine drops the floor."""
+    optim = resolved["optim"]
+    if ("optim", "min_lr") in given or optim["min_lr"] is None:
+        return
+    if ("optim", "lr") in given and optim["lr"]:
+        optim["min_lr"] = optim["min_lr"] * float(given[("optim", "lr")]) / optim["lr"]
+    if given.get(("optim", "schedule"), "cosine") != "cosine":
+        optim["min_lr"] = None
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str, Any]]:
@@ -150,7 +163,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # "<<: *anchor" merges another mapping: its keys may be overridden here
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                break  # the parent class refuses it as YAML does ("found unhashable key")
             if key in seen:
                 raise ValueError(f"config file {self.name!r}: key {key!r} is written twice in one mapping "
                                  f"(line {key_node.start_mark.line + 1}); YAML would keep only the last")

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import replace
 
 from moetrain.config.job import JobConfig
+from moetrain.config.train import TrainConfig
 from moetrain.distributed.parallel_dims import ParallelDims
 
 
@@ -62,7 +63,9 @@ class LayoutRules:
                       "etp": 1, "ep_hierarchical": self.cfg.parallel.ep_hierarchical and ep > 1},
             zero={"offload_optimizer": "none" if offload == "none" else "cpu",
                   "offload_param": "cpu" if offload == "params" else "none"},
-            train={"activation_checkpointing": ac})
+            # The interval belongs to every_n: the other rows stand for the job with it reset.
+            train={"activation_checkpointing": ac, **({} if ac == "every_n" else {
+                "activation_checkpointing_every": TrainConfig.activation_checkpointing_every})})
 
     def tp_row(self, tp: int) -> str | None:
         """A row of the tensor-parallel table: the config with ``parallel.tp`` set (dp follows)."""

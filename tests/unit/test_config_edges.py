@@ -110,6 +110,24 @@ def test_explicit_overrides_win_over_the_deepspeed_json():
     assert cfg.train.global_batch_size == 16 and cfg.grad_accum_steps(2) == 2
 
 
+def test_an_overridden_lr_keeps_the_deepspeed_cosine_floor_ratio():
+    ds = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+          "scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ratio": 0.1, "warmup_type": "linear"}}}
+    assert load_config("tiny", [], deepspeed=ds, world_size=2).optim.min_lr == pytest.approx(1e-5)
+    for lr in (1e-3, 1e-6):  # the floor follows the lr; it was left at 1e-5 (above the lr at 1e-6: refused)
+        assert load_config("tiny", [f"--optim.lr={lr}"], deepspeed=ds, world_size=2).optim.min_lr == \
+            pytest.approx(0.1 * lr)
+    assert load_config("tiny", ["--optim.schedule=constant"], deepspeed=ds, world_size=2).optim.min_lr is None
+
+
+def test_yaml_merge_keys_still_load_and_an_unhashable_key_is_invalid_yaml(tmp_path):
+    path = _write(tmp_path, "data:\n  corpus: path\n  sources:\n    - &web {path: a.txt, weight: 3.0}\n"
+                            "    - <<: *web\n      path: b.txt\n      weight: 1.0\n")
+    assert [(s.path, s.weight) for s in load_config(path, []).data.sources] == [("a.txt", 3.0), ("b.txt", 1.0)]
+    with pytest.raises(ValueError, match="is not valid YAML"):
+        load_config(_write(tmp_path, "? [a, b]\n: 1\n"), [])
+
+
 def test_a_constant_deepspeed_schedule_drops_the_files_cosine_floor():
     ds = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}}}
     cfg = load_config("mixtral-8x7b", [], deepspeed=ds, world_size=64)  # the file sets optim.min_lr

@@ -67,6 +67,16 @@ def test_bf16_compression_plan_ranks_only_stages_0_and_1():
     assert plan.pp_rows and all("must be 'none' with parallel.pp" in p.reason for p in plan.pp_rows)
 
 
+def test_a_config_with_every_n_checkpointing_plans_the_other_choices_too():
+    # Each row stands for the job with its own checkpointing: the interval every_n reads is reset on
+    # the others, which the config would refuse as a field of a switched-off feature.
+    every_n = ["--train.activation_checkpointing=every_n", "--train.activation_checkpointing_every=3"]
+    plan = make_plan(load_config("tiny", BATCH + every_n), nproc=WORLD, nodes=NODES)
+    plain = make_plan(load_config("tiny", BATCH), nproc=WORLD, nodes=NODES)
+    assert [r.valid for r in plan.rows] == [r.valid for r in plain.rows]
+    assert not any("activation_checkpointing_every" in (r.reason or "") for r in plan.rows)
+
+
 def test_muon_refuses_expert_tensor_parallelism_in_the_etp_table():
     plan = make_plan(load_config("tiny", BATCH + ["--optim.name=muon", "--parallel.ep=2"]), nproc=WORLD,
                      nodes=NODES)
