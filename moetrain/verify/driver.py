@@ -27,6 +27,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.verify.checks import Comparison, Precision, Tolerance, counts_from_shares, routed_counts
 from moetrain.verify.flips import FLIP_WHY, Flips, flipped_experts, loosened_rows
+from moetrain.verify.groups import compare_hyperparameters
 from moetrain.verify.init_export import PLACEHOLDER, cut_export
 from moetrain.verify.launcher import Launcher
 from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes
@@ -293,9 +294,9 @@ weights they move)."""
 
 
 NOT_COMPARED = ("rng.", "optim.param_groups")
-"""Checkpoint entries that differ by layout by design: each rank's random generators, and the
-optimizer's param groups as JSON text (a pipeline stage lists its own parameters; the learning rate
-they hold is compared at every step)."""
+"""Checkpoint entries not compared as tensors: each rank's random generators (per rank by design),
+and the optimizer's param groups, JSON text that differs by layout (a pipeline stage lists its own
+parameters) and is compared parameter by parameter instead (``groups.compare_hyperparameters``)."""
 
 
 def state_group(key: str) -> str:
@@ -359,6 +360,7 @@ def compare_state(out: Comparison, tag: str, got: dict[str, torch.Tensor], want:
         if key.startswith(NOT_COMPARED):
             continue
         groups.setdefault(state_group(key), []).append(key)
+    compare_hyperparameters(out, tag, got, want, step=step)  # the update's settings before its results
     for group in [name for name, _ in STATE_GROUPS if name in groups]:
         keys = groups[group]
         quantity = f"{tag} {group}"
