@@ -204,6 +204,15 @@ def fresh_run_config(config: dict, source: str | os.PathLike, out: Path) -> dict
     return {**config, "log": log, "checkpoint": checkpoint}
 
 
+def copy_classes(folder: Path | None, out: Path) -> None:
+    """A classifier's ``classes.json`` (its head's row i is class i) into the export beside its weights:
+    a run started from the export with its head is held to those classes."""
+    from moetrain.train.classification import CLASSES_FILE
+
+    if folder is not None and (folder / CLASSES_FILE).is_file():
+        atomic_write_text(out / CLASSES_FILE, (folder / CLASSES_FILE).read_text(), durable=True)
+
+
 def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
                  max_shard_bytes: int | None = None) -> Path:
     """``moetrain export``: the model of ``source`` (a run folder, a checkpoint, ...) as full
@@ -218,6 +227,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
         w.close()
     folder = source_folder(source)
     save_tokenizer(load_saved_tokenizer(folder) if folder is not None else None, out, durable=True)
+    copy_classes(folder, out)
     if "log" in config or "checkpoint" in config:  # a run's whole config: train --config starts a new run
         config = fresh_run_config(config, source, out)
     write_config_yaml(out, config, info)  # last: an export with a config.yaml is complete

@@ -55,9 +55,11 @@ from moetrain.config.convert import build_section
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import (
+    copy_classes,
     fresh_run_config,
     load_source,
     model_configs,
+    source_folder,
     without_adapters,
     write_export,
 )
@@ -211,7 +213,9 @@ def grow_source(source: str | os.PathLike, out_dir: str | os.PathLike, *, num_ex
     overrides = [f"--moe.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in new_moe.items()
                  if old_moe.get(k) != v]
     info = {**info, "grown_from_num_experts": old_moe.get("num_experts"), "grow_noise": noise, "grow_seed": seed}
-    return Grown(write_export(out_dir, config=new_config, state_dict=grown, info=info), overrides, notes)
+    out = write_export(out_dir, config=new_config, state_dict=grown, info=info)
+    copy_classes(source_folder(source), out)
+    return Grown(out, overrides, notes)
 
 
 def merge_lora_export(config: dict, state_dict: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:

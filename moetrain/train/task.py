@@ -17,7 +17,7 @@ from moetrain.data.tokenizer import save_tokenizer
 from moetrain.distributed import runtime
 from moetrain.models.lora import apply_lora
 from moetrain.models.transformer import Transformer
-from moetrain.train.classification import check_run_classes, write_classes
+from moetrain.train.classification import CLASSES_FILE, check_run_classes, write_classes
 
 
 def is_classifier(cfg: JobConfig) -> bool:
@@ -81,6 +81,10 @@ def write_run_record(cfg: JobConfig, data, run_dir: Path, *, resumed: bool, is_m
     data whose classes differ from its classes.json is refused (the head's row i is its class i)."""
     if is_classifier(cfg) and resumed:
         check_run_classes(data.classes, run_dir)
+    start = cfg.checkpoint.init_from
+    if is_classifier(cfg) and not resumed and start and not cfg.checkpoint.init_from_new_head \
+            and (Path(start) / CLASSES_FILE).is_file():  # a classifier's export, its head kept
+        check_run_classes(data.classes, start)
     if not is_main:
         return
     save_config(cfg, run_dir / "config.yaml")

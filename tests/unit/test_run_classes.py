@@ -85,3 +85,24 @@ def test_eval_refuses_data_whose_classes_changed(tmp_path):
         (data / name).write_text((data / name).read_text().replace("c1\t", "c9\t"))
     message = run_ranks(_eval, 1, run, checkpoint, timeout_s=120)[0]
     assert f"({run / CLASSES_FILE})" in message and "from class id 1 the data has ['c2', 'c9']" in message
+
+
+def test_a_classifier_started_from_a_classifiers_export_is_held_to_its_classes(tmp_path):
+    # The export carries classes.json (moetrain export copies it); a run that keeps its head starts
+    # from rows that are the export's classes, so other data is refused, as on resume.
+    from types import SimpleNamespace
+
+    from moetrain.interop.export import copy_classes
+    from moetrain.train.task import write_run_record
+
+    export = tmp_path / "export"
+    export.mkdir()
+    copy_classes(_run_dir(tmp_path, ["neg", "neu", "pos"]), export)
+    job = ["--model.head=classifier", "--model.num_classes=3", "--data.corpus=r8",
+           f"--checkpoint.init_from={export}"]
+    data = SimpleNamespace(classes=["bad", "good", "meh"])
+    with pytest.raises(ValueError, match=r"differ from those the run was trained with .*export/classes.json"):
+        write_run_record(load_config(None, job), data, tmp_path / "new", resumed=False, is_main=False)
+    # A new head (init_from_new_head) has no rows to hold the data to.
+    write_run_record(load_config(None, [*job, "--checkpoint.init_from_new_head=true"]), data, tmp_path / "new",
+                     resumed=False, is_main=False)
