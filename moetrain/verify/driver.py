@@ -11,7 +11,6 @@ state by state, then through a reshard and an export (docs/verify.md).
 
 from __future__ import annotations
 
-import json
 import re
 import shutil
 import tempfile
@@ -31,7 +30,7 @@ from moetrain.verify.groups import compare_hyperparameters
 from moetrain.verify.init_export import PLACEHOLDER, cut_export
 from moetrain.verify.launcher import Launcher
 from moetrain.verify.layouts import Layout, auto_layouts, micro_batch_sizes
-from moetrain.verify.runs import Run, RunFailed, read_checkpoint, train
+from moetrain.verify.runs import Run, RunFailed, export_digest, read_checkpoint, reference_run, train
 from moetrain.verify.shrink import GRAD_ACCUM, Change, shrink_job, unshrunk_job
 
 
@@ -118,8 +117,10 @@ def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str
             return run_verification(plan, work=work, say=say, checks=checks, launcher=own)
     work = Path(work) if work is not None else Path(tempfile.mkdtemp(prefix="moetrain-verify-"))
     work.mkdir(parents=True, exist_ok=True)
+    source = None
     if plan.init_from is not None:
         assert plan.original_model is not None
+        source = export_digest(plan.init_from)
         cut = cut_export(plan.init_from, job=plan.cfg, original=plan.original_model, out_dir=work / "init_from")
         plan = replace(plan, cfg=replace(plan.cfg, checkpoint=replace(plan.cfg.checkpoint, init_from=str(cut))),
                        init_from=None)
@@ -133,7 +134,7 @@ def run_verification(plan: Plan, *, work: Path | None = None, say: Callable[[str
     common = [f"--train.steps={S + 1}", "--checkpoint.resume=auto", "--checkpoint.async_save=false",
               "--checkpoint.every=1", f"--checkpoint.keep_last={S + 1}"]
     ref_overrides = [*Layout().overrides(micro_batch=micro[Layout()]), *offload_overrides(plan.cfg, Layout()), *common]
-    ref = _reference(work, config, S, ref_overrides, say, launcher)
+    ref = reference_run(work, config, S, ref_overrides, say, launcher, source=source)
     ctx = _Context(work, config, common, ref_overrides, ref.records(),
                    {s: read_checkpoint(ref.checkpoint(s)) for s in range(1, S + 2)},
                    Precision(plan.cfg.train.dtype, plan.cfg.moe.dispatch_dtype if plan.cfg.model.is_moe else "none"),
@@ -191,25 +192,6 @@ def _flips(plan: Plan, ctx: _Context, records: dict[int, dict], step: int) -> Fl
         return None
     routed_L = routed_counts(plan.cfg)["expert_share"]
     return flipped_experts(records, ctx.ref_records, routed_L=routed_L, up_to=step)
-
-
-def _reference(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None],
-               launcher: Launcher) -> Run:
-    """The world-1 run, or the one a previous verification left in ``work`` for the same job and
-    steps (``reference.json`` records them): re-verifying other layouts does not run it again."""
-    marker = work / "reference.json"
-    key = {"job": config.read_text(encoding="utf-8"), "steps": steps, "overrides": overrides}
-    ref = Run("reference", work / "reference", work / "reference.log")
-    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == key:
-        say(f"reference: world 1, reused from {ref.run_dir}")
-        return ref
-    marker.unlink(missing_ok=True)
-    if ref.run_dir.exists():
-        shutil.rmtree(ref.run_dir)  # a stale reference would resume instead of training
-    say(f"reference: world 1, {steps + 1} steps ({ref.run_dir})")
-    ref = train("reference", config, work, nproc=1, overrides=overrides, launcher=launcher)
-    marker.write_text(json.dumps(key), encoding="utf-8")
-    return ref
 
 
 ROUTING_MOVE_LOW_PRECISION = 0.01

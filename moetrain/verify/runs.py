@@ -9,7 +9,10 @@ CPU), and what they leave: per-step records and checkpoints read back in one pro
 
 from __future__ import annotations
 
+import json
+import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,3 +70,34 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
         warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
         dcp.load(state, storage_reader=reader, no_dist=True)
     return state
+
+
+def export_digest(path: str | Path) -> dict[str, object]:
+    """What identifies an init_from export for the reference's reuse: its path and each file's
+    name, size and modification time (the cut export in WORK/init_from has the same path whatever
+    export it was cut from, so the job's text alone cannot tell two exports apart)."""
+    root = Path(path).resolve()
+    files = sorted(p for p in root.rglob("*") if p.is_file()) if root.is_dir() else [root]
+    return {"path": str(root),
+            "files": [[str(p.relative_to(root) if root.is_dir() else p.name), p.stat().st_size, p.stat().st_mtime_ns]
+                      for p in files]}
+
+
+def reference_run(work: Path, config: Path, steps: int, overrides: list[str], say: Callable[[str], None],
+                  launcher: Launcher, *, source: dict[str, object] | None = None) -> Run:
+    """The world-1 run, or the one a previous verification left in ``work`` for the same job, steps
+    and init_from export (``source``: ``export_digest``; ``reference.json`` records them):
+    re-verifying other layouts does not run it again."""
+    marker = work / "reference.json"
+    key = {"job": config.read_text(encoding="utf-8"), "steps": steps, "overrides": overrides, "init_from": source}
+    ref = Run("reference", work / "reference", work / "reference.log")
+    if marker.is_file() and json.loads(marker.read_text(encoding="utf-8")) == key:
+        say(f"reference: world 1, reused from {ref.run_dir}")
+        return ref
+    marker.unlink(missing_ok=True)
+    if ref.run_dir.exists():
+        shutil.rmtree(ref.run_dir)  # a stale reference would resume instead of training
+    say(f"reference: world 1, {steps + 1} steps ({ref.run_dir})")
+    ref = train("reference", config, work, nproc=1, overrides=overrides, launcher=launcher)
+    marker.write_text(json.dumps(key), encoding="utf-8")
+    return ref
