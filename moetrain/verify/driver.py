@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from moetrain.config.convert import config_from_dict, config_to_dict
 from moetrain.config.job import JobConfig
 from moetrain.config.loader import save_config
 from moetrain.config.model import ModelConfig
@@ -54,7 +55,7 @@ def plan_verification(cfg: JobConfig, *, layouts: list[Layout] | None, steps: in
         raise ValueError(f"--steps ({steps}) must be >= 1")
     chosen = layouts if layouts is not None else auto_layouts(cfg, nproc=nproc)
     if shrink:
-        job, changes = shrink_job(cfg, pps=[lay.pp for lay in chosen], cpu=cpu)
+        job, changes = shrink_job(cfg, pps=[lay.pp for lay in chosen], tps=[lay.tp for lay in chosen], cpu=cpu)
     else:
         job, changes = unshrunk_job(cfg)
     for lay in chosen:
@@ -68,11 +69,26 @@ def plan_verification(cfg: JobConfig, *, layouts: list[Layout] | None, steps: in
         try:
             ParallelDims.from_config(par, world_size=lay.world,
                                      num_experts=job.moe.num_experts if job.model.is_moe else None)
+            layout_job(job, lay)
         except ValueError as e:
             raise ValueError(f"layout {lay.name}: {e}") from e
     if job.checkpoint.init_from == PLACEHOLDER:
         return Plan(job, chosen, changes, steps, init_from=cfg.checkpoint.init_from, original_model=cfg.model)
     return Plan(job, chosen, changes, steps)
+
+
+def layout_job(job: JobConfig, lay: Layout) -> JobConfig:
+    """The job as layout ``lay``'s runs load it (its degrees, micro-batch and offload overrides),
+    validated by every JobConfig rule: a layout the trainer would refuse (data.seq_len not a multiple
+    of tp, heads tp cannot split) is refused here, before the reference trains."""
+    accum = GRAD_ACCUM if job.train.global_batch_size % GRAD_ACCUM == 0 else 1
+    micro = micro_batch_sizes([lay], global_batch=job.train.global_batch_size, grad_accum=accum)[lay]
+    raw = config_to_dict(job)
+    for override in [*lay.overrides(micro_batch=micro), *offload_overrides(job, lay)]:
+        name, _, value = override.removeprefix("--").partition("=")
+        section, field = name.split(".")
+        raw[section][field] = int(value) if value.isascii() and value.isdigit() else value
+    return config_from_dict(raw)
 
 
 def offload_overrides(job: JobConfig, lay: Layout) -> list[str]:

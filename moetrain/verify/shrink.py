@@ -3,7 +3,8 @@ and sequences, with every setting that changes the math of a step kept as it is.
 
 Kept: experts and top_k, the router (type, groups, bias updates, capacity factor and drop policy,
 shared experts and their gate), the aux-loss types and coefficients, dense layers (their share of
-the blocks), the attention kind (MLA stays MLA, GQA keeps its ratio), dtype, dispatch dtype,
+the blocks), the attention kind (MLA stays MLA, GQA keeps its ratio, its key/value heads a multiple of every
+layout's tp), dtype, dispatch dtype,
 gradient and dispatch compression, the optimizer, LoRA targets, activation checkpointing.
 
 Changed, and printed by ``moetrain verify``: widths and layer count, the vocabulary (the byte
@@ -16,6 +17,7 @@ them). Settings random per rank by design are set to 0 and named with the reason
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from moetrain.config.convert import config_from_dict, config_to_dict
@@ -65,29 +67,48 @@ def _num_layers(model: dict, moe_every: int, pps: list[int]) -> int:
     return -(-want // step) * step
 
 
+def _heads(model: dict, tp: int) -> tuple[int, int | None, str]:
+    """Query and key/value heads of the shrunk model: about 4 query heads, the key/value heads a
+    multiple of ``tp`` (the largest tensor-parallel degree of the layouts: each tp rank holds whole
+    key/value heads) and the job's grouped-query ratio kept; the reason, as printed."""
+    heads, kv = model["num_heads"], model["num_kv_heads"]
+    if kv is None or heads % kv:
+        new = -(-min(heads, 4) // tp) * tp
+        return new, None if kv is None else max(tp, new * kv // heads // tp * tp), f"width, a multiple of tp ({tp})"
+    ratio = heads // kv
+    new_kv = max(1, min(kv, 4 // ratio))
+    new_kv = -(-new_kv // tp) * tp
+    return new_kv * ratio, new_kv, (f"width; keeps the grouped-query ratio ({ratio}) with key/value heads a "
+                                    f"multiple of the layouts' largest tp ({tp})")
+
+
 def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
 
 
-def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool) -> tuple[JobConfig, list[Change]]:
+def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool, tps: Sequence[int] = ()) -> tuple[JobConfig, list[Change]]:
     """``cfg`` made CPU-sized (module docstring); returns the new config and what changed. ``pps``:
-    the pipeline degrees of the layouts to verify (the layer count is a multiple of each).
+    the pipeline degrees of the layouts to verify (the layer count is a multiple of each), ``tps``
+    their tensor-parallel degrees (the heads and key/value heads are multiples of the largest).
     ``cpu``: no accelerator here, so the job runs on the CPU."""
     raw = config_to_dict(cfg)
     m, moe, data = raw["model"], raw["moe"], raw["data"]
-    heads = min(m["num_heads"], 4)
-    kv = m["num_kv_heads"]
-    new_kv = None if kv is None else max(1, heads * kv // m["num_heads"])
+    heads, new_kv, heads_why = _heads(m, max([1, *tps]))
+    width = min(m["dim"], 64)
+    # Without an explicit head_dim the model divides dim by the heads; a kept ratio of 3 gives 3 heads.
+    keep = m["head_dim"] is not None or width % heads == 0 or m["attention"] == "mla"
+    head_dim = _small(m["head_dim"], 16) if keep else 16
     seq = min(data["seq_len"], 32)
     etp = raw["parallel"]["etp"]
     plan: list[tuple[str, object, str]] = [
         ("model.preset", None, "the preset's sizes are replaced below"),
-        ("model.dim", min(m["dim"], 64), "width"),
-        ("model.num_heads", heads, "width"),
-        ("model.num_kv_heads", new_kv, "keeps the grouped-query ratio"),
-        ("model.head_dim", _small(m["head_dim"], 16), "width"),
+        ("model.dim", width, "width"),
+        ("model.num_heads", heads, heads_why),
+        ("model.num_kv_heads", new_kv, heads_why),
+        ("model.head_dim", head_dim, "width" if m["head_dim"] is not None else f"width: dim {width} is not a "
+         f"multiple of {heads} heads"),
         ("model.num_layers", _num_layers(m, m["moe_every"], pps), "depth, a multiple of every layout's pp"),
         ("model.moe_layer_offset", min(m["moe_layer_offset"], 1), "keeps a leading dense block"),
         ("model.dense_layers", tuple(i for i in m["dense_layers"] if i < 2), "keeps the first dense blocks"),

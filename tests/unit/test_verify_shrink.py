@@ -1,0 +1,39 @@
+"""The shrunk job stays valid at every layout verified: heads tp can split, whole layouts checked
+by every JobConfig rule before any run (verify/shrink.py, verify/driver.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetrain.config.loader import load_config
+from moetrain.verify.driver import plan_verification
+from moetrain.verify.layouts import parse_layouts
+
+
+def _plan(config: str, overrides: list[str], layouts: str):
+    return plan_verification(load_config(config, overrides), layouts=parse_layouts(layouts), steps=1, shrink=True,
+                             cpu=True)
+
+
+@pytest.mark.parametrize(("heads", "kv", "layouts", "want"), [
+    (32, 8, "tp=2", (8, 2)),   # ratio 4 kept, 2 key/value heads for tp=2 (4/1 before: tp refused it)
+    (8, 2, "tp=2", (8, 2)),
+    (12, 4, "ep=2", (3, 1)),   # ratio 3 kept (4/1 before)
+    (8, 8, "tp=2,ep=2", (4, 4)),
+])
+def test_shrunk_heads_keep_the_ratio_and_split_over_tp(heads, kv, layouts, want):
+    plan = _plan("tiny", [f"--model.num_heads={heads}", f"--model.num_kv_heads={kv}", "--model.head_dim=16"], layouts)
+    m = plan.cfg.model
+    assert (m.num_heads, m.num_kv_heads) == want
+    assert m.num_heads // m.num_kv_heads == heads // kv
+    assert all(m.num_kv_heads % lay.tp == 0 for lay in plan.layouts)
+
+
+def test_a_ratio_that_does_not_divide_dim_gets_an_explicit_head_dim():
+    m = _plan("tiny", ["--model.num_heads=12", "--model.num_kv_heads=4", "--model.dim=192"], "ep=2").cfg.model
+    assert (m.num_heads, m.num_kv_heads, m.head_dim) == (3, 1, 16)
+
+
+def test_a_layout_the_trainer_would_refuse_is_refused_before_any_run():
+    with pytest.raises(ValueError, match=r"layout tp=3: data.seq_len \(32\) must be a multiple of parallel.tp"):
+        _plan("tiny", [], "tp=3")
