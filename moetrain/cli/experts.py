@@ -37,6 +37,18 @@ def run_grow(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"grew the experts of {args.source} to {args.num_experts} per MoE layer: export {out}")
     for note in grown.notes:
         print(f"  also changed: {note}")
-    print(f"train it: moetrain train --config {out / 'config.yaml'} (a fresh run in {out}-run, weights from {out}); "
-          f"from another config: --checkpoint.init_from={out} {' '.join(grown.overrides)}")
+    print(f"train it: moetrain train --config {out / 'config.yaml'}{_nproc(out)} (a fresh run in {out}-run, weights "
+          f"from {out}); from another config: --checkpoint.init_from={out} {' '.join(grown.overrides)}")
     return 0
+
+
+def _nproc(export) -> str:
+    """`` --nproc N`` for the fewest processes the grown config's parallel layout runs on (none at 1)."""
+    import math
+
+    import yaml
+
+    p = (yaml.safe_load((export / "config.yaml").read_text()) or {}).get("parallel") or {}
+    ep, etp, tp, pp, dp = (int(p.get(k, d)) for k, d in (("ep", 1), ("etp", 1), ("tp", 1), ("pp", 1), ("dp", -1)))
+    world = dp * tp * pp if dp != -1 else pp * tp * (ep * etp // math.gcd(ep * etp, tp))
+    return f" --nproc {world}" if world > 1 else ""

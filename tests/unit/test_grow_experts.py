@@ -200,7 +200,16 @@ def test_cli_grows_an_export(tmp_path, capsys):
     code = main(["experts", "grow", str(tmp_path / "src"), "--num-experts", "8", "--top-k", "4",
                  "--to", str(tmp_path / "grown")])
     assert code == 0
-    assert "--moe.num_experts=8 --moe.top_k=4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--moe.num_experts=8 --moe.top_k=4" in out
+    # No parallel section in this export: one process; the tiny run's (ep = 2) asks for two.
+    assert f"train it: moetrain train --config {tmp_path / 'grown' / 'config.yaml'} (a fresh run" in out
+    from moetrain.cli.experts import _nproc
+
+    layouts = [("{ep: 2}", " --nproc 2"), ("{ep: 4, tp: 2}", " --nproc 4"), ("{dp: 3, pp: 2}", " --nproc 6")]
+    for parallel, want in layouts:
+        (tmp_path / "config.yaml").write_text(f"parallel: {parallel}\n")
+        assert _nproc(tmp_path) == want, parallel
     grown_config, grown, info = read_export(tmp_path / "grown")
     assert grown_config["moe"]["num_experts"] == 8 and info["grown_from_num_experts"] == "4"
     torch.testing.assert_close(logits(grown_config, grown, IDS), logits(config, sd, IDS), rtol=1e-5, atol=1e-5)
