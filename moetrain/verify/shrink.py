@@ -2,10 +2,10 @@
 and sequences, with every setting that changes the math of a step kept as it is.
 
 Kept: experts and top_k, the router (type, groups, bias updates, capacity factor and drop policy,
-shared experts and their gate), the aux-loss types and coefficients, dense layers (their share of
-the blocks), the attention kind (MLA stays MLA, GQA keeps its ratio, its key/value heads a multiple of every
-layout's tp), dtype, dispatch dtype,
-gradient and dispatch compression, the optimizer, LoRA targets, activation checkpointing.
+shared experts and their gate), the aux-loss types and coefficients, dense and MoE blocks (two MoE
+blocks and a dense one where the job has dense blocks: ``_blocks``), the attention kind (MLA stays
+MLA, GQA keeps its ratio, its key/value heads a multiple of every layout's tp), dtype, dispatch
+dtype, gradient and dispatch compression, the optimizer, LoRA targets, activation checkpointing.
 
 Changed, and printed by ``moetrain verify``: widths and layer count, the vocabulary (the byte
 tokenizer on the shipped Shakespeare corpus, so that no user data is needed), sequence length and
@@ -17,7 +17,7 @@ them). Settings random per rank by design are set to 0 and named with the reason
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from moetrain.config.convert import config_from_dict, config_to_dict
@@ -56,15 +56,55 @@ def _small(value: int | None, cap: int) -> int | None:
     return None if value is None else min(value, cap)
 
 
-def _num_layers(model: dict, moe_every: int, pps: list[int]) -> int:
-    """Blocks of the shrunk model: the leading dense blocks (at most 1), then enough blocks for 2
-    MoE blocks at the job's moe_every, rounded up to a multiple of every layout's pp."""
-    lead = min(model["moe_layer_offset"], 1)
-    want = lead + 2 * max(moe_every, 1) if moe_every else 2
+def _blocks(cfg: JobConfig, steps: list[int]) -> list[bool]:
+    """The shrunk model's blocks, True for an MoE block: the job's blocks in order with each run of
+    dense blocks cut to one, until two MoE blocks and (when the job has any) a dense block are in;
+    then the job's following blocks (MoE blocks past its last) up to a multiple of every layout's
+    pipeline stages (``steps``: pp * pp_virtual_stages each)."""
+    m = cfg.model
+    kinds = [m.is_moe_layer(i) for i in range(m.num_layers)]
+    rest: Iterator[bool] = iter([])
+    if not m.is_moe:
+        want = 2
+        out: list[bool] = []
+    else:
+        has_dense = not all(kinds)
+        out = []
+        for i, moe in enumerate(kinds):
+            if sum(out) >= 2 and (not has_dense or not all(out)):
+                rest = iter(kinds[i:])
+                break
+            if (moe and sum(out) < 2) or (not moe and (not out or out[-1])):
+                out.append(moe)
+        want = len(out)
     step = 1
-    for pp in pps:
-        step = step * pp // _gcd(step, pp)
-    return -(-want // step) * step
+    for n in steps:
+        step = step * n // _gcd(step, n)
+    target = -(-max(want, 1) // step) * step
+    if not m.is_moe:
+        return [False] * target
+    while len(out) < target:
+        out.append(next(rest, True))
+    return out
+
+
+def _layer_plan(cfg: JobConfig, steps: list[int]) -> list[tuple[str, object, str]]:
+    """num_layers, moe_every, moe_layer_offset and dense_layers of the shrunk model (``_blocks``):
+    the job's moe_every and leading dense blocks where they describe it, else MoE blocks from the
+    first one with the other dense blocks named in dense_layers."""
+    m = cfg.model
+    blocks = _blocks(cfg, steps)
+    why = "depth: two MoE blocks (and a dense one where the job has dense blocks), a multiple of every layout's " \
+          "pp * pp_virtual_stages"
+    if not m.is_moe:
+        return [("model.num_layers", len(blocks), why), ("model.dense_layers", (), why)]
+    lead = blocks.index(True)
+    every = m.moe_every
+    if blocks != [i >= lead and (i - lead) % every == 0 for i in range(len(blocks))]:
+        every = 1
+    dense = tuple(i for i, moe in enumerate(blocks) if not moe and i >= lead and (i - lead) % every == 0)
+    return [("model.num_layers", len(blocks), why), ("model.moe_every", every, why),
+            ("model.moe_layer_offset", lead, why), ("model.dense_layers", dense, why)]
 
 
 def _heads(model: dict, tp: int) -> tuple[int, int | None, str]:
@@ -96,6 +136,8 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool, tps: Sequence[int] 
     raw = config_to_dict(cfg)
     m, moe, data = raw["model"], raw["moe"], raw["data"]
     heads, new_kv, heads_why = _heads(m, max([1, *tps]))
+    virtual = raw["parallel"]["pp_virtual_stages"]
+    steps = [pp * virtual if pp > 1 else 1 for pp in pps]
     width = min(m["dim"], 64)
     # Without an explicit head_dim the model divides dim by the heads; a kept ratio of 3 gives 3 heads.
     keep = m["head_dim"] is not None or width % heads == 0 or m["attention"] == "mla"
@@ -109,9 +151,7 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool, tps: Sequence[int] 
         ("model.num_kv_heads", new_kv, heads_why),
         ("model.head_dim", head_dim, "width" if m["head_dim"] is not None else f"width: dim {width} is not a "
          f"multiple of {heads} heads"),
-        ("model.num_layers", _num_layers(m, m["moe_every"], pps), "depth, a multiple of every layout's pp"),
-        ("model.moe_layer_offset", min(m["moe_layer_offset"], 1), "keeps a leading dense block"),
-        ("model.dense_layers", tuple(i for i in m["dense_layers"] if i < 2), "keeps the first dense blocks"),
+        *_layer_plan(cfg, steps),
         ("model.dense_hidden_dim", _small(m["dense_hidden_dim"], 128), "width"),
         ("model.max_seq_len", max(seq, 32), "sequence"),
         ("model.vocab_size", None, "the byte tokenizer's 256"),

@@ -37,3 +37,27 @@ def test_a_ratio_that_does_not_divide_dim_gets_an_explicit_head_dim():
 def test_a_layout_the_trainer_would_refuse_is_refused_before_any_run():
     with pytest.raises(ValueError, match=r"layout tp=3: data.seq_len \(32\) must be a multiple of parallel.tp"):
         _plan("tiny", [], "tp=3")
+
+
+def test_interleaved_virtual_stages_get_a_block_each():
+    plan = _plan("hybrid-dp-ep-pp", ["--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_virtual_stages=2"],
+                 "pp=2,ep=2")
+    assert plan.cfg.model.num_layers % (2 * 2) == 0
+
+
+@pytest.mark.parametrize(("dense", "want_moe", "want_dense"), [
+    ("[0,1]", [1, 2], [0]),      # two leading dense blocks: one kept, then the two MoE blocks
+    ("[1]", [0, 2], [1]),
+    ("[3]", [0, 1], [2]),        # a dense block after the MoE blocks is still verified
+])
+def test_the_shrunk_model_keeps_two_moe_blocks_and_a_dense_one(dense, want_moe, want_dense):
+    plan = _plan("tiny", [f"--model.dense_layers={dense}"], "dp=2,ep=2")
+    m = plan.cfg.model
+    assert m.moe_layer_ids == want_moe
+    assert [i for i in range(m.num_layers) if not m.is_moe_layer(i)] == want_dense
+    assert any(c.field == "model.num_layers" for c in plan.changes)
+
+
+def test_a_moe_every_pattern_is_kept_where_it_describes_the_blocks():
+    m = _plan("tiny", ["--model.moe_every=2", "--model.moe_layer_offset=1"], "ep=2").cfg.model
+    assert (m.num_layers, m.moe_every, m.moe_layer_offset, m.dense_layers) == (4, 2, 1, ())
