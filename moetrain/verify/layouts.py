@@ -50,9 +50,13 @@ def parse_layout(text: str) -> Layout:
     for part in (p.strip() for p in text.split(",") if p.strip()):
         key, sep, value = part.partition("=")
         key = key.strip()
-        if not sep or key not in KEYS or not value.strip().isdigit():
+        digits = value.strip()
+        # str.isdigit accepts superscripts and other scripts' digits, which int() refuses.
+        if not sep or key not in KEYS or not (digits.isascii() and digits.isdigit()):
             raise ValueError(f"--layouts ({text!r}): {part!r} must be KEY=N with KEY one of {', '.join(KEYS)}")
-        values[key] = int(value)
+        if key in values:
+            raise ValueError(f"--layouts ({text!r}): {key} is named twice in one layout")
+        values[key] = int(digits)
     if not values:
         raise ValueError(f"--layouts ({text!r}): a layout names at least one degree, e.g. ep=2")
     if any(v < 1 for k, v in values.items() if k != "zero") or values.get("zero", 0) not in (0, 1, 2, 3):

@@ -39,7 +39,8 @@ def last_line(comparison: Comparison) -> str:
         return f"verify: PASS ({checked} quantities within tolerance)"
     num_bad = sum(1 for r in comparison.results if not r.ok)
     detail = f" ({bad.note})" if bad.note else f" (max abs diff {_num(bad.max_abs)}, tolerance {bad.tolerance.text()})"
-    return f"verify: FAIL: {bad.quantity}{detail}; {num_bad} quantities failed"
+    at = f" at step {bad.first_bad[0]}" if bad.first_bad is not None else ""
+    return f"verify: FAIL: {bad.quantity}{at}{detail}; {num_bad} quantities failed"
 
 
 def write_json(path: str | Path, comparison: Comparison, *, changes: list[Change], layouts: list[str],
