@@ -185,7 +185,7 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool, tps: Sequence[int] 
                  ("model.qk_rope_head_dim", min(m["qk_rope_head_dim"], 8), "MLA width"),
                  ("model.v_head_dim", min(m["v_head_dim"], 16), "MLA width")]
     if cpu:
-        plan.append(("train.device", "cpu", "no accelerator here"))
+        plan += [("train.device", "cpu", "no accelerator here"), ("parallel.backend", "auto", "gloo on the CPU")]
     if cfg.checkpoint.init_from is not None:
         plan.append(("checkpoint.init_from", PLACEHOLDER, "the export cut to the shrunk shapes (leading rows and "
                      "channels, every expert, the first blocks of each kind), loaded at every layout"))

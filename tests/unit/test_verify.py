@@ -80,6 +80,10 @@ def test_shrink_keeps_the_math_and_says_what_changed():
     changed = {c.field: c for c in changes}
     assert changed["model.num_layers"].old == 61 and "moe.num_experts" not in changed
     assert "random per rank" not in " ".join(c.why for c in changes)  # V3 draws no per-rank noise
+    # A job set up for NCCL is verified on gloo here, as docs/verify.md says (the config refuses nccl on a CPU).
+    nccl = load_config("deepseek-v3", ["--parallel.backend=nccl", "--train.device=cuda"])
+    small, changes = shrink_job(nccl, pps=[2], cpu=True)
+    assert small.parallel.backend == "auto" and {c.field for c in changes} >= {"parallel.backend", "train.device"}
 
 
 def test_shrink_names_and_zeroes_per_rank_randomness():
