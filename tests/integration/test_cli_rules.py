@@ -42,6 +42,8 @@ RULES = {
     "hsdp-replicas": (2, ["--parallel.zero_stage=2", "--parallel.hsdp_replicate=4"],
                       "parallel.hsdp_replicate (4) must be an int >= 1 that divides parallel.dp (2)"),
     "nproc-zero": (0, [], "--nproc (0) must be an int >= 1"),
+    "nccl-cpu": (2, ["--parallel.backend=nccl", "--train.device=cpu"],
+                 "parallel.backend ('nccl') needs train.device \"cuda\" or \"auto\""),
     "etp-capacity": (2, ["--parallel.ep=1", "--parallel.etp=2", "--moe.capacity_factor=1.25"],
                      "moe.capacity_factor (1.25) must be null with parallel.etp (2) > 1"),
     "etp-hidden": (2, ["--parallel.ep=1", "--parallel.etp=2", "--moe.capacity_factor=null",
