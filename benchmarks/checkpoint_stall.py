@@ -118,7 +118,8 @@ def main() -> None:
     p.add_argument("--json", action="store_true", help="print one JSON line per mode")
     args = p.parse_args()
     rows = [_run(args, async_save=False), _run(args, async_save=True)]
-    shutil.rmtree(args.out, ignore_errors=True)
+    for mode in ("sync", "async"):  # what the runs wrote; the folder itself may hold the user's files
+        shutil.rmtree(Path(args.out) / mode, ignore_errors=True)
     if args.json:
         for row in rows:
             print(json.dumps(row))

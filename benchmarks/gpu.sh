@@ -33,7 +33,7 @@ print('device:', torch.cuda.get_device_name(), '| torch', torch.__version__)" | 
 
 if "$PY" -c "import pytest" >/dev/null 2>&1; then
     set +e
-    "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda tests/gpu --junitxml="$OUT/tests.xml" 2>&1 \
+    timeout -k 10 240 "$PY" -m pytest -q -rA -p no:cacheprovider -m cuda tests/gpu --junitxml="$OUT/tests.xml" 2>&1 \
         | tee "$OUT/tests.log"
     echo "${PIPESTATUS[0]}" > "$OUT/tests.rc"
     set -e
@@ -41,13 +41,17 @@ else
     echo "pytest is not installed for $PY: the CUDA tests did not run" | tee "$OUT/tests.skipped" >&2
 fi
 
-"$PY" benchmarks/moe_layer.py --device cuda --dtype bfloat16 --shapes A,B,M --runs 20 --warmup 5 --json \
+timeout -k 10 120 "$PY" benchmarks/moe_layer.py --device cuda --dtype bfloat16 --shapes A,B,M --runs 20 --warmup 5 --json \
     | tee "$OUT/layer.jsonl"
 
 rm -rf "$RUN"
-"$PY" -m moetrain.cli train --config single-gpu --nproc 1 --log.run_dir="$RUN" 2>&1 | tail -n 30 \
+timeout -k 10 180 "$PY" -m moetrain.cli train --config single-gpu --nproc 1 --log.run_dir="$RUN" 2>&1 | tail -n 30 \
     | tee "$OUT/train.log"
 
+if [[ -f "$OUT/tests.skipped" ]]; then  # pytest was missing: the CUDA tests did not run, a failure too
+    echo "benchmarks/gpu.sh: the CUDA tests did not run (no pytest for $PY)" >&2
+    exit 1
+fi
 tests_rc=$(cat "$OUT/tests.rc" 2>/dev/null || echo 0)
 if [[ "$tests_rc" != 0 ]]; then
     echo "benchmarks/gpu.sh: the CUDA tests failed (pytest exit code $tests_rc; see $OUT/tests.log)" >&2

@@ -140,6 +140,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args()
+    if a.chunks < 2:
+        p.error(f"--chunks ({a.chunks}) must be >= 2: one chunk is the baseline it is compared with")
     result = run(a.chunks, a.tokens, a.runs, a.warmup)
     if a.json:
         print(json.dumps(result), flush=True)
