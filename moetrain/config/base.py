@@ -10,10 +10,20 @@ import math
 from typing import Any
 
 
+class InactiveFieldError(ValueError):
+    """A field set away from its default while the feature it belongs to is off ("acts only with ...")."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def require(ok: bool, field: str, value: Any, rule: str) -> None:
-    """Raise ``ValueError("<field> (<value>) <rule>")`` unless ``ok``."""
+    """Raise ``ValueError("<field> (<value>) <rule>")`` unless ``ok`` (an ``InactiveFieldError`` for a
+    rule of the form "acts only with ...")."""
     if not ok:
-        raise ValueError(f"{field} ({value!r}) {rule}")
+        message = f"{field} ({value!r}) {rule}"
+        raise InactiveFieldError(field, message) if rule.startswith("acts only with") else ValueError(message)
 
 
 def require_choice(field: str, value: Any, choices: tuple) -> None:

@@ -15,13 +15,14 @@ no such file exists (from any directory, as from an installed wheel).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Hashable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from moetrain.config.base import require
+from moetrain.config.base import InactiveFieldError, require
 from moetrain.config.convert import (
     NULLS,
     config_from_dict,
@@ -71,10 +72,12 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     ``world_size`` processes (see ``moetrain.config.deepspeed.apply_deepspeed_config``); the
     ``overrides`` win over it too.
     """
-    raw = _read_yaml(resolve_config_path(path)) if path is not None else {}
+    file = resolve_config_path(path) if path is not None else None
+    raw = _read_yaml(file) if file is not None else {}
     parsed = parse_overrides(overrides)
     _check_preset_acts(raw, parsed)
-    cfg = config_from_dict(_with_overrides(raw, parsed))
+    cfg = _from_dict(_with_overrides(raw, parsed), saved=file is not None and _is_saved(file),
+                     given={(section, name) for section, name, _ in parsed}, name=str(file))
     if deepspeed is None:
         return cfg
     if world_size is None:
@@ -90,8 +93,16 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = (), *
     named = {(section, name) for section, name, _ in parsed}
     if named & {("train", "global_batch_size"), ("train", "micro_batch_size")} and ("train", "grad_accum") not in named:
         resolved["train"]["grad_accum"] = None  # the JSON's accumulation follows the overridden batch sizes
-    _follow_min_lr(resolved, {(section, name): value for section, name, value in parsed})
+    if _cos_min_ratio(ds) is not None:  # the JSON's floor is a ratio of the lr, not the YAML's absolute one
+        _follow_min_lr(resolved, {(section, name): value for section, name, value in parsed})
     return config_from_dict(_with_overrides(resolved, parsed))
+
+
+def _cos_min_ratio(ds: Mapping) -> Any:
+    scheduler = ds.get("scheduler") or {}
+    if not isinstance(scheduler, Mapping) or scheduler.get("type") != "WarmupCosineLR":
+        return None
+    return (scheduler.get("params") or {}).get("cos_min_ratio")
 
 
 def _follow_min_lr(resolved: dict, given: dict) -> None:
@@ -104,6 +115,33 @@ def _follow_min_lr(resolved: dict, given: dict) -> None:
         optim["min_lr"] = optim["min_lr"] * float(given[("optim", "lr")]) / optim["lr"]
     if given.get(("optim", "schedule"), "cosine") != "cosine":
         optim["min_lr"] = None
+
+
+SAVED_HEADERS = ("# Resolved moetrain config", "# moetrain export")
+"""The first line of a config a run (save_config) or an export wrote: every field at its value."""
+
+
+def _is_saved(file: Path) -> bool:
+    with open(file, encoding="utf-8") as f:
+        return f.readline().startswith(SAVED_HEADERS)
+
+
+def _from_dict(raw: dict, *, saved: bool, given: set, name: str) -> JobConfig:
+    """``config_from_dict``; for a saved config, a field of a switched-off feature that an older
+    moetrain accepted (and ignored) is reset to its default with a warning, so the run still
+    resumes, evaluates and exports. The user's own overrides are never reset."""
+    for _ in range(64):
+        try:
+            return config_from_dict(raw)
+        except InactiveFieldError as e:
+            section, _, field = e.field.partition(".")
+            if not saved or (section, field) in given or not isinstance(raw.get(section), dict) \
+                    or field not in raw[section]:
+                raise
+            warnings.warn(f"{name}: {e}; it did nothing when this config was saved, and is reset to its "
+                          "default", stacklevel=3)
+            raw = {**raw, section: {k: v for k, v in raw[section].items() if k != field}}
+    return config_from_dict(raw)
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, str, Any]]:

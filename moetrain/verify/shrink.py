@@ -108,7 +108,7 @@ def _layer_plan(cfg: JobConfig, steps: list[int]) -> list[tuple[str, object, str
 
 
 def _heads(model: dict, tp: int) -> tuple[int, int | None, str]:
-    """Query and key/value heads of the shrunk model: about 4 query heads, the key/value heads a
+    """Query and key/value heads of the shrunk model: about 4 query heads (at most 8), the key/value heads a
     multiple of ``tp`` (the largest tensor-parallel degree of the layouts: each tp rank holds whole
     key/value heads) and the job's grouped-query ratio kept; the reason, as printed."""
     heads, kv = model["num_heads"], model["num_kv_heads"]
@@ -118,8 +118,12 @@ def _heads(model: dict, tp: int) -> tuple[int, int | None, str]:
     ratio = heads // kv
     new_kv = max(1, min(kv, 4 // ratio))
     new_kv = -(-new_kv // tp) * tp
-    return new_kv * ratio, new_kv, (f"width; keeps the grouped-query ratio ({ratio}) with key/value heads a "
-                                    f"multiple of the layouts' largest tp ({tp})")
+    # At most 8 query heads (8 values each at the shrunk width of 64): a multi-query job's ratio
+    # (e.g. 64) would keep every query head, of size 1.
+    kept = min(ratio, max(1, 8 // new_kv))
+    why = (f"keeps the grouped-query ratio ({ratio})" if kept == ratio
+           else f"a grouped-query ratio of {kept} (the job's {ratio} would keep {ratio * new_kv} query heads)")
+    return new_kv * kept, new_kv, f"width; {why} with key/value heads a multiple of the layouts' largest tp ({tp})"
 
 
 def _gcd(a: int, b: int) -> int:
@@ -140,7 +144,7 @@ def shrink_job(cfg: JobConfig, *, pps: list[int], cpu: bool, tps: Sequence[int] 
     steps = [pp * virtual if pp > 1 else 1 for pp in pps]
     width = min(m["dim"], 64)
     # Without an explicit head_dim the model divides dim by the heads; a kept ratio of 3 gives 3 heads.
-    keep = m["head_dim"] is not None or width % heads == 0 or m["attention"] == "mla"
+    keep = m["head_dim"] is not None or (width % heads == 0 and width // heads >= 8) or m["attention"] == "mla"
     head_dim = _small(m["head_dim"], 16) if keep else 16
     seq = min(data["seq_len"], 32)
     etp = raw["parallel"]["etp"]

@@ -6,10 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from moetrain.cli import main
 from moetrain.config import JobConfig, load_config, save_config
-from moetrain.config.convert import BOOL_WORD_CHOICES
+from moetrain.config.convert import BOOL_WORD_CHOICES, config_to_dict
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "moetrain" / "configs").glob("*.yaml"))
@@ -118,6 +119,12 @@ def test_an_overridden_lr_keeps_the_deepspeed_cosine_floor_ratio():
         assert load_config("tiny", [f"--optim.lr={lr}"], deepspeed=ds, world_size=2).optim.min_lr == \
             pytest.approx(0.1 * lr)
     assert load_config("tiny", ["--optim.schedule=constant"], deepspeed=ds, world_size=2).optim.min_lr is None
+    # A floor the YAML wrote is absolute: a JSON without WarmupCosineLR leaves it where it is.
+    plain = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    cfg = load_config("tiny", ["--optim.min_lr=1e-5", "--optim.lr=2e-3"], deepspeed=plain, world_size=2)
+    assert cfg.optim.min_lr == 1e-5
+    cfg = load_config("mixtral-8x7b", ["--optim.lr=2e-3"], deepspeed=plain, world_size=64)
+    assert cfg.optim.min_lr == load_config("mixtral-8x7b", []).optim.min_lr
 
 
 def test_yaml_merge_keys_still_load_and_an_unhashable_key_is_invalid_yaml(tmp_path):
@@ -221,3 +228,22 @@ def test_a_stray_word_after_an_override_pair_is_still_refused(capsys):
     with pytest.raises(SystemExit):
         main(["config", "show", "--train.steps", "9", "extra"])
     assert "unrecognised arguments: extra" in capsys.readouterr().err
+
+
+def test_a_saved_config_with_a_field_an_older_version_ignored_still_loads(tmp_path):
+    # A run saved before these refusals holds every field at its value, the ignored ones too: it must
+    # still resume, evaluate and export. A hand-written file, or an override, is refused as before.
+    saved = config_to_dict(load_config("tiny", []))
+    saved["optim"].update(schedule="constant", min_lr=1e-5)
+    saved["dp"]["onebit_warmup_steps"] = 5
+    body = yaml.safe_dump(saved, sort_keys=False)
+    path = tmp_path / "config.yaml"
+    path.write_text("# Resolved moetrain config: moetrain train --config x\n" + body)
+    with pytest.warns(UserWarning, match="it did nothing when this config was saved"):
+        cfg = load_config(path, [])
+    assert cfg.optim.min_lr is None and cfg.dp.onebit_warmup_steps is None and cfg.optim.schedule == "constant"
+    with pytest.raises(ValueError, match=r"optim.min_lr \(2e-05\) acts only with"):
+        load_config(path, ["--optim.min_lr=2e-5"])
+    path.write_text(body)  # no header: a file the user wrote
+    with pytest.raises(ValueError, match="acts only with"):
+        load_config(path, [])

@@ -29,6 +29,17 @@ def test_shrunk_heads_keep_the_ratio_and_split_over_tp(heads, kv, layouts, want)
     assert all(m.num_kv_heads % lay.tp == 0 for lay in plan.layouts)
 
 
+@pytest.mark.parametrize(("heads", "kv", "layouts", "want"), [
+    (64, 1, "ep=2", (8, 1)),  # multi-query: the ratio capped, else 64 query heads of size 1 (refused)
+    (32, 1, "tp=2", (8, 2)),
+    (16, 2, "ep=2", (8, 1)),  # ratio 8 kept
+])
+def test_a_large_grouped_query_ratio_is_capped_at_8_query_heads(heads, kv, layouts, want):
+    m = _plan("tiny", [f"--model.num_heads={heads}", f"--model.num_kv_heads={kv}", "--model.dim=1024"],
+              layouts).cfg.model
+    assert (m.num_heads, m.num_kv_heads) == want and m.dim // m.num_heads >= 8
+
+
 def test_a_ratio_that_does_not_divide_dim_gets_an_explicit_head_dim():
     m = _plan("tiny", ["--model.num_heads=12", "--model.num_kv_heads=4", "--model.dim=192"], "ep=2").cfg.model
     assert (m.num_heads, m.num_kv_heads, m.head_dim) == (3, 1, 16)
