@@ -44,8 +44,8 @@ def launch(nproc: int, argv: list[str]) -> int:
             code = child.wait()
         finally:
             signal.signal(signal.SIGTERM, previous)
-        codes = {f.read_text().strip() for f in Path(codes_dir).glob("rank*")}
-        every_rank_stopped = len(list(Path(codes_dir).glob("rank*"))) == nproc and codes == {"143"}
+        codes = [f.read_text().strip() for f in Path(codes_dir).glob("rank*")]
+        every_rank_stopped = len(codes) == nproc and set(codes) == {"143"}
     # A SIGTERM to this process, or to one rank (the stop is agreed over the world, so every rank
     # saved and stopped): the run stopped on request, not on a failure.
     return 128 + signal.SIGTERM if forwarded or every_rank_stopped else code

@@ -95,7 +95,8 @@ def _numbers(text: str, flag: str, kind):
 
 def run_plan(args: argparse.Namespace, overrides: list[str] | tuple[str, ...] = ()) -> int:
     from moetrain.config.loader import load_config
-    from moetrain.plan.planner import format_plan, make_plan
+    from moetrain.plan.plan_table import format_plan
+    from moetrain.plan.planner import make_plan
 
     cfg = load_config(args.config, list(overrides))
     if args.rank is not None and not args.dry_run:

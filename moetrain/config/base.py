@@ -19,11 +19,16 @@ class InactiveFieldError(ValueError):
 
 
 def require(ok: bool, field: str, value: Any, rule: str) -> None:
-    """Raise ``ValueError("<field> (<value>) <rule>")`` unless ``ok`` (an ``InactiveFieldError`` for a
-    rule of the form "acts only with ...")."""
+    """Raise ``ValueError("<field> (<value>) <rule>")`` unless ``ok``."""
     if not ok:
-        message = f"{field} ({value!r}) {rule}"
-        raise InactiveFieldError(field, message) if rule.startswith("acts only with") else ValueError(message)
+        raise ValueError(f"{field} ({value!r}) {rule}")
+
+
+def require_active(ok: bool, field: str, value: Any, rule: str) -> None:
+    """``require`` for a field that acts only with another setting (``rule``: "acts only with ...";
+    ``ok``: the field is at its default or its feature is on): an ``InactiveFieldError``."""
+    if not ok:
+        raise InactiveFieldError(field, f"{field} ({value!r}) {rule}")
 
 
 def require_choice(field: str, value: Any, choices: tuple) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_int
-from moetrain.config.base import require, require_choice
+from moetrain.config.base import require, require_active, require_choice
 
 GRAD_COMPRESSIONS = ("none", "bf16", "onebit")
 
@@ -62,9 +62,9 @@ class DataParallelConfig:
     def __post_init__(self) -> None:
         require_choice("dp.grad_compression", self.grad_compression, GRAD_COMPRESSIONS)
         require_int("dp.onebit_warmup_steps", self.onebit_warmup_steps, min_value=1, none_ok=True)
-        require(self.onebit_warmup_steps is None or self.grad_compression == "onebit", "dp.onebit_warmup_steps",
-                self.onebit_warmup_steps, f'acts only with dp.grad_compression "onebit" (it is '
-                f'{self.grad_compression!r}): leave it null')
+        require_active(self.onebit_warmup_steps is None or self.grad_compression == "onebit", "dp.onebit_warmup_steps",
+                       self.onebit_warmup_steps, f'acts only with dp.grad_compression "onebit" (it is '
+                       f'{self.grad_compression!r}): leave it null')
 
     def onebit_warmup(self, total_steps: int) -> int:
         """dp.onebit_warmup_steps, or its default for a run of ``total_steps`` optimizer steps."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_int
-from moetrain.config.base import require
+from moetrain.config.base import require, require_active
 
 LORA_TARGETS = ("attention", "experts", "shared_experts", "dense_ffn")
 """What ``finetune.lora_targets`` may name: the attention projections (q, k, v, o, or MLA's),
@@ -48,10 +48,10 @@ class FinetuneConfig:
                 self.lora_targets, "must not name a target twice")
         if self.lora_rank == 0:
             # Fields of a switched-off feature are rejected rather than ignored.
-            require(self.lora_alpha == FinetuneConfig.lora_alpha, "finetune.lora_alpha", self.lora_alpha,
-                    "acts only with finetune.lora_rank > 0 (lora_rank is 0)")
-            require(self.lora_targets == FinetuneConfig.lora_targets, "finetune.lora_targets",
-                    self.lora_targets, "acts only with finetune.lora_rank > 0 (lora_rank is 0)")
+            require_active(self.lora_alpha == FinetuneConfig.lora_alpha, "finetune.lora_alpha", self.lora_alpha,
+                           "acts only with finetune.lora_rank > 0 (lora_rank is 0)")
+            require_active(self.lora_targets == FinetuneConfig.lora_targets, "finetune.lora_targets",
+                           self.lora_targets, "acts only with finetune.lora_rank > 0 (lora_rank is 0)")
         else:
             require(len(self.lora_targets) > 0, "finetune.lora_targets", self.lora_targets,
                     "must name at least one target when finetune.lora_rank > 0")

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields, replace
 
 from moetrain.config._checks import is_int, require_bool, require_int
-from moetrain.config.base import require, require_choice, require_positive
+from moetrain.config.base import require, require_active, require_choice, require_positive
 from moetrain.config.moe import MoEConfig
 from moetrain.config.rope import RopeScaling, rope_scaling_from
 
@@ -196,8 +196,9 @@ class ModelConfig:
         require_bool("model.rope_interleave", self.rope_interleave)
         require_int("model.moe_every", self.moe_every, note=" (0 = dense model)")
         require_int("model.moe_layer_offset", self.moe_layer_offset)
-        require(self.moe_every > 0 or self.moe_layer_offset == 0, "model.moe_layer_offset", self.moe_layer_offset,
-                "acts only with model.moe_every > 0 (model.moe_every is 0, a dense model): leave it at 0")
+        require_active(self.moe_every > 0 or self.moe_layer_offset == 0, "model.moe_layer_offset",
+                       self.moe_layer_offset,
+                       "acts only with model.moe_every > 0 (model.moe_every is 0, a dense model): leave it at 0")
         require(self.moe_every == 0 or self.moe_layer_offset < self.num_layers, "model.moe_layer_offset",
                 self.moe_layer_offset, f"must be < model.num_layers ({self.num_layers}) so that some block "
                 "is MoE (set model.moe_every=0 for a dense model)")
@@ -218,8 +219,8 @@ class ModelConfig:
         require(isinstance(self.dropout, (int, float)) and not isinstance(self.dropout, bool)
                 and 0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be a number in [0, 1)")
         require_choice("model.head", self.head, ("lm", "classifier"))
-        require(self.head == "classifier" or self.num_classes is None, "model.num_classes", self.num_classes,
-                f'acts only with model.head "classifier" (model.head is {self.head!r}): leave it null')
+        require_active(self.head == "classifier" or self.num_classes is None, "model.num_classes", self.num_classes,
+                       f'acts only with model.head "classifier" (model.head is {self.head!r}): leave it null')
         if self.head == "classifier":
             require_int("model.num_classes", self.num_classes, min_value=2,
                         note=' (required when model.head is "classifier")')
@@ -235,8 +236,8 @@ class ModelConfig:
                 f'must be 0 with model.head {self.head!r}: the n-gram features are built for the classifier '
                 "(decoding and multi-token prediction would need the previous tokens)")
         require_int("model.ngram_max_order", self.ngram_max_order, min_value=2, note=" (2 = bigrams)")
-        require(self.ngram_buckets > 0 or self.ngram_max_order == _NGRAM_ORDER, "model.ngram_max_order",
-                self.ngram_max_order, f"acts only with model.ngram_buckets > 0: leave it at {_NGRAM_ORDER}")
+        require_active(self.ngram_buckets > 0 or self.ngram_max_order == _NGRAM_ORDER, "model.ngram_max_order",
+                       self.ngram_max_order, f"acts only with model.ngram_buckets > 0: leave it at {_NGRAM_ORDER}")
 
     def _check_mtp(self) -> None:
         require_int("model.mtp_depth", self.mtp_depth, min_value=0, note=" (0 = no multi-token prediction)")
@@ -246,8 +247,8 @@ class ModelConfig:
                 f"must be < model.max_seq_len ({self.max_seq_len}): depth k scores the tokens k + 1 places ahead")
         require(isinstance(self.mtp_loss_weight, (int, float)) and not isinstance(self.mtp_loss_weight, bool)
                 and self.mtp_loss_weight >= 0, "model.mtp_loss_weight", self.mtp_loss_weight, "must be a number >= 0")
-        require(self.mtp_depth > 0 or self.mtp_loss_weight == _MTP_WEIGHT, "model.mtp_loss_weight",
-                self.mtp_loss_weight, f"acts only with model.mtp_depth > 0: leave it at {_MTP_WEIGHT}")
+        require_active(self.mtp_depth > 0 or self.mtp_loss_weight == _MTP_WEIGHT, "model.mtp_loss_weight",
+                       self.mtp_loss_weight, f"acts only with model.mtp_depth > 0: leave it at {_MTP_WEIGHT}")
 
     def _check_mha(self) -> None:
         require_int("model.head_dim", self.head_dim, min_value=2, none_ok=True, note=" (None = dim // num_heads)")
@@ -270,8 +271,8 @@ class ModelConfig:
                 "model.clip_qkv", c, "must be None or a finite number > 0")
         for name in _MLA_FIELDS:
             default = _DEFAULTS[name]
-            require(getattr(self, name) == default, f"model.{name}", getattr(self, name),
-                    f'acts only with model.attention "mla" (model.attention is "mha"): leave it at {default!r}')
+            require_active(getattr(self, name) == default, f"model.{name}", getattr(self, name),
+                           f'acts only with model.attention "mla" (model.attention is "mha"): leave it at {default!r}')
 
     def _check_mla(self) -> None:
         for name in _MHA_FIELDS:
@@ -295,8 +296,8 @@ class ModelConfig:
         require(len(set(self.dense_layers)) == len(self.dense_layers), "model.dense_layers", self.dense_layers,
                 "must not name a block twice")
         require_choice("model.pooling", self.pooling, ("last", "mean", "attention"))
-        require(self.pooling == "last" or self.head == "classifier", "model.pooling", self.pooling,
-                f'acts only with model.head "classifier" (model.head is {self.head!r})')
+        require_active(self.pooling == "last" or self.head == "classifier", "model.pooling", self.pooling,
+                       f'acts only with model.head "classifier" (model.head is {self.head!r})')
         require_bool("model.causal", self.causal)
         require(self.causal or self.head == "classifier", "model.causal", self.causal,
                 f'may be false only with model.head "classifier" (model.head is {self.head!r}): '
@@ -304,8 +305,8 @@ class ModelConfig:
         require_int("model.document_separator", self.document_separator, none_ok=True,
                     note=" (a token id; None = attention across documents)")
         if self.document_separator is not None:
-            require(self.head == "lm", "model.document_separator", self.document_separator,
-                    f'acts only with model.head "lm" (model.head is {self.head!r})')
+            require_active(self.head == "lm", "model.document_separator", self.document_separator,
+                           f'acts only with model.head "lm" (model.head is {self.head!r})')
             require(self.vocab_size is None or self.document_separator < self.vocab_size,
                     "model.document_separator", self.document_separator,
                     f"must be < model.vocab_size ({self.vocab_size})")

@@ -6,7 +6,14 @@ import math
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_bool, require_int
-from moetrain.config.base import require, require_choice, require_non_negative, require_positive
+from moetrain.config.base import (
+    require,
+    require_active,
+    require_choice,
+    require_non_negative,
+    require_positive,
+)
+from moetrain.config.force_skew import parse_force_skew
 
 
 @dataclass
@@ -298,13 +305,14 @@ class MoEConfig:
             require(math.isfinite(self.capacity_factor), "moe.capacity_factor", self.capacity_factor,
                     "must be finite (use null for dropless)")
         require_choice("moe.drop_policy", self.drop_policy, ("position", "score"))
-        require(self.drop_policy == "position" or self.capacity_factor is not None, "moe.drop_policy", self.drop_policy,
-                'acts only with moe.capacity_factor set (it is null: dropless): leave it "position"')
+        require_active(self.drop_policy == "position" or self.capacity_factor is not None, "moe.drop_policy",
+                       self.drop_policy, 'acts only with moe.capacity_factor set (it is null: dropless): leave it '
+                       '"position"')
         require_positive("moe.router_init_std", self.router_init_std)
         require_int("moe.num_shared_experts", self.num_shared_experts, min_value=0)
         require_int("moe.shared_hidden_dim", self.shared_hidden_dim, min_value=1, none_ok=True)
-        require(self.shared_hidden_dim is None or self.num_shared_experts > 0, "moe.shared_hidden_dim",
-                self.shared_hidden_dim, "acts only with moe.num_shared_experts > 0 (it is 0): leave it null")
+        require_active(self.shared_hidden_dim is None or self.num_shared_experts > 0, "moe.shared_hidden_dim",
+                       self.shared_hidden_dim, "acts only with moe.num_shared_experts > 0 (it is 0): leave it null")
         require_bool("moe.shared_expert_gate", self.shared_expert_gate)
         require(not self.shared_expert_gate or self.num_shared_experts > 0, "moe.shared_expert_gate",
                 self.shared_expert_gate, "needs moe.num_shared_experts > 0 (it gates their output)")
@@ -360,9 +368,9 @@ class MoEConfig:
                 self.num_expert_groups, 'must be 1 with moe.router "expert_choice" (two-level routing is '
                 'token choice)')
         require_choice("moe.group_score", self.group_score, ("top2_sum", "max"))
-        require(self.group_score == "top2_sum" or self.num_expert_groups > 1, "moe.group_score",
-                self.group_score, 'acts only with moe.num_expert_groups > 1 (two-level routing); leave it '
-                '"top2_sum" otherwise')
+        require_active(self.group_score == "top2_sum" or self.num_expert_groups > 1, "moe.group_score",
+                       self.group_score, 'acts only with moe.num_expert_groups > 1 (two-level routing); leave it '
+                       '"top2_sum" otherwise')
         require_int("moe.top_groups", self.top_groups, min_value=1)
         require(self.top_groups <= self.num_expert_groups, "moe.top_groups", self.top_groups,
                 f"must be <= moe.num_expert_groups ({self.num_expert_groups})")
@@ -390,8 +398,8 @@ class MoEConfig:
                 "moe.dynamic_capacity_shift", shift, "must be a finite number")
         for name in ("dynamic_capacity_base", "dynamic_capacity_scale", "dynamic_capacity_shift"):
             value, default = getattr(self, name), getattr(MoEConfig, name)
-            require(self.dynamic_capacity or value == default, f"moe.{name}", value,
-                    f"acts only with moe.dynamic_capacity true (it is false): leave it at {default}")
+            require_active(self.dynamic_capacity or value == default, f"moe.{name}", value,
+                           f"acts only with moe.dynamic_capacity true (it is false): leave it at {default}")
         require_int("moe.balance_interval", self.balance_interval, min_value=1)
         require(isinstance(self.expert_lr_scale_max, (int, float)) and not isinstance(self.expert_lr_scale_max, bool)
                 and math.isfinite(self.expert_lr_scale_max) and self.expert_lr_scale_max >= 1,
@@ -419,33 +427,3 @@ class MoEConfig:
         if self.shared_hidden_dim is not None:
             return self.shared_hidden_dim
         return self.num_shared_experts * self.expert_hidden_dim
-
-
-def parse_force_skew(text: str, *, num_experts: int) -> tuple[str, tuple]:
-    """``moe.force_skew`` as ``(kind, params)``; ValueError naming the field and the rule."""
-    rule = 'must be "none", "zipf:S", "hot:K:FRACTION", "drift:S:PERIOD" or "trace:PATH"'
-    require(isinstance(text, str), "moe.force_skew", text, rule)
-    kind, _, rest = text.partition(":")
-    if text == "none":
-        return "none", ()
-    if kind == "trace":
-        require(rest != "", "moe.force_skew", text, "trace:PATH needs a path")
-        return kind, (rest,)
-    parts = rest.split(":")
-    try:
-        if kind == "zipf" and len(parts) == 1:
-            params: tuple = (float(parts[0]),)
-            ok = math.isfinite(params[0]) and params[0] > 0
-        elif kind == "hot" and len(parts) == 2:
-            params = (int(parts[0]), float(parts[1]))
-            ok = 1 <= params[0] < num_experts and 0 < params[1] < 1
-        elif kind == "drift" and len(parts) == 2:
-            params = (float(parts[0]), int(parts[1]))
-            ok = math.isfinite(params[0]) and params[0] > 0 and params[1] >= 1
-        else:
-            ok = False
-    except ValueError:
-        ok = False
-    require(ok, "moe.force_skew", text, rule + f" with S > 0, 1 <= K < num_experts ({num_experts}), "
-            "0 < FRACTION < 1, PERIOD >= 1")
-    return kind, params

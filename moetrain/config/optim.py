@@ -6,7 +6,13 @@ import warnings
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_int
-from moetrain.config.base import require, require_choice, require_non_negative, require_positive
+from moetrain.config.base import (
+    require,
+    require_active,
+    require_choice,
+    require_non_negative,
+    require_positive,
+)
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -96,8 +102,8 @@ class OptimConfig:
         require_positive("optim.eps", self.eps)
         require_int("optim.warmup_steps", self.warmup_steps)
         require_choice("optim.schedule", self.schedule, ("cosine", "constant"))
-        require(self.min_lr is None or self.schedule == "cosine", "optim.min_lr", self.min_lr,
-                f'acts only with optim.schedule "cosine" (it is {self.schedule!r}): leave it null')
+        require_active(self.min_lr is None or self.schedule == "cosine", "optim.min_lr", self.min_lr,
+                       f'acts only with optim.schedule "cosine" (it is {self.schedule!r}): leave it null')
         require_non_negative("optim.grad_clip", self.grad_clip)
         m = self.muon_momentum
         require(isinstance(m, (int, float)) and not isinstance(m, bool) and 0 <= m < 1, "optim.muon_momentum", m,

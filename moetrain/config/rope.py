@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 from moetrain.config._checks import require_bool, require_int
-from moetrain.config.base import require, require_choice
+from moetrain.config.base import require, require_active, require_choice
 
 ROPE_TYPES = ("linear", "llama3", "yarn", "dynamic")
 """Rope scaling types moetrain implements (transformers' ``rope_type`` names)."""
@@ -94,9 +94,9 @@ class RopeScaling:
         for name, types in _ONLY.items():
             value = getattr(self, name)
             if self.rope_type not in types:
-                require(value is None, f"model.rope_scaling.{name}", value,
-                        f"acts only with rope_type {' or '.join(map(repr, types))} (rope_type is "
-                        f"{self.rope_type!r}): leave it None")
+                require_active(value is None, f"model.rope_scaling.{name}", value,
+                               f"acts only with rope_type {' or '.join(map(repr, types))} (rope_type is "
+                               f"{self.rope_type!r}): leave it None")
             elif name in _REQUIRED.get(self.rope_type, ()):
                 require(value is not None, f"model.rope_scaling.{name}", value,
                         f"is required with rope_type {self.rope_type!r}")
@@ -117,12 +117,12 @@ class RopeScaling:
             assert self.low_freq_factor is not None and self.high_freq_factor is not None
             require(self.high_freq_factor > self.low_freq_factor, "model.rope_scaling.high_freq_factor",
                     self.high_freq_factor, f"must be > model.rope_scaling.low_freq_factor ({self.low_freq_factor})")
-        require(self.mscale is None or (self.mscale_all_dim is not None and self.attention_factor is None),
-                "model.rope_scaling.mscale", self.mscale,
-                "acts only with mscale_all_dim set and attention_factor None: leave it None")
+        require_active(self.mscale is None or (self.mscale_all_dim is not None and self.attention_factor is None),
+                       "model.rope_scaling.mscale", self.mscale,
+                       "acts only with mscale_all_dim set and attention_factor None: leave it None")
         require_bool("model.rope_scaling.truncate", self.truncate)
-        require(self.truncate or self.rope_type == "yarn", "model.rope_scaling.truncate", self.truncate,
-                f"acts only with rope_type 'yarn' (rope_type is {self.rope_type!r}): leave it true")
+        require_active(self.truncate or self.rope_type == "yarn", "model.rope_scaling.truncate", self.truncate,
+                       f"acts only with rope_type 'yarn' (rope_type is {self.rope_type!r}): leave it true")
 
     @property
     def cos_sin_scale(self) -> float:

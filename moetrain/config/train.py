@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_bool, require_int
-from moetrain.config.base import require, require_choice
+from moetrain.config.base import require, require_active, require_choice
 
 
 @dataclass
@@ -103,9 +103,9 @@ class TrainConfig:
                        ("none", "full", "moe", "every_n"))
         require_int("train.activation_checkpointing_every", self.activation_checkpointing_every, min_value=1)
         every, default = self.activation_checkpointing_every, TrainConfig.activation_checkpointing_every
-        require(every == default or self.activation_checkpointing == "every_n",
-                "train.activation_checkpointing_every", every, f'acts only with train.activation_checkpointing '
-                f'"every_n" (it is {self.activation_checkpointing!r}): leave it at {default}')
+        require_active(every == default or self.activation_checkpointing == "every_n",
+                       "train.activation_checkpointing_every", every, f'acts only with train.activation_checkpointing '
+                       f'"every_n" (it is {self.activation_checkpointing!r}): leave it at {default}')
         require_bool("train.compile", self.compile)
         require_int("train.max_consecutive_skips", self.max_consecutive_skips, note=" (0 = never stop)")
         timeout = self.collective_timeout_s

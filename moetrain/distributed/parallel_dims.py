@@ -103,9 +103,10 @@ class ParallelDims:
                 raise ValueError(f"parallel.tp ({self.tp}) * parallel.pp ({self.pp}) must divide the world size "
                                  f"({self.world_size})")
             self.dp = self.world_size // (self.tp * self.pp)
-        launched = self.ranks_per_node is None and launcher_ranks_per_node(self.world_size) is not None
+        from_launcher = launcher_ranks_per_node(self.world_size) if self.ranks_per_node is None else None
+        launched = from_launcher is not None
         if self.ranks_per_node is None and isinstance(self.world_size, int):
-            self.ranks_per_node = launcher_ranks_per_node(self.world_size) or self.world_size
+            self.ranks_per_node = from_launcher or self.world_size
         # Every violated rule is reported at once, so a bad layout needs one restart to fix.
         errors = [f"{name} ({value!r}) must be an integer >= 1"
                   for name, value in (("world size", self.world_size), ("parallel.ep", self.ep),

@@ -10,7 +10,8 @@ from moetrain.plan.model_states import (
            rank_state_bytes,
            state_bytes_per_rank,
 )
-from moetrain.plan.planner import Choice, Plan, PlanRow, format_plan, make_plan
+from moetrain.plan.plan_table import format_plan
+from moetrain.plan.planner import Choice, Plan, PlanRow, make_plan
 
 __all__ = ["ActivationEstimate", "Choice", "CommVolume", "Layout", "ParamSpec", "Plan", "PlanRow", "StateBytes",
            "comm_per_step", "estimate_activations", "format_plan", "make_plan", "param_specs",

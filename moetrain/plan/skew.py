@@ -42,8 +42,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
+from moetrain.config.force_skew import parse_force_skew
 from moetrain.config.job import JobConfig
-from moetrain.config.moe import parse_force_skew
 from moetrain.models.moe.dispatcher import expert_capacity
 from moetrain.models.moe.skew import skew_seed, skew_weights, skewed_assignment
 from moetrain.plan.activations import estimate_activations

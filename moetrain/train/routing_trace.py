@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moetrain.config.moe import parse_force_skew
+from moetrain.config.force_skew import parse_force_skew
 from moetrain.distributed.data_parallel.ddp import unwrap
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.moe.skew import skew_seed, skew_weights, skewed_assignment

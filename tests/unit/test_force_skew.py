@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moetrain.config.moe import MoEConfig, parse_force_skew
+from moetrain.config.force_skew import parse_force_skew
+from moetrain.config.moe import MoEConfig
 from moetrain.models.moe.skew import skew_seed, skew_weights, skewed_assignment
 from moetrain.train.metrics import run_tags
 

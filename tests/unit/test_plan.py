@@ -19,7 +19,8 @@ from moetrain.config.moe import MoEConfig
 from moetrain.config.presets import get_preset
 from moetrain.models.transformer import Transformer, count_params
 from moetrain.plan import Layout, comm_per_step, make_plan, param_specs, rank_state_bytes
-from moetrain.plan.planner import Choice, format_plan
+from moetrain.plan.plan_table import format_plan
+from moetrain.plan.planner import Choice
 
 CONFIGS = Path(__file__).resolve().parents[2] / "moetrain" / "configs"
 

@@ -11,7 +11,8 @@ from moetrain.config.moe import MoEConfig
 from moetrain.plan.comm import comm_per_step, etp_bytes_per_micro_batch
 from moetrain.plan.expert_tensor_parallel import etp_advice, etp_choices
 from moetrain.plan.model_states import Layout, param_specs
-from moetrain.plan.planner import format_plan, make_plan, resolve_vocab
+from moetrain.plan.plan_table import format_plan
+from moetrain.plan.planner import make_plan, resolve_vocab
 from moetrain.plan.step_time import H200, estimate_for_config
 
 # 2 blocks, both MoE, D 32; 4 experts of hidden 64 (gelu: w1 [4, 32, 64], w2 [4, 64, 32]), top-2.

@@ -4,7 +4,8 @@ parameters and activations, and advises a pipeline when nothing else fits."""
 from __future__ import annotations
 
 from moetrain.config.loader import load_config
-from moetrain.plan.planner import format_plan, make_plan
+from moetrain.plan.plan_table import format_plan
+from moetrain.plan.planner import make_plan
 
 OVERRIDES = ["model.dim=64", "model.num_layers=4", "model.num_heads=4", "moe.num_experts=4", "moe.expert_hidden_dim=64",
              "data.seq_len=32", "model.max_seq_len=32", "train.global_batch_size=16",

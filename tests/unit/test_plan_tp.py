@@ -5,7 +5,8 @@ from moetrain.config.loader import load_config
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.plan.model_states import param_specs
-from moetrain.plan.planner import format_plan, make_plan
+from moetrain.plan.plan_table import format_plan
+from moetrain.plan.planner import make_plan
 from moetrain.plan.tensor_parallel import is_tp_split, tp_advice, tp_bytes_per_micro_batch, tp_choices
 
 # Dense, 2 blocks, D 64, 4 heads, FFN 256 (gelu), V 256, untied head.

@@ -7,7 +7,8 @@ import pytest
 
 from moetrain.config.loader import load_config
 from moetrain.distributed.parallel_dims import ParallelDims
-from moetrain.plan.planner import format_plan, make_plan
+from moetrain.plan.plan_table import format_plan
+from moetrain.plan.planner import make_plan
 
 WORLD, NODES = 4, 2
 BATCH = ["--train.global_batch_size=16", "--train.micro_batch_size=4"]

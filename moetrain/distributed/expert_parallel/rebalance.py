@@ -128,7 +128,8 @@ class Rebalancer:
         # only where a re-plan moves a replica.
         self.frozen = not any(t.requires_grad for _, d in self.layers for t in d.bank.values())
         self.step_bytes = 0
-        self._load_at_step_start = [d.load_E.clone() for _, d in self.layers]
+        # References, not copies: a forward replaces load_E (load + counts) and never updates it in place.
+        self._load_at_step_start = [d.load_E for _, d in self.layers]
         self._replan_due = False
         self._pending: list[_StepRecord] = []
         self._landing: Callable[[], None] | None = None
@@ -271,7 +272,7 @@ class Rebalancer:
         replan, self._replan_due = due and taken, due and not taken
         if not taken:
             for (_, d), load_E in zip(self.layers, self._load_at_step_start, strict=True):
-                d.load_E = load_E.clone()
+                d.load_E = load_E
         if replan:
             self._replan()
         if replan or not self.frozen:
@@ -280,7 +281,7 @@ class Rebalancer:
                                          time.perf_counter() - start))
         for _, d in self.layers:
             d.recv_copies = 0
-        self._load_at_step_start = [d.load_E.clone() for _, d in self.layers]
+        self._load_at_step_start = [d.load_E for _, d in self.layers]
         self.step_bytes = 0
         if replan:
             self.flush()

@@ -135,6 +135,7 @@ class ReplicatedDispatcher(AllToAllDispatcher):
         # backward, which would count a forward twice.
         training = torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
         if training:
+            # A new tensor, not an in-place add: the rebalancer keeps the step's starting one (a skipped step).
             self.load_E = self.load_E.to(num_routed_E.device) + (num_routed_E if num_kept_E is None else num_kept_E)
         slot_TK, num_kept_S = self.to_slots(idx_TK, weights_TK, num_routed_E=num_routed_E, num_kept_E=num_kept_E,
                                             drop_policy=drop_policy)
