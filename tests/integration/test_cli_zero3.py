@@ -2,8 +2,8 @@
 parallel.ep=2 x parallel.zero_stage=3 (dense weights FSDP-sharded over the 2 data-parallel ranks,
 experts split over ep), trained once for both tests:
 
-- resumed from the checkpoint of its step 3, a run continues with exactly the losses of the run
-  that saved it;
+- resumed from the checkpoint of its step 3 (the trainer on forked gloo ranks, what each rank of
+  the command runs), a run continues with exactly the losses of the run that saved it;
 - its export gathers every expert: ``moetrain convert RUN --to-hf`` equals, bit for bit, the export
   of the same weights at world 1, where the checkpoint is first consolidated by the training
   code's own loader into a plain single-process model (``load_model_weights`` +
@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,9 +61,9 @@ def test_zero3_ep2_resume_through_the_cli_is_exact(tmp_path, ref):
 
     run = tmp_path / "run"
     shutil.copytree(saved, run / "checkpoints" / saved.name)
-    resumed = _train(run, steps=6)  # checkpoint.resume=auto: continues from step 3
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout + resumed.stderr
+    # checkpoint.resume=auto: continues from step 3
+    resumed_from = run_ranks(_resume, 2, job_overrides(run, steps=6, ep=2, extra=ZERO3_EP2), timeout_s=300)
+    assert resumed_from == [run / "checkpoints" / saved.name] * 2
     # FSDP's reduce-scatter over gloo sums in a fixed order and the resumed run starts from the
     # same bits (weights, Adam moments, data position, RNG), so the losses match exactly.
     assert read_losses(run) == want[3:]
@@ -101,3 +102,15 @@ def test_export_of_an_ep2_zero3_run_equals_the_world1_export(tmp_path, ref):
     init = Transformer(model.config, moe=model.moe_config, seed=state["config"]["train"]["seed"]).state_dict()
     name = "layers.1.feed_forward.experts.w2"
     assert not torch.equal(init[name], model.state_dict()[name])
+
+
+def _resume(rank: int, world_size: int, overrides: list[str]) -> Path | None:
+    from moetrain.config.loader import load_config
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return None if trainer.resumed_from is None else Path(trainer.resumed_from)
