@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from moetrain.data.documents import valid_text
 
@@ -148,11 +149,60 @@ def _open_jsonl(inp: Input):
     if inp.kind == "jsonl.gz":
         return gzip.open(inp.path, "rb")
     if inp.kind == "jsonl.zst":
+        # A buffer in front of the frame reader gives line iteration.
+        return io.BufferedReader(_ZstdFrames(inp.path), buffer_size=1 << 20)
+    return open(inp.path, "rb")
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of every frame of a .zst file, each frame by its own decompressobj.
+
+    zstandard's stream reader returns end-of-file where a truncated file is cut, so a cut .zst read
+    as a shorter file; here the end of the input inside a frame raises EOFError, as gzip does.
+    """
+
+    def __init__(self, path: Path, chunk: int = 1 << 16):
         import zstandard
 
-        # The stream reader has no readline; a buffer in front of it gives line iteration.
-        return io.BufferedReader(zstandard.open(inp.path, "rb"), buffer_size=1 << 20)
-    return open(inp.path, "rb")
+        self._zstd = zstandard
+        self._file = open(path, "rb")  # noqa: SIM115 (closed by close)
+        self._chunk = chunk  # compressed bytes per step: bounds the output of one decompress call
+        self._frame: Any = None  # the decompressobj of the frame being read; None between frames
+        self._unused = b""  # input after the end of the last frame: the start of the next
+        self._out = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        while not self._out:
+            if not self._step():
+                return 0
+        n = min(len(buf), len(self._out))
+        buf[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+    def _step(self) -> bool:
+        """Decompress the next piece of input into ``self._out``; False at the end of the last frame."""
+        data, self._unused = self._unused or self._file.read(self._chunk), b""
+        if not data:
+            if self._frame is not None:
+                raise EOFError("the file ends inside a zstd frame (truncated)")
+            return False
+        frame = self._frame or self._zstd.ZstdDecompressor().decompressobj()
+        try:
+            self._out = memoryview(frame.decompress(data))
+        except self._zstd.ZstdError as e:  # not an OSError or ValueError: named here for the caller
+            raise OSError(str(e)) from None
+        self._frame = None if frame.eof else frame
+        if frame.eof:
+            self._unused = frame.unused_data
+        return True
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
 
 
 def _jsonl_records(inp: Input, start_record: int) -> Iterator[tuple[bytes, str]]:
@@ -168,7 +218,7 @@ def _jsonl_records(inp: Input, start_record: int) -> Iterator[tuple[bytes, str]]
                 if record >= start_record:
                     yield line.rstrip(b"\r\n"), f"{inp.path}:{line_no}"
                 record += 1
-    except (OSError, EOFError, ValueError) as e:  # gzip.BadGzipFile is an OSError, zstd errors ValueErrors
+    except (OSError, EOFError, ValueError) as e:  # gzip.BadGzipFile is an OSError; zstd errors become OSErrors
         raise BadInputError(f"{inp.path}: cannot be read after line {line_no} ({type(e).__name__}: {e})") from None
 
 
