@@ -341,7 +341,11 @@ def _load_progress(out: Path, identity: dict) -> Progress:
         if any(out.glob("shard-*.bin")):
             raise ValueError(f"--out ({str(out)!r}) holds shards but no progress.json or manifest.json; "
                              "use another --out or delete it")
-        return Progress(identity)
+        # Written before any shard: a folder killed after its first shard is then still known as
+        # unfinished (refused as training data, resumed by a rerun), never taken for a corpus.
+        progress = Progress(identity)
+        progress.save(out)
+        return progress
     state = json.loads(path.read_text(encoding="utf-8"))
     _check_identity(out, state.get("identity"), identity, "progress.json")
     return Progress(**state)

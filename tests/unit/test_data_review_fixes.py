@@ -50,3 +50,45 @@ def test_a_corrupt_zst_is_named(tmp_path):
     path.write_bytes(b"not a zstd frame at all")
     with pytest.raises(BadInputError, match=r"bad\.jsonl\.zst: cannot be read after line 0"):
         list(_jsonl_records(Input(path, "jsonl.zst"), 0))
+
+
+def test_a_prepare_killed_once_its_first_shard_is_published_is_unfinished_and_resumes(tmp_path):
+    """SIGKILL-like death (os._exit in a forked child) at the first progress save that finds a
+    published shard: before the fix no progress.json existed yet, so training took the one shard
+    for the whole corpus and a rerun refused the folder."""
+    import os
+
+    from moetrain.config.data import DataConfig
+    from moetrain.data import prepare_corpus as pc
+    from moetrain.data.prepare import prepare_data
+
+    inp = tmp_path / "b.jsonl"
+    inp.write_bytes(b"".join(_lines(50)))
+    out, reference = tmp_path / "killed", tmp_path / "reference"
+
+    def options(where):
+        return pc.PrepareOptions(out_dir=where, tokenizer="bytes", num_workers=0, shard_docs=20)
+
+    real_save = pc.Progress.save
+    pid = os.fork()
+    if pid == 0:  # the child dies where a kill would: right after the first shard's rename
+        def save(self, where):
+            if any(where.glob("shard-*.bin")):
+                os._exit(9)
+            real_save(self, where)
+        pc.Progress.save = save  # type: ignore[method-assign]
+        try:
+            pc.prepare_corpus([inp], options(out), log=lambda m: None)
+        finally:
+            os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 9
+    assert sorted(p.name for p in out.glob("shard-*.bin")) == ["shard-00000-00000.bin"]
+    with pytest.raises(ValueError, match="unfinished `moetrain data prepare` output"):
+        prepare_data(DataConfig(corpus="path", path=str(out), seq_len=8))
+    pc.prepare_corpus([inp], options(out), log=lambda m: None)
+    pc.prepare_corpus([inp], options(reference), log=lambda m: None)
+    names = sorted(p.name for p in reference.iterdir() if not p.name.startswith("."))
+    assert names == sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert "progress.json" not in names and len([n for n in names if n.endswith(".bin")]) == 3
+    for name in names:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
