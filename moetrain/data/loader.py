@@ -74,7 +74,8 @@ class TokenLoader:
         micro_steps: A, micro-batches per step (gradient accumulation); A * dp_size must divide G.
         dp_rank, dp_size: this rank and the data-parallel degree.
         seed: seeds the epoch permutations (ignored when ``shuffle`` is False).
-        shuffle: False visits windows in stream order (validation: the same batches every time).
+        shuffle: False visits windows in stream order (validation: the same batches every time);
+            such a loader needs one window, not one global batch, and with fewer only evaluates.
         name: "train" / "val", for messages.
     """
 
@@ -97,11 +98,17 @@ class TokenLoader:
         self.name = name
         self.num_windows = max(len(tokens) - 1, 0) // seq_len
         self.steps_per_epoch = self.num_windows // global_batch_size
+        self._step_error: str | None = None
         if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"the {name} split has {len(tokens)} tokens = {self.num_windows} windows of data.seq_len="
-                f"{seq_len}, fewer than one global batch of {global_batch_size}; use more data, a smaller "
-                f"batch or seq_len" + (", or a larger data.val_fraction" if name == "val" else ""))
+            # An unshuffled (validation) loader evaluates through eval_batches, which pads a partial
+            # batch: one window is enough, so a split that evaluates at dp 1 does at any dp.
+            short = f"the {name} split has {len(tokens)} tokens = {self.num_windows} windows of data.seq_len={seq_len}"
+            batch = f"fewer than one global batch of {global_batch_size}"
+            advice = "; use more data, a smaller batch or seq_len" + (", or a larger data.val_fraction"
+                                                                      if name == "val" else "")
+            if shuffle or self.num_windows == 0:
+                raise ValueError(f"{short}, {batch if shuffle else 'not one window'}{advice}")
+            self._step_error = f"{short}, {batch}"
         self._epoch = 0
         self._step = 0
         self._micro = 0
@@ -143,6 +150,8 @@ class TokenLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch (input_ids [B, S], labels [B, S]); rolls over into the next
         step after ``micro_steps`` of them, and into the next epoch after its last step."""
+        if self._step_error is not None:
+            raise ValueError(f"{self._step_error} (this loader only evaluates: eval_batches)")
         batch = self._batch(self._epoch, self._step, self._micro)
         self._micro += 1
         if self._micro < self.micro_steps:

@@ -50,7 +50,8 @@ class MixtureLoader:
         weights: per source, its share of the samples (> 0; normalised by their sum).
         names: per source, a name for messages and the state (the configured path).
         seq_len, global_batch_size, micro_steps, dp_rank, dp_size, seed: as for TokenLoader.
-        shuffle: False visits each source's windows in stream order (validation).
+        shuffle: False visits each source's windows in stream order (validation); such a loader
+            needs one window per source, and only evaluates where steps would repeat a window.
         name: "train" / "val", for messages.
     """
 
@@ -87,13 +88,11 @@ class MixtureLoader:
                                  f"{seq_len + 1} tokens in any file; use more data or a smaller seq_len"
                                  + (", or a larger data.val_fraction" if name == "val" else ""))
         self.steps_per_epoch = self._steps_before_a_source_repeats()
-        if self.steps_per_epoch == 0:
-            counts = ", ".join(f"{n!r}: {w} windows" for n, w in zip(self.names, self.num_windows, strict=True))
-            raise ValueError(
-                f"the {name} part of a data source is smaller than its share of one global batch of "
-                f"{global_batch_size} sequences ({counts}; shares {self._shares()}); use more data, "
-                "a smaller batch or seq_len, other weights" + (", or a larger data.val_fraction"
-                                                               if name == "val" else ""))
+        self._step_error = self._step_problem()
+        if self._step_error is not None and shuffle:
+            raise ValueError(self._step_error + "; use more data, a smaller batch or seq_len, other weights")
+        # An unshuffled (validation) loader evaluates through eval_batches, which pads a partial batch:
+        # a window per source is enough, so sources that evaluate at dp 1 do at any dp.
         self._consumed = np.zeros(len(self.files), dtype=np.int64)
         self._micro = 0
         self._plan: tuple[np.ndarray, np.ndarray] | None = None
@@ -109,6 +108,14 @@ class MixtureLoader:
     def step(self) -> int:
         """Optimizer steps taken."""
         return int(self._consumed.sum()) // self.global_batch_size
+
+    def _step_problem(self) -> str | None:
+        """Why this loader cannot take steps (only evaluate), or None."""
+        if self.steps_per_epoch == 0:
+            counts = ", ".join(f"{n!r}: {w} windows" for n, w in zip(self.names, self.num_windows, strict=True))
+            return (f"the {self.name} part of a data source is smaller than its share of one global batch of "
+                    f"{self.global_batch_size} sequences ({counts}; shares {self._shares()})")
+        return None
 
     def _shares(self) -> str:
         return ", ".join(f"{w:.3g}" for w in self.weights / self.weights.sum())
@@ -210,6 +217,8 @@ class MixtureLoader:
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's next micro-batch (input_ids [B, S], labels [B, S]); the position moves to the
         next step after ``micro_steps`` of them."""
+        if self._step_error is not None:
+            raise ValueError(f"{self._step_error} (this loader only evaluates: eval_batches)")
         if self._plan is None:
             self._plan = self._next_samples(self._consumed)
         batch = self._batch(self._plan, self._micro)

@@ -92,3 +92,55 @@ def test_a_prepare_killed_once_its_first_shard_is_published_is_unfinished_and_re
     assert "progress.json" not in names and len([n for n in names if n.endswith(".bin")]) == 3
     for name in names:
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
+def _reference_mixing_order(num_windows, weights):
+    """(source, window) of the mixing order up to the first repeat, by exact keys (k + 1/2) / w_s,
+    ties to the lower source: the rule of moetrain.data.mixture, computed without it."""
+    from fractions import Fraction
+
+    keyed = sorted(((Fraction(2 * k + 1, 2) / Fraction(w), s, k) for s, (num, w) in
+                    enumerate(zip(num_windows, weights, strict=True)) for k in range(num + 1)))
+    out = []
+    for _, s, k in keyed:
+        if k == num_windows[s]:
+            return out
+        out.append((s, k))
+    return out
+
+
+@pytest.mark.parametrize("micro_batch_size", [1, 2, 3])
+def test_validation_loaders_evaluate_the_same_windows_at_every_dp_size(micro_batch_size):
+    """build_loaders makes the validation batch micro_batch_size * dp: a split of fewer windows than
+    that was refused at dp 4 though eval_batches pads a partial batch and evaluates it at dp 1."""
+    import numpy as np
+
+    from moetrain.data.loader import TokenLoader
+    from moetrain.data.mixture import MixtureLoader
+
+    seq = 16
+    stream = np.arange(6 * seq + 1, dtype=np.uint32)  # 6 windows; window w starts with token w * seq
+    sources = [[np.arange(20 * seq + 1, dtype=np.uint32)], [np.arange(3 * seq + 1, dtype=np.uint32) + 100_000]]
+    expected_mix = _reference_mixing_order([20, 3], [1.0, 1.0])
+    for dp in (1, 2, 4):
+        g = micro_batch_size * dp
+        token_loaders = [TokenLoader(stream, seq_len=seq, global_batch_size=g, dp_rank=r, dp_size=dp,
+                                     shuffle=False, name="val") for r in range(dp)]
+        mix_loaders = [MixtureLoader(sources, [1.0, 1.0], names=["a", "b"], seq_len=seq, global_batch_size=g,
+                                     dp_rank=r, dp_size=dp, shuffle=False, name="val") for r in range(dp)]
+        for loaders, expected in ((token_loaders, [(0, w) for w in range(6)]), (mix_loaders, expected_mix)):
+            seen = []
+            for step in zip(*(list(loader.eval_batches()) for loader in loaders), strict=True):
+                for x, _, valid in step:  # ranks in order: the global batch's rows in order
+                    seen += [(int(t) // 100_000, int(t) % 100_000 // seq) for t in x[valid][:, 0]]
+            assert seen == expected, (dp, micro_batch_size)
+        if g > len(expected_mix):  # the first step would reach a repeat: these loaders only evaluate
+            with pytest.raises(ValueError, match="only evaluates"):
+                mix_loaders[0].next_batch()
+        if g > 6:
+            with pytest.raises(ValueError, match="only evaluates"):
+                token_loaders[0].next_batch()
+    with pytest.raises(ValueError, match="not one window"):
+        TokenLoader(stream[:seq], seq_len=seq, global_batch_size=4, shuffle=False, name="val")
+    with pytest.raises(ValueError, match="fewer than one global batch of 8"):
+        TokenLoader(stream, seq_len=seq, global_batch_size=8)

@@ -225,7 +225,10 @@ def test_a_source_too_small_for_its_share_is_named():
     with pytest.raises(ValueError, match="data source 'src1' has 3 tokens in 1 file"):
         make(((41,), (3,)))
     with pytest.raises(ValueError, match=r"smaller than its share of one global batch of 8 .*'src1': 1 windows"):
-        make(((41,), (5,)), global_batch_size=8, name="val", shuffle=False)
+        make(((41,), (5,)), global_batch_size=8)
+    val = make(((41,), (5,)), global_batch_size=8, name="val", shuffle=False)  # evaluates: a window is enough
+    with pytest.raises(ValueError, match=r"smaller than its share .* only evaluates: eval_batches"):
+        val.next_batch()
 
 
 # --- preparing sources ----------------------------------------------------------------------------
