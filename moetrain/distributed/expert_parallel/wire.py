@@ -49,13 +49,17 @@ def wire_row_bytes(dim: int, wire: str) -> int:
 
 def quantize_e4m3(x_MD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_MD float8_e4m3fn, scale_MB fp32)`` with ``x ~= q * scale`` blockwise. An all-zero
-    block gets scale 1 (its elements are exactly 0 either way)."""
+    block gets scale 1 (its elements are exactly 0 either way), and so does a block whose
+    ``amax / 448`` underflows to 0 (amax below 224 fp32 subnormal steps, ~3e-43, or any subnormal
+    scale where denormals are flushed): a zero scale would make ``0 / 0`` NaN, and elements that
+    small round to 0 at scale 1."""
     M, D = x_MD.shape
     B = num_scale_blocks(D)
     C = min(D, SCALE_BLOCK)
     x_MBC = torch.nn.functional.pad(x_MD.float(), (0, B * C - D)).view(M, B, C)  # zero padding: amax unchanged
     amax_MB = x_MBC.abs().amax(dim=2)
-    scale_MB = torch.where(amax_MB > 0, amax_MB / E4M3_MAX, torch.ones_like(amax_MB))
+    scale_MB = amax_MB / E4M3_MAX
+    scale_MB = torch.where(scale_MB > 0, scale_MB, torch.ones_like(scale_MB))  # not amax > 0: it may underflow
     # The clamp keeps amax / (amax / 448), which fp32 may round a hair above 448, finite on
     # back ends whose cast does not saturate.
     q_MBC = (x_MBC / scale_MB.unsqueeze(2)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
