@@ -419,6 +419,9 @@ class Trainer:
                 metrics.update(self.evaluate())
             if test:
                 metrics.update(self.evaluate("test"))
+            if evaluate or test:  # evaluation's exchanges are no window's: the next counts its training alone
+                collect_comm_stats(self.model)
+                collect_comm_times(self.model, self.parallel_model, self.optimizer)
         self.metrics.log(self.step, metrics)
         return metrics
 

@@ -153,3 +153,24 @@ def test_timed_expert_tensor_parallel_gathers(tmp_path, shakespeare_cached):
             assert record[f"comm_calls/{kind}"] == calls, (kind, record)
             assert record[f"comm_time/{kind}"] > 0
         assert not any(k.startswith("comm_calls/dispatch") for k in record)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_evaluation_exchanges_stay_out_of_the_next_window(tmp_path, shakespeare_cached):
+    # The same 4 steps (ep = 2, windows of 2 steps, timed), once with a validation pass after each
+    # window: its forwards go through the same dispatchers, and must not reach the second window's
+    # byte counters or call counts.
+    base = ("--log.every=2", "--train.deterministic=true", "--log.comm_timing=true", "--train.eval_steps=2")
+    runs = {every: run_ranks(_run, 2, job_overrides(tmp_path / f"eval{every}", steps=4, ep=2,
+                                                    extra=(*base, f"--train.eval_every={every}")),
+                             timeout_s=150)[0]["records"]
+            for every in (0, 2)}
+    assert [("val_loss" in r) for r in runs[2]] == [True, True]  # the evaluation ran
+    assert [r["loss"] for r in runs[2]] == [r["loss"] for r in runs[0]]
+    for plain, evaluated in zip(runs[0], runs[2], strict=True):
+        counters = {k for k in plain if k.startswith(("a2a_", "comm_calls/"))}
+        assert "a2a_bytes" in counters and "comm_calls/dispatch" in counters
+        assert {k for k in evaluated if k.startswith(("a2a_", "comm_calls/", "comm_time/"))} == \
+            {k for k in plain if k.startswith(("a2a_", "comm_calls/", "comm_time/"))}
+        assert {k: evaluated[k] for k in counters} == {k: plain[k] for k in counters}
