@@ -11,10 +11,12 @@ other sources do.
 Epochs. A source's epoch is whole steps, as TokenLoader's: the step whose share of source s would
 run past the end of the permutation starts the next epoch instead, and the windows the old epoch
 had left are dropped (fewer than that step's share: W mod G for a single source, as TokenLoader),
-so no step holds a window twice. The k-th window the source gives (k counts every step's share)
-is at position k - B_e of epoch e, where B_0 = 0 and B_{e+1} is the source's count at the start of
-the step that draws its window number B_e + W_s. Like the mixing, this depends only on the
-weights, G and the W_s: not on the number of ranks or micro-batches, nor on where a run resumed.
+so no step holds a window twice: the constructor refuses sizes and weights with which a step could
+draw more than W_s windows of source s (its mean share per step, w_s / sum(w) * G, near W_s or
+above). The k-th window the source gives (k counts every step's share) is at position k - B_e of
+epoch e, where B_0 = 0 and B_{e+1} is the source's count at the start of the step that draws its
+window number B_e + W_s. Like the mixing, this depends only on the weights, G and the W_s: not on
+the number of ranks or micro-batches, nor on where a run resumed.
 
 Mixing. The k-th window source s contributes (k = 0, 1, ...) gets the key (k + 1/2) / w_s, and the
 samples of the run take the keys of all sources in increasing order, ties to the lower source
@@ -34,7 +36,9 @@ resumes at another data-parallel size with the same global batches.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Iterator, Sequence
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -115,7 +119,52 @@ class MixtureLoader:
             counts = ", ".join(f"{n!r}: {w} windows" for n, w in zip(self.names, self.num_windows, strict=True))
             return (f"the {self.name} part of a data source is smaller than its share of one global batch of "
                     f"{self.global_batch_size} sequences ({counts}; shares {self._shares()})")
+        for s in range(len(self.files)):
+            if self._may_overflow(s):
+                drawn = self._most_drawn_in_a_step(s)
+                if drawn is not None and drawn <= self.num_windows[s]:
+                    continue
+                share = float(self.weights[s] / self.weights.sum())
+                draws = f"draws {drawn} windows" if drawn is not None else "may draw more than that"
+                return (f"the {self.name} part of data source {self.names[s]!r} has {self.num_windows[s]} windows, "
+                        f"and a step of {self.global_batch_size} sequences {draws} from it (its share per step "
+                        f"is {share:.3g} * {self.global_batch_size} = {share * self.global_batch_size:.3g}): a "
+                        "window would repeat within the step")
         return None
+
+    def _may_overflow(self, s: int) -> bool:
+        """Whether ``global_batch_size`` consecutive samples can hold W_s + 1 windows of source s,
+        which no epoch boundary could keep apart (a bound: steps start at multiples of G). Those
+        windows' keys span m / w_s (m = W_s); a source t has at least floor(m * w_t / w_s) keys in
+        any half-open interval of that length, all between them in the sample order (exact ties
+        fall on one side; float keys keep exact ties, so a ratio just above a whole counts one less)."""
+        w = [Fraction(float(x)) for x in self.weights]
+        m = self.num_windows[s]
+        between = 0
+        for t in range(len(w)):
+            if t != s:
+                ratio = m * w[t] / w[s]
+                whole = math.floor(ratio)
+                between += whole - (1 if 0 < ratio - whole < Fraction(1, 10**9) else 0)
+        return m + 1 + between <= self.global_batch_size
+
+    def _most_drawn_in_a_step(self, s: int, max_samples: int = 1 << 16, max_steps: int = 1 << 10) -> int | None:
+        """The most windows of source s that one step draws, or None when that costs more than
+        ``max_samples`` samples or ``max_steps`` steps to find. Shifting every key by X, with
+        X * w_t whole for all t, maps the sample order onto itself Q = sum(X * w_t) samples later,
+        so the steps' draws repeat every lcm(Q, G) samples: weights of small ratio (3:1, 1.75:1:8)
+        have a short period, and this count is then exact where `_may_overflow` is a bound."""
+        w = [Fraction(float(x)) for x in self.weights]
+        shift = Fraction(math.lcm(*(f.denominator for f in w)), math.gcd(*(f.numerator for f in w)))
+        period = int(sum(shift * f for f in w))
+        samples = math.lcm(period, self.global_batch_size)
+        if samples > max_samples or samples // self.global_batch_size > max_steps:
+            return None
+        consumed, most = np.zeros(len(w), dtype=np.int64), 0
+        for _ in range(samples // self.global_batch_size):
+            drawn = np.bincount(self._next_samples(consumed)[0], minlength=len(w))
+            most, consumed = max(most, int(drawn[s])), consumed + drawn
+        return most
 
     def _shares(self) -> str:
         return ", ".join(f"{w:.3g}" for w in self.weights / self.weights.sum())
@@ -166,8 +215,8 @@ class MixtureLoader:
         while starts[-1] <= k:
             step = self._rank(source, starts[-1] + num) // self.global_batch_size
             start = self._count_before(source, step * self.global_batch_size)
-            # A step whose share alone exceeds W_s cannot avoid a repeat (the size check allows one
-            # only past the first step): it continues into the next permutation.
+            # A step whose share alone exceeds W_s cannot avoid a repeat: the constructor refuses
+            # such a mixture (_step_problem), and an unshuffled one only evaluates; kept as a guard.
             starts.append(start if start > starts[-1] else starts[-1] + num)
         epoch = bisect.bisect_right(starts, k) - 1
         return epoch, k - starts[epoch]

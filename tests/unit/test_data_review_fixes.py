@@ -144,3 +144,65 @@ def test_validation_loaders_evaluate_the_same_windows_at_every_dp_size(micro_bat
         TokenLoader(stream[:seq], seq_len=seq, global_batch_size=4, shuffle=False, name="val")
     with pytest.raises(ValueError, match="fewer than one global batch of 8"):
         TokenLoader(stream, seq_len=seq, global_batch_size=8)
+
+
+def _mixture(num_windows, weights, global_batch_size, seq=2, **kw):
+    """Source s's window k starts with token 1000 * s + k (so a batch row tells its window)."""
+    import numpy as np
+
+    from moetrain.data.mixture import MixtureLoader
+
+    files = [[np.concatenate([np.repeat(np.arange(num) + 1000 * s, seq), [0]])] for s, num in enumerate(num_windows)]
+    return MixtureLoader(files, weights, names=[f"src{s}" for s in range(len(weights))], seq_len=seq,
+                         global_batch_size=global_batch_size, **kw)
+
+
+def _reference_step_draws(num_windows, weights, global_batch_size, num_steps):
+    """Windows drawn from each source by each step, from the exact mixing order (no loader code)."""
+    from fractions import Fraction
+
+    need = global_batch_size * num_steps
+    keyed = sorted((Fraction(2 * k + 1, 2) / Fraction(w), s) for s, w in enumerate(weights)
+                   for k in range(int(need * Fraction(w) / sum(Fraction(x) for x in weights)) + 2))[:need]
+    return [[sum(1 for _, s in keyed[i:i + global_batch_size] if s == t) for t in range(len(weights))]
+            for i in range(0, need, global_batch_size)]
+
+
+def test_a_mixture_whose_step_would_repeat_a_window_is_refused_naming_the_source():
+    # Source src2's mean share of a step is 8 / 10.75 * 3 = 2.23 of its 2 windows: some steps draw 3.
+    draws = _reference_step_draws([11, 12, 2], [1.75, 1.0, 8.0], 3, 43)
+    assert max(d[2] for d in draws) == 3 and draws[0][2] == 2  # the first step alone passed the old check
+    with pytest.raises(ValueError, match=r"'src2' has 2 windows, and a step of 3 sequences draws 3 windows from "
+                                         r"it \(its share per step is 0.744 \* 3 = 2.23\)"):
+        _mixture([11, 12, 2], [1.75, 1.0, 8.0], 3)
+    # Equal weights, a share of exactly W per step: never more in one step, accepted.
+    assert max(d[0] for d in _reference_step_draws([2, 100], [1.0, 1.0], 4, 50)) == 2
+    _mixture([2, 100], [1.0, 1.0], 4)
+
+
+def test_accepted_mixtures_never_repeat_a_window_in_a_step_and_refusals_are_real():
+    """Random small mixtures: an accepted one gives distinct windows in every step over several
+    epochs of its smallest source (read back from the batches); a refused one with weights of
+    small ratio (where the check is exact) has a step that draws more windows than its source has."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    accepted = refused = 0
+    for trial in range(150):
+        n, g = int(rng.integers(1, 4)), int(rng.integers(1, 11))
+        num_windows = [int(rng.integers(1, 13)) for _ in range(n)]
+        weights = [float(rng.integers(1, 9)) / 2 for _ in range(n)]
+        try:
+            loader = _mixture(num_windows, weights, g, seed=trial)
+        except ValueError as e:
+            if "smaller than its share of one global batch" in str(e):
+                continue
+            refused += 1
+            draws = _reference_step_draws(num_windows, weights, g, 120)
+            assert any(d[t] > num_windows[t] for d in draws for t in range(n)), (num_windows, weights, g, str(e))
+            continue
+        accepted += 1
+        for _ in range(int(3 * max(num_windows) * sum(weights) / min(weights) / g) + 2):
+            first = loader.next_batch()[0][:, 0].tolist()
+            assert len(set(first)) == len(first), (num_windows, weights, g, first)
+    assert accepted > 50 and refused > 5, (accepted, refused)
