@@ -3,7 +3,8 @@
 Mapped: the three batch sizes (checked as DeepSpeed does), fp16/bf16, gradient_clipping,
 optimizer (Adam/AdamW params), scheduler (WarmupLR, WarmupCosineLR; a "log" warmup, DeepSpeed's
 default warmup_type, is warned about: the warmup here is linear), steps_per_print,
-zero_optimization (stage -> parallel.zero_stage; offload and bucket sizes -> the `zero` section)
+zero_optimization (stage -> parallel.zero_stage; offload and bucket sizes -> the `zero` section, a
+bucket size only in a layout that has that bucket, else it is an ignored key)
 and a top-level ``"moe": {"ep_size", "num_experts", "k", "capacity_factor", "drop_tokens"}``.
 Every other key is ignored with ONE warning naming them all: among them the ZeRO knobs FSDP2/DDP
 have no equivalent for (contiguous_gradients, the stage3_* prefetch/persistence/live/reuse
@@ -23,6 +24,7 @@ from typing import Any
 from moetrain.config.base import require
 from moetrain.config.convert import config_from_dict, config_to_dict
 from moetrain.config.job import JobConfig
+from moetrain.config.zero import DEFAULT_BUCKET_SIZE, reduce_bucket_acts
 
 # Keys accepted without a warning when they hold the value moetrain behaves as anyway.
 _MATCHING = {
@@ -35,7 +37,8 @@ _MATCHING = {
     "moe.enabled": True,
 }
 _ZERO_FIELDS = {"reduce_bucket_size": "reduce_bucket_size", "allgather_bucket_size": "allgather_bucket_size"}
-"""zero_optimization keys (DeepSpeed name -> field of the ``zero`` section) that act here."""
+"""zero_optimization keys (DeepSpeed name -> field of the ``zero`` section) that act here, in the
+layouts that have such buckets (``moetrain.config.zero.check_bucket_sizes``)."""
 
 
 def load_deepspeed_config(path: str | Path) -> dict:
@@ -192,6 +195,7 @@ def _apply_zero(d: dict, block: Any, ignored: list[str]) -> None:
     if block is None:
         return
     require(isinstance(block, Mapping), "zero_optimization", block, 'must be an object like {"stage": 2}')
+    buckets: dict[str, Any] = {}
     for key, value in block.items():
         if _auto(value):
             continue
@@ -200,9 +204,23 @@ def _apply_zero(d: dict, block: Any, ignored: list[str]) -> None:
         elif key in ("offload_optimizer", "offload_param"):
             _apply_offload(d, key, value, ignored)
         elif key in _ZERO_FIELDS:
-            d["zero"][_ZERO_FIELDS[key]] = value
+            buckets[key] = value
         elif not _matches(f"zero_optimization.{key}", value):
             ignored.append(f"zero_optimization.{key}")
+    # Once the stage is known (any key order): a bucket size this layout has no bucket for is
+    # ignored with the other keys (the zero section refuses it, as it would from a user).
+    par = d["parallel"]
+    if not buckets or not isinstance(par["zero_stage"], int):  # a stage that is no int is refused by the config
+        d["zero"].update({_ZERO_FIELDS[k]: v for k, v in buckets.items()})
+        return
+    acts = {"reduce_bucket_size": reduce_bucket_acts(par["zero_stage"], tp=par["tp"], pp=par["pp"]),
+            "allgather_bucket_size": par["zero_stage"] == 1}
+    for key, value in buckets.items():
+        if acts[key] or value == DEFAULT_BUCKET_SIZE:
+            d["zero"][_ZERO_FIELDS[key]] = value
+        else:
+            ignored.append(f"zero_optimization.{key} (no such bucket at zero stage {par['zero_stage']}, "
+                           f"tp {par['tp']}, pp {par['pp']})")
 
 
 def _apply_offload(d: dict, key: str, block: Any, ignored: list[str]) -> None:

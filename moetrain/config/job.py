@@ -18,7 +18,7 @@ from moetrain.config.optim import OptimConfig, check_muon
 from moetrain.config.parallel import ParallelConfig, check_rebalancing
 from moetrain.config.pipeline import check_microbatches, check_pipeline_model, check_pipeline_reduction
 from moetrain.config.train import TrainConfig
-from moetrain.config.zero import ZeroConfig, check_offload
+from moetrain.config.zero import ZeroConfig, check_bucket_sizes, check_offload
 
 
 def check_sequence_split(seq_len: int, *, tp: int) -> None:
@@ -108,6 +108,8 @@ class JobConfig:
             self.train.grad_accum_steps(par.dp)
         check_offload(par.zero_stage, offload_optimizer=self.zero.offload_optimizer == "cpu",
                       offload_param=self.zero.offload_param == "cpu", pp=par.pp)
+        check_bucket_sizes(self.zero.reduce_bucket_size, self.zero.allgather_bucket_size, zero_stage=par.zero_stage,
+                           tp=par.tp, pp=par.pp)
         check_grad_compression(self.dp.grad_compression, zero_stage=par.zero_stage, tp=par.tp)
         check_muon(self.optim.name, tp=par.tp, etp=par.etp, grad_compression=self.dp.grad_compression,
                    zero_stage=par.zero_stage, offload_optimizer=self.zero.offload_optimizer,
@@ -146,6 +148,11 @@ class JobConfig:
         require(par.backend != "nccl" or self.train.device != "cpu", "parallel.backend", par.backend,
                 'needs train.device "cuda" or "auto" (train.device is "cpu"): NCCL runs on GPUs only; use "gloo" '
                 'or "auto"')
+        # The compiled blocks' graphs return DTensor outputs that alias each other, which aot_autograd
+        # refuses at the first step (torch 2.x: "ANY output aliasing ... if there are any subclass outputs").
+        require(not self.train.compile or par.tp == 1, "parallel.tp", par.tp,
+                "must be 1 with train.compile: true: torch.compile cannot compile the tensor-parallel blocks "
+                "(their DTensor outputs alias each other, which aot_autograd does not support)")
         ckpt = self.train.activation_checkpointing
         require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
                 'cannot be "moe" for a dense model (model.moe_every = 0)')

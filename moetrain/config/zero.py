@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moetrain.config._checks import require_bool, require_int
-from moetrain.config.base import require, require_choice
+from moetrain.config.base import require, require_active, require_choice
+
+DEFAULT_BUCKET_SIZE = 500_000_000
+"""DeepSpeed's default of both bucket sizes (elements)."""
 
 
 def check_offload(zero_stage: int, *, offload_optimizer: bool, offload_param: bool, pp: int = 1) -> None:
@@ -27,6 +30,27 @@ def check_offload(zero_stage: int, *, offload_optimizer: bool, offload_param: bo
             require(not offload or zero_stage >= 2, field, "cpu",
                     f"needs parallel.zero_stage >= 2 with parallel.pp ({pp}) > 1 (is {zero_stage}): pipeline "
                     "stages offload through FSDP2")
+
+
+def reduce_bucket_acts(zero_stage: int, *, tp: int, pp: int) -> bool:
+    """``zero.reduce_bucket_size`` sizes DDP's buckets, which only stages 0/1 without pipeline or
+    tensor parallelism have (FSDP2 reduce-scatters per unit, the pipeline stages and the tp
+    reduction reduce one flat buffer)."""
+    return zero_stage <= 1 and tp == 1 and pp == 1
+
+
+def check_bucket_sizes(reduce_bucket_size: int, allgather_bucket_size: int, *, zero_stage: int, tp: int,
+                       pp: int) -> None:
+    """A bucket size changed from its default where the layout has no such bucket: an
+    ``InactiveFieldError`` naming the field, its value and the layouts it acts in."""
+    require_active(reduce_bucket_size == DEFAULT_BUCKET_SIZE or reduce_bucket_acts(zero_stage, tp=tp, pp=pp),
+                   "zero.reduce_bucket_size", reduce_bucket_size,
+                   f"acts only with parallel.zero_stage <= 1, parallel.tp = 1 and parallel.pp = 1 (got "
+                   f"zero_stage={zero_stage}, tp={tp}, pp={pp}): it sizes DDP's gradient buckets, which the "
+                   "other layouts do not use")
+    require_active(allgather_bucket_size == DEFAULT_BUCKET_SIZE or zero_stage == 1, "zero.allgather_bucket_size",
+                   allgather_bucket_size, f"acts only with parallel.zero_stage = 1 (is {zero_stage}): it sizes the "
+                   "ZeRO-1 optimizer's parameter all-gathers (FSDP2 gathers per unit at stages 2/3)")
 
 
 @dataclass
@@ -46,12 +70,14 @@ class ZeroConfig:
     Pinned memory needs CUDA: without it (a CPU-only run, where the host copy is the only copy)
     nothing is pinned, as DeepSpeed's accelerators without pinning do, and the run goes on."""
 
-    reduce_bucket_size: int = 500_000_000
-    """Elements per gradient all-reduce bucket of DDP (stages 0/1). At this default DDP keeps its
-    own 25 MB buckets: one 2 GB bucket would leave nothing to overlap with the backward."""
+    reduce_bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Elements per gradient all-reduce bucket of DDP (stages 0/1 with tp = pp = 1; refused when
+    changed in any other layout, which has no DDP buckets). At this default DDP keeps its own
+    25 MB buckets: one 2 GB bucket would leave nothing to overlap with the backward."""
 
-    allgather_bucket_size: int = 500_000_000
-    """Elements per parameter all-gather bucket (ZeRO-1 parameter broadcast after the step)."""
+    allgather_bucket_size: int = DEFAULT_BUCKET_SIZE
+    """Elements per parameter all-gather bucket (ZeRO-1 parameter broadcast after the step; refused
+    when changed at another stage)."""
 
     def __post_init__(self) -> None:
         require_choice("zero.offload_optimizer", self.offload_optimizer, ("none", "cpu"))

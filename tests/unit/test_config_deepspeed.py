@@ -118,7 +118,7 @@ def test_zero_optimizer_scheduler_and_moe_fields():
                                                   "weight_decay": 0.05}},
         "scheduler": {"type": "WarmupCosineLR", "params": {"warmup_num_steps": 10, "total_num_steps": 200,
                                                            "cos_min_ratio": 0.1, "warmup_type": "linear"}},
-        "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": False},
+        "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu", "pin_memory": False},
                               "allgather_partitions": True, "reduce_scatter": True, "overlap_comm": True,
                               "reduce_bucket_size": 2e8, "allgather_bucket_size": 3e8},
         "moe": {"ep_size": 4, "num_experts": 8, "k": 1, "capacity_factor": 1.25},
@@ -129,7 +129,7 @@ def test_zero_optimizer_scheduler_and_moe_fields():
     assert (o.lr, o.betas, o.eps, o.weight_decay) == (2e-4, (0.9, 0.99), 1e-6, 0.05)
     assert (cfg.optim.schedule, cfg.optim.warmup_steps, cfg.train.steps) == ("cosine", 10, 200)
     assert cfg.optim.min_lr == pytest.approx(2e-5)
-    assert cfg.parallel.zero_stage == 2
+    assert cfg.parallel.zero_stage == 1
     z = cfg.zero
     assert (z.offload_optimizer, z.offload_param, z.pin_memory) == ("cpu", "none", False)
     assert (z.reduce_bucket_size, z.allgather_bucket_size) == (200_000_000, 300_000_000)
@@ -194,6 +194,29 @@ def test_zero_knobs_without_an_equivalent_are_named_in_the_one_warning():
     for key in unhonoured:
         assert f"zero_optimization.{key}" in message, key
     assert cfg.parallel.zero_stage == 3 and cfg.zero == JobConfig().zero
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bucket_sizes_of_a_layout_without_those_buckets_are_ignored_keys(stage):
+    """At stages 2/3 FSDP2 has neither DDP's gradient buckets nor ZeRO-1's all-gather buckets: the
+    import loads (the zero section would refuse the values), naming both in the one warning."""
+    zero = {"reduce_bucket_size": 2e8, "allgather_bucket_size": 3e8, "stage": stage}  # stage last: any key order
+    with pytest.warns(UserWarning) as record:
+        cfg = apply_deepspeed_config(JobConfig(), {"zero_optimization": zero}, world_size=8)
+    assert len(record) == 1
+    message = str(record[0].message)
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        assert f"zero_optimization.{key} (no such bucket at zero stage {stage}" in message, key
+    assert cfg.parallel.zero_stage == stage and cfg.zero == JobConfig().zero
+
+
+def test_reduce_bucket_size_at_stage_0_is_taken_and_the_allgather_one_ignored():
+    with pytest.warns(UserWarning, match=r"zero_optimization\.allgather_bucket_size \(no such bucket") as record:
+        cfg = apply_deepspeed_config(JobConfig(), {"zero_optimization": {"stage": 0, "reduce_bucket_size": 2e8,
+                                                                         "allgather_bucket_size": 3e8}}, world_size=8)
+    assert len(record) == 1 and "reduce_bucket_size" not in str(record[0].message)
+    z = cfg.zero
+    assert (z.reduce_bucket_size, z.allgather_bucket_size) == (200_000_000, JobConfig().zero.allgather_bucket_size)
 
 
 def test_ep_size_is_taken_as_given_and_checked_with_the_layout():
