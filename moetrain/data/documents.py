@@ -11,7 +11,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
 
@@ -43,15 +43,38 @@ def valid_text(text: str) -> str:
     return _LONE_SURROGATE.sub("\ufffd", text)
 
 
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def jsonl_lines(f: Iterable[bytes]) -> Iterator[tuple[int, bytes]]:
+    """(line number from 1, line) of each non-blank line of a jsonl file opened in binary mode: the
+    one reading rule of data.path and ``moetrain data prepare``, so both read the same records.
+
+    A line ends at b"\n" only, its "\r" before it dropped (a lone "\r" stays inside the line, where
+    JSON takes it for whitespace); a UTF-8 byte-order mark opening the file is skipped (one anywhere
+    else is an error of its line, see `load_json_line`); blank means ASCII whitespace only.
+    """
+    for line_no, line in enumerate(f, start=1):
+        if line_no == 1 and line.startswith(UTF8_BOM):
+            line = line[len(UTF8_BOM):]
+        if line.strip():
+            yield line_no, line.rstrip(b"\r\n")
+
+
+def load_json_line(line: bytes):
+    """The JSON value of one jsonl line, decoded as UTF-8: UnicodeDecodeError or JSONDecodeError
+    (``json.loads`` of bytes would also take UTF-16/32, and a byte-order mark on any line)."""
+    return json.loads(line.decode("utf-8"))
+
+
 def _jsonl_texts(path: Path) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for line_no, line in jsonl_lines(f):
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({e.msg})") from None
+                record = load_json_line(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                reason = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({reason})") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
                 # A malformed input file is bad data (ValueError), not a programming error.

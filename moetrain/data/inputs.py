@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moetrain.data.documents import valid_text
+from moetrain.data.documents import jsonl_lines, load_json_line, valid_text
 
 INPUT_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet")
 """File names ``moetrain data prepare`` reads; a folder holding ``state.json`` is an arrow dataset."""
@@ -211,12 +211,9 @@ def _jsonl_records(inp: Input, start_record: int) -> Iterator[tuple[bytes, str]]
     line_no = 0
     try:
         with _open_jsonl(inp) as f:
-            for line in f:
-                line_no += 1
-                if not line.strip():
-                    continue
+            for line_no, line in jsonl_lines(f):
                 if record >= start_record:
-                    yield line.rstrip(b"\r\n"), f"{inp.path}:{line_no}"
+                    yield line, f"{inp.path}:{line_no}"
                 record += 1
     except (OSError, EOFError, ValueError) as e:  # gzip.BadGzipFile is an OSError; zstd errors become OSErrors
         raise BadInputError(f"{inp.path}: cannot be read after line {line_no} ({type(e).__name__}: {e})") from None
@@ -280,7 +277,7 @@ def parse_record(item, location: str, text_field: str) -> str:
     """The text of one record; `BadInputError` naming ``location`` when it has none."""
     if isinstance(item, bytes):
         try:
-            record = json.loads(item)
+            record = load_json_line(item)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             reason = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
             raise BadInputError(f"{location} is not valid JSON ({reason})") from None

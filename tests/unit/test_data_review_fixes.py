@@ -206,3 +206,54 @@ def test_accepted_mixtures_never_repeat_a_window_in_a_step_and_refusals_are_real
             first = loader.next_batch()[0][:, 0].tolist()
             assert len(set(first)) == len(first), (num_windows, weights, g, first)
     assert accepted > 50 and refused > 5, (accepted, refused)
+
+
+JSONL_CASES = {  # bytes of a .jsonl -> its texts, or the line of the error; one rule for both readers
+    "plain": (b'{"text": "a"}\n\n{"text": "b\\r\\nc"}\n  \n', ["a", "b\r\nc"]),
+    "crlf": (b'{"text": "a"}\r\n{"text": "b"}\r\n', ["a", "b"]),
+    "bom": (b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n', ["first", "second"]),
+    "bom later": (b'{"text": "first"}\n\xef\xbb\xbf{"text": "second"}\n', 2),
+    "cr only": (b'{"text": "one"}\r{"text": "two"}\r', 1),
+    "cr inside": (b'{"text":\r "one"}\n', ["one"]),
+    "raw u2028 and nel": ('{"text": "x\u2028y"}\n{"text": "p\x85q"}\n'.encode(), ["x\u2028y", "p\x85q"]),
+    "not utf-8": (b'{"text": "ok"}\n{"text": "\xff"}\n', 2),
+}
+
+
+@pytest.mark.parametrize("case", list(JSONL_CASES))
+def test_data_path_and_prepare_read_a_jsonl_alike(tmp_path, case):
+    """data.path read .jsonl in text mode (universal newlines, a BOM an error) and prepare in bytes
+    (lines at b"\\n", a BOM accepted on any line): the same file gave other records or an error."""
+    from moetrain.data.documents import Documents
+    from moetrain.data.inputs import parse_record
+
+    content, expected = JSONL_CASES[case]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(content)
+    if isinstance(expected, int):
+        error = rf"in\.jsonl:{expected} is not valid JSON"
+        with pytest.raises(ValueError, match=error):
+            list(Documents([path], label="x"))
+        with pytest.raises(BadInputError, match=error):
+            [parse_record(line, where, "text") for line, where in _jsonl_records(Input(path, "jsonl"), 0)]
+        return
+    assert list(Documents([path], label="x")) == expected
+    assert [parse_record(line, where, "text") for line, where in _jsonl_records(Input(path, "jsonl"), 0)] == expected
+
+
+def test_a_jsonl_with_a_bom_gives_the_same_tokens_prepared_and_in_data_path(tmp_path):
+    import numpy as np
+
+    from moetrain.data.documents import Documents
+    from moetrain.data.prepare_corpus import PrepareOptions, prepare_corpus
+    from moetrain.data.tokenizer import ByteTokenizer
+    from moetrain.data.tokens import load_or_build_tokens, open_token_file
+
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(JSONL_CASES["bom"][0])
+    prepare_corpus([path], PrepareOptions(out_dir=tmp_path / "out", tokenizer="bytes", num_workers=0),
+                   log=lambda m: None)
+    prepared = np.concatenate([open_token_file(p)[0] for p in sorted((tmp_path / "out").glob("*.bin"))])
+    cached = load_or_build_tokens(Documents([path], label="x"), ByteTokenizer(), cache_dir=tmp_path / "cache")[0]
+    assert bytes(np.asarray(prepared, dtype=np.uint8)) == bytes(np.asarray(cached, dtype=np.uint8)) == \
+        b"first\nsecond\n"
