@@ -235,6 +235,7 @@ def _ep_host(cfg, world: int, *, a2a_latency_s: float, all_reduce_latency_s: flo
                                       barrier=barrier))
         dist.barrier()
     num_expert_tensors = sum(1 for spec in param_specs(model, cfg.moe) if spec.expert)
+    # The small model keeps cfg.moe's chunks, dedup and capacity factor: its layers make the calls counted here.
     layer_s = (times[world][0] - times[1][0]) / num_moe - all_to_alls_per_moe_layer(cfg.moe)[0] * a2a_latency_s
     return {"ep_layer_host_s": max(0.0, layer_s),
             "dtensor_param_host_s": max(0.0, (times[world][1] - times[1][1] - all_reduce_latency_s)

@@ -179,15 +179,26 @@ def step_work(model: ModelConfig, moe: MoEConfig, *, micro_batch_size: int, seq_
 
 DDP_FIRST_BUCKET_BYTES = 1 << 20
 """DDP's first bucket (the gradients ready first) is capped at 1 MiB, the others at ``bucket_cap_mb``."""
-ALL_TO_ALLS_PER_MOE_LAYER = 5
-"""Per MoE layer and micro-batch at ep > 1: forward counts, dispatch, combine; backward the two gradients."""
 
 
-def all_to_alls_per_moe_layer(moe: MoEConfig) -> tuple[int, int]:
+def all_to_alls_per_moe_layer(moe: MoEConfig, *, chunks: int | None = None) -> tuple[int, int]:
     """(all-to-all calls of one MoE layer and micro-batch at ep > 1, and of a recompute of its
-    forward): ``ALL_TO_ALLS_PER_MOE_LAYER`` and 3; ``moe.dispatch_dedup`` adds the unique-row
-    counts, the copies' gate weights and their row indices forward, the weights' gradient backward."""
-    return (ALL_TO_ALLS_PER_MOE_LAYER + 4, 3 + 3) if moe.dispatch_dedup else (ALL_TO_ALLS_PER_MOE_LAYER, 3)
+    forward), with the batch sent in C = ``chunks`` (default ``moe.dispatch_chunks``) exchanges::
+
+        forward    the counts, once for all chunks (dropless, or C > 1; a capacity factor at C = 1
+                   decides the drops from an all-gather of them: no all-to-all), then per chunk the
+                   dispatch and the combine
+        backward   per chunk, the gradients of the dispatch and the combine
+
+    ``moe.dispatch_dedup`` adds the unique-row counts once, per chunk the copies' gate weights and
+    row indices forward and the weights' gradient backward. Counted op by op on real ranks by
+    tests/integration/test_a2a_calls.py. Not modelled: parallel.ep_hierarchical's two-stage exchange."""
+    C = moe.dispatch_chunks if chunks is None else chunks
+    dedup = int(moe.dispatch_dedup)
+    forward = int(moe.capacity_factor is None or C > 1) + dedup + C * (2 + 2 * dedup)
+    return forward + C * (2 + dedup), forward
+
+
 STEP_COLLECTIVES = 2
 """Latency-bound all-reduces of every step: the global gradient norm, the agreement on the step."""
 
@@ -318,7 +329,7 @@ def estimate_step_time(specs: list[ParamSpec], layout: Layout, model: ModelConfi
     # 1. Each collective's time: its bytes over its link, one latency per call.
     calls, units, last_bucket_share = _calls(specs, layout, num_moe=num_moe, recomputed=recomputed,
                                              grad_accum=grad_accum, bucket_cap_bytes=bucket_cap_bytes,
-                                             a2a_per_layer=all_to_alls_per_moe_layer(moe))
+                                             a2a_per_layer=all_to_alls_per_moe_layer(moe, chunks=dispatch_chunks))
     spans = _spans_nodes(layout, per_node)
     comm = {}
     for c, n in calls.items():

@@ -142,6 +142,29 @@ def test_chunked_dispatch_hides_all_but_one_chunk_behind_the_experts():
     assert est.exposed_s["all_to_all"] == pytest.approx(est.comm_s["all_to_all"] / 4)
 
 
+@pytest.mark.parametrize(("setting", "per_layer", "per_recompute"), [
+    ({"dispatch_chunks": 4}, 17, 9),
+    ({"dispatch_chunks": 2, "dispatch_dedup": True}, 16, 10),
+    ({"capacity_factor": 1.25}, 4, 2),
+])
+def test_all_to_all_latencies_follow_chunks_and_routing(setting, per_layer, per_recompute):
+    """One latency per all-to-all call: C = 4 chunks make 1 + 4 * 4 per layer (the counts once, then
+    each chunk's dispatch and combine, forward and backward), dedup adds the unique-row counts once
+    and per chunk the gate weights, row indices and their gradient; a capacity factor at C = 1 sends
+    no counts (an all-gather decides the drops). tests/integration/test_a2a_calls.py counts them."""
+    model, moe = _tiny()
+    moe = replace(moe, **setting)
+    layout, prof = Layout(world=2, ep=2, zero_stage=0), _profile(latency=1e-3)
+    num_moe = len(model.moe_layer_ids)
+    for ac, recomputed in (("none", 0), ("moe", num_moe)):
+        est = estimate_step_time(param_specs(model, moe), layout, model, moe, micro_batch_size=8, seq_len=256,
+                                 grad_accum=1, profile=prof, ac=ac, dispatch_chunks=moe.dispatch_chunks)
+        vol = comm_per_step(param_specs(model, moe), layout, model, moe, tokens_per_micro_batch=8 * 256,
+                            grad_accum=1, compute_bytes=4, ac_moe_layers_recomputed=recomputed)
+        latency = (per_layer * num_moe + per_recompute * recomputed) * 1e-3
+        assert est.comm_s["all_to_all"] == pytest.approx(vol.all_to_all / 1e9 + latency)
+
+
 def test_an_all_to_all_across_nodes_runs_at_the_inter_node_link():
     model, moe = _tiny()
     within = _estimate(Layout(world=4, ep=2, zero_stage=0), _profile(), procs_per_node=2)
