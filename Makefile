@@ -1,6 +1,7 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
-# Both bootstrap .venv: torch first (the pinned CPU wheel; a bare `torch` requirement
-# would pull a multi-GB CUDA build), then the package with its dev extra.
+# Both bootstrap .venv: torch first (the pinned version, whose CPU build comes from the machine's pip
+# configuration; elsewhere TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu", as
+# PyPI's torch is the multi-GB CUDA build), then the package with its dev extra.
 #   make test-fast   unit tests only (tests/conftest.py marks tests/distributed and tests/integration slow)
 #   make test        lint, then the whole suite (CI); the cuda tests are deselected without a GPU
 #   make test-gpu    the cuda tests (tests/gpu) on a machine with CUDA; benchmarks/gpu.sh runs them first
