@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -19,6 +20,16 @@ from moetrain.train.routing_trace import INDEX, TRACE_DIR, rank_loads, straggler
 def _series(records: list[dict], key: str) -> tuple[list[int], list]:
     pts = [(r["step"], r[key]) for r in records if r.get(key) is not None]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _step_edges(steps: list[int]) -> np.ndarray:
+    """Column edges of a step heat map: each column centred on its step, spanning half the spacing to
+    each neighbour (one step: width 1), so uneven or single log steps still line up with the axis."""
+    s = np.asarray(steps, dtype=float)
+    if len(s) == 1:
+        return np.array([s[0] - 0.5, s[0] + 0.5])
+    mid = (s[1:] + s[:-1]) / 2
+    return np.concatenate([[s[0] - (mid[0] - s[0])], mid, [s[-1] + (s[-1] - mid[-1])]])
 
 
 def _save(fig, path: Path) -> Path:
@@ -72,8 +83,9 @@ def plot_expert_load(records, out: Path) -> Path | None:
     alarms = {r["step"]: r["routing_collapse_alarms"] for r in records if r.get("routing_collapse_alarms")}
     for i in range(num_layers):
         ax = axes[i][0]
-        im = ax.imshow(arr[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest",
-                       extent=(steps[0], steps[-1], num_experts - 0.5, -0.5))
+        im = ax.pcolormesh(_step_edges(steps), np.arange(num_experts + 1) - 0.5, arr[:, i, :].T, cmap="magma",
+                           vmin=0.0, vmax=vmax)
+        ax.set_ylim(num_experts - 0.5, -0.5)  # expert 0 on top
         pts = [(s, e) for s, per_layer in unused.items() for e in per_layer[i]]
         if pts:
             ax.scatter(*zip(*pts, strict=True), marker="x", s=14, color="cyan", label="unused")
@@ -180,35 +192,49 @@ def plot_confusion(records, out: Path, class_names: list[str] | None) -> Path | 
 
 def plot_rank_load(run_dir: Path, out: Path) -> list[Path]:
     """From the routing trace (log.routing_trace): one heat map per MoE layer, expert-parallel rank
-    (rows) x recorded step (columns), colour = the rank's received copies / the mean rank's (1 =
-    balanced; a bright row is a straggler), and ``routing_straggler.json``: per layer, the
-    straggler factor (max rank tokens / mean) at each recorded step, its mean and its max."""
+    (rows; each ep group's ranks in turn when there are several) x recorded step (columns), colour =
+    the rank's received copies / its group's mean rank's (1 = balanced; a bright row is a straggler),
+    and ``routing_straggler.json``: per layer, the straggler factor (max rank tokens / mean, the worst
+    ep group's) at each recorded step, its mean and its max, and each group's factors (``groups``,
+    [step][group], null for a group the step's layout lacks)."""
     if not (run_dir / TRACE_DIR / INDEX).is_file():
         return []
-    steps, layers, load_SLP = rank_loads(run_dir)
+    steps, layers, load_SLGP = rank_loads(run_dir)
     if not steps:
         return []
-    factor_SL = straggler_factors(load_SLP)
-    per_layer = {name: {"straggler_factor": [round(v, 5) for v in factor_SL[:, i].tolist()],
-                        "mean": round(float(factor_SL[:, i].mean()), 5), "max": round(float(factor_SL[:, i].max()), 5)}
+    factor_SL, factor_SLG = straggler_factors(load_SLGP), straggler_factors(load_SLGP, per_group=True)
+    per_layer = {name: {"straggler_factor": _rounded(factor_SL[:, i].tolist()),
+                        "mean": _rounded(float(factor_SL[:, i].nanmean())),
+                        "max": _rounded(float(factor_SL[:, i].nan_to_num(nan=float("-inf")).max())),
+                        "groups": _rounded(factor_SLG[:, i].tolist())}
                  for i, name in enumerate(layers)}
     summary = {"steps": steps, "layers": per_layer}
     json_path = out / "routing_straggler.json"
-    json_path.write_text(json.dumps(summary, indent=1) + "\n")
-    rel_SLP = (load_SLP / load_SLP.mean(-1, keepdim=True).clamp(min=1e-12)).numpy()
-    num_ranks = rel_SLP.shape[2]
+    json_path.write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    num_steps, _, num_groups, ep = load_SLGP.shape
+    mean_SLG1 = load_SLGP.nanmean(-1, keepdim=True).clamp(min=1e-12)
+    rel_SLR = (load_SLGP / mean_SLG1).reshape(num_steps, len(layers), num_groups * ep).numpy()
+    vmax = max(2.0, float(np.nanmax(rel_SLR)) if not np.isnan(rel_SLR).all() else 0.0)
     fig, axes = plt.subplots(len(layers), 1, figsize=(8, 1.2 + 1.4 * len(layers)), squeeze=False, sharex=True)
     for i, name in enumerate(layers):
         ax = axes[i][0]
-        im = ax.imshow(rel_SLP[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=max(2.0, float(rel_SLP.max())),
-                       interpolation="nearest", extent=(steps[0] - 0.5, steps[-1] + 0.5, num_ranks - 0.5, -0.5))
-        ax.set_ylabel(f"{name}\nep rank")
+        im = ax.pcolormesh(_step_edges(steps), np.arange(num_groups * ep + 1) - 0.5,
+                           np.ma.masked_invalid(rel_SLR[:, i, :].T), cmap="magma", vmin=0.0, vmax=vmax)
+        ax.set_ylim(num_groups * ep - 0.5, -0.5)
+        ax.set_ylabel(f"{name}\n" + ("ep rank" if num_groups == 1 else f"ep group x rank ({ep} each)"))
         ax.set_title(f"straggler factor mean {per_layer[name]['mean']:.3f}, "
                      f"max {per_layer[name]['max']:.3f}", fontsize=8)
-        fig.colorbar(im, ax=ax, label="load / mean")
+        fig.colorbar(im, ax=ax, label="load / group mean")
     axes[-1][0].set_xlabel("step")
     fig.suptitle("Per-rank expert load (routing trace)")
     return [_save(fig, out / "rank_load.png"), json_path]
+
+
+def _rounded(value):
+    """``value`` (a float or nested lists of them) rounded, NaN as None: routing_straggler.json is JSON."""
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return round(value, 5) if math.isfinite(value) else None
 
 
 def write_report(run_dir: str | os.PathLike, out_dir: str | os.PathLike | None = None) -> list[Path]:

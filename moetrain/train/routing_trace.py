@@ -1,7 +1,8 @@
 """Routing traces (``log.routing_trace``) and routing replay (``moe.routing_replay``).
 
-A trace lives in ``<run_dir>/routing_trace``: ``index.json`` (the model geometry, the layout that
-wrote it and the recorded steps) and one safetensors file per recorded step and rank,
+A trace lives in ``<run_dir>/routing_trace``: ``index.json`` (the model geometry, the recorded steps
+and ``layouts``: the ``world_size``, ``ep`` and ``etp`` that wrote the steps from ``from_step`` on,
+one entry per resume at another layout) and one safetensors file per recorded step and rank,
 ``step_{step:08d}.rank{rank:05d}.safetensors`` (no pickle). Each rank writes its own tokens, so
 recording needs no collective:
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,7 +95,8 @@ class RoutingRecorder:
     are called by the trainer around each optimizer step."""
 
     def __init__(self, model: nn.Module, *, mode: str, every: int, run_dir: Path, geometry: Geometry,
-                 num_micro: int, rank: int, world_size: int, ep: int, is_main: bool, start_step: int) -> None:
+                 num_micro: int, rank: int, world_size: int, ep: int, is_main: bool, start_step: int,
+                 etp: int = 1) -> None:
         self.mode, self.every, self.geometry, self.num_micro = mode, every, geometry, num_micro
         self.rank, self.is_main = rank, is_main
         self.folder = run_dir / TRACE_DIR
@@ -109,17 +112,21 @@ class RoutingRecorder:
             every_names = [[] for _ in range(world_size)]
             dist.all_gather_object(every_names, names)
         all_names = list(dict.fromkeys(n for rank_names in every_names for n in rank_names))
+        layout = {"from_step": start_step + 1, "world_size": world_size, "ep": ep, "etp": etp}
         self.index: dict[str, Any] = {
             "format": FORMAT, "mode": mode, "layers": all_names, "num_experts": geometry.num_experts,
             "top_k": geometry.top_k, "tokens_per_step": geometry.tokens_per_step, "world_size": world_size,
-            "ep": ep, "steps": []}
+            "ep": ep, "etp": etp, "steps": [], "layouts": [layout]}
         if is_main:
             self.folder.mkdir(parents=True, exist_ok=True)
             old = self.folder / INDEX
-            if old.is_file():  # a resumed run: keep the steps it had recorded before the resume point
+            if old.is_file():  # a resumed run: keep the steps it had recorded up to the resume point
                 prev = json.loads(old.read_text())
-                if all(prev.get(k) == self.index[k] for k in ("mode", "layers", "world_size")):
+                if all(prev.get(k) == self.index[k] for k in ("mode", "layers", "num_experts", "top_k",
+                                                              "tokens_per_step")):
                     self.index["steps"] = [s for s in prev.get("steps", []) if s <= start_step]
+                    kept = [lay for lay in layouts(prev) if lay["from_step"] <= start_step]
+                    self.index["layouts"] = kept + [layout]
         self._dirty = False
 
     def _hook(self, name: str):
@@ -202,6 +209,20 @@ def read_index(path: str | os.PathLike) -> tuple[Path, dict]:
     return folder, index
 
 
+def layouts(index: dict) -> list[dict]:
+    """The index's ``layouts``; an index written before they were recorded has one, from its top-level
+    ``world_size`` and ``ep`` (etp 1)."""
+    if index.get("layouts"):
+        return index["layouts"]
+    return [{"from_step": 1, "world_size": index["world_size"], "ep": max(int(index.get("ep", 1)), 1), "etp": 1}]
+
+
+def step_layout(index: dict, step: int) -> dict:
+    """The layout (``world_size``, ``ep``, ``etp``) that recorded ``step``."""
+    found = layouts(index)
+    return next((lay for lay in reversed(found) if lay["from_step"] <= step), found[0])
+
+
 class RoutingReplay:
     """Feeds the recorded ids of each step to the routers (``moe.routing_replay``)."""
 
@@ -248,7 +269,7 @@ def check_trace(folder: Path, index: dict, *, layer_names: list[str], geometry: 
     if problems:
         raise ValueError(f"moe.routing_replay: trace {where!r} does not fit this run: {'; '.join(problems)}")
     for step in steps:
-        for rank in range(index["world_size"]):
+        for rank in range(step_layout(index, step)["world_size"]):
             _check_file(folder / step_file(step, rank), index)
 
 
@@ -284,7 +305,7 @@ def load_step_ids(folder: Path, index: dict, step: int, layer_names: list[str], 
                   num_experts: int) -> dict[str, torch.Tensor]:
     """The global ``[T, K]`` int64 ids of each layer at ``step``, from every rank file of the trace."""
     out = {n: torch.full((num_tokens, index["top_k"]), -1, dtype=torch.int64) for n in layer_names}
-    for rank in range(index["world_size"]):
+    for rank in range(step_layout(index, step)["world_size"]):
         path = folder / step_file(step, rank)
         tensors, _ = read_header(path)
         blocks_A2 = _read(tensors["blocks"], path)
@@ -365,40 +386,100 @@ def build_routing_hooks(cfg, model: nn.Module, *, run_dir: Path, rank: int, worl
     if cfg.log.routing_trace != "off":
         parts.append(RoutingRecorder(model, mode=cfg.log.routing_trace, every=cfg.log.every, run_dir=run_dir,
                                      geometry=geometry, num_micro=grad_accum, rank=rank, world_size=world_size,
-                                     ep=ep, is_main=is_main, start_step=start_step))
+                                     ep=ep, etp=cfg.parallel.etp, is_main=is_main, start_step=start_step))
     return RoutingHooks(parts)
 
 
-def rank_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Tensor]:
-    """``(steps, layers, load_SLP)`` of a trace: the routed copies the experts of each expert-parallel
-    rank received at each recorded step, per MoE layer, over the global batch (the experts of rank p
-    are ``p * E/ep ... (p + 1) * E/ep - 1``, the order the expert-parallel sharding uses). P = the
-    trace's ep degree."""
-    steps, layers, load_SLE, index = expert_loads(path)
-    ep, num_experts = max(int(index.get("ep", 1)), 1), index["num_experts"]
-    return steps, layers, load_SLE.view(len(steps), len(layers), ep, num_experts // ep).sum(-1)
+def _rank_counts(folder: Path, index: dict, step: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(counts_RLE, held_RL)`` of ``step``: each rank's routed copies per layer and expert (from counts
+    or ids) and whether its file holds the layer (a pipeline stage holds its own); None when a rank's
+    file is missing or unreadable."""
+    layers, num_experts = index["layers"], index["num_experts"]
+    world = step_layout(index, step)["world_size"]
+    counts_RLE = torch.zeros(world, len(layers), num_experts, dtype=torch.float64)
+    held_RL = torch.zeros(world, len(layers), dtype=torch.bool)
+    for rank in range(world):
+        file = folder / step_file(step, rank)
+        try:
+            tensors, _ = read_header(file)
+            for i, name in enumerate(layers):
+                if (info := tensors.get(f"counts.{name}")) is not None:
+                    counts_RLE[rank, i] = _read(info, file).double()
+                elif (info := tensors.get(f"ids.{name}")) is not None:
+                    ids = _read(info, file).long().reshape(-1)
+                    counts_RLE[rank, i] = torch.bincount(ids, minlength=num_experts).double()
+                else:
+                    continue
+                held_RL[rank, i] = True
+        except (OSError, ValueError):
+            return None
+    return counts_RLE, held_RL
+
+
+def _complete_steps(path: str | os.PathLike) -> tuple[dict, list[tuple[int, torch.Tensor, torch.Tensor]]]:
+    """``(index, [(step, counts_RLE, held_RL)])`` of the listed steps whose every rank file reads. Rank 0
+    lists a step once its own file is written, so the others' may still be missing (or a rank died):
+    those steps are left out, with one warning naming them."""
+    folder, index = read_index(path)
+    found, incomplete = [], []
+    for step in sorted(index["steps"]):
+        got = _rank_counts(folder, index, step)
+        if got is None:
+            incomplete.append(step)
+        else:
+            found.append((step, *got))
+    if incomplete:
+        warnings.warn(f"routing trace {str(folder)!r}: steps {incomplete} left out: a rank file is missing or "
+                      "unreadable (a rank still writing it, or one that stopped)", stacklevel=3)
+    return index, found
 
 
 def expert_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Tensor, dict]:
     """``(steps, layers, load_SLE, index)``: the routed copies (before capacity drops) each expert
     received at each recorded step, per MoE layer, over the global batch; from counts or ids."""
-    folder, index = read_index(path)
-    layers, steps = index["layers"], sorted(index["steps"])
-    num_experts = index["num_experts"]
-    load_SLE = torch.zeros(len(steps), len(layers), num_experts, dtype=torch.float64)
-    for s, step in enumerate(steps):
-        for rank in range(index["world_size"]):
-            file = folder / step_file(step, rank)
-            tensors, _ = read_header(file)
-            for i, name in enumerate(layers):
-                if (info := tensors.get(f"counts.{name}")) is not None:
-                    load_SLE[s, i] += _read(info, file).double()
-                elif (info := tensors.get(f"ids.{name}")) is not None:
-                    load_SLE[s, i] += torch.bincount(_read(info, file).long().reshape(-1), minlength=num_experts)
-    return steps, layers, load_SLE, index
+    index, found = _complete_steps(path)
+    load_SLE = torch.zeros(len(found), len(index["layers"]), index["num_experts"], dtype=torch.float64)
+    for s, (_, counts_RLE, _) in enumerate(found):
+        load_SLE[s] = counts_RLE.sum(0)
+    return [step for step, _, _ in found], index["layers"], load_SLE, index
 
 
-def straggler_factors(load_SLP: torch.Tensor) -> torch.Tensor:
-    """``[S, L]`` max rank load / mean rank load: how much longer the hottest rank's experts run
-    than a balanced split would (1 = balanced)."""
-    return load_SLP.amax(-1) / load_SLP.mean(-1).clamp(min=1e-12)
+def rank_loads(path: str | os.PathLike) -> tuple[list[int], list[str], torch.Tensor]:
+    """``(steps, layers, load_SLGP)`` of a trace: the routed copies the experts of each expert-parallel
+    rank received at each recorded step, per MoE layer, within each expert-parallel group. G groups:
+    blocks of ``ep * etp`` consecutive ranks (the etp ranks of a block gather their tokens, so each of
+    its ep groups sees the block's); P = ep ranks, rank p holding experts ``p * E/ep ... (p + 1) * E/ep
+    - 1``, the order the expert-parallel sharding uses. NaN where a group does not exist at that step
+    (a resume at another layout: G and P are the largest over the steps) or holds no copy of the layer
+    (another pipeline stage's)."""
+    index, found = _complete_steps(path)
+    num_experts, num_layers = index["num_experts"], len(index["layers"])
+    shapes = [_group_shape(step_layout(index, step)) for step, _, _ in found]
+    max_g, max_p = max((g for g, _ in shapes), default=1), max((p for _, p in shapes), default=1)
+    load_SLGP = torch.full((len(found), num_layers, max_g, max_p), float("nan"), dtype=torch.float64)
+    for s, ((_, counts_RLE, held_RL), (groups, ep)) in enumerate(zip(found, shapes, strict=True)):
+        block = counts_RLE.shape[0] // groups
+        load_LGP = counts_RLE.view(groups, block, num_layers, ep, num_experts // ep).sum((1, 4)).permute(1, 0, 2)
+        held_LG = held_RL.view(groups, block, num_layers).any(1).T
+        load_SLGP[s, :, :groups, :ep] = torch.where(held_LG[..., None], load_LGP, float("nan"))
+    return [step for step, _, _ in found], index["layers"], load_SLGP
+
+
+def _group_shape(layout: dict) -> tuple[int, int]:
+    """(groups, ep) of a layout: ``world_size / (ep * etp)`` blocks of consecutive ranks."""
+    ep, block = layout["ep"], layout["ep"] * layout.get("etp", 1)
+    return layout["world_size"] // block, ep
+
+
+def straggler_factors(load: torch.Tensor, *, per_group: bool = False) -> torch.Tensor:
+    """Max rank load / mean rank load over the last dim: how much longer the hottest rank's experts
+    run than a balanced split would (1 = balanced). ``load``: ``[S, L, P]`` or ``[S, L, G, P]`` (NaN
+    for a missing rank or group, see :func:`rank_loads`); the result ``[S, L]`` is the worst group's
+    factor, or ``[S, L, G]`` (NaN for a missing group) with ``per_group``."""
+    present = ~load.isnan()
+    peak = load.nan_to_num(nan=float("-inf")).amax(-1)
+    mean = load.nan_to_num(nan=0.0).sum(-1) / present.sum(-1).clamp(min=1)
+    factor = torch.where(present.any(-1), peak / mean.clamp(min=1e-12), float("nan"))
+    if per_group or factor.dim() == 2:
+        return factor
+    return factor.nan_to_num(nan=float("-inf")).amax(-1).nan_to_num(neginf=float("nan"))

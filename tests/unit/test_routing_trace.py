@@ -91,10 +91,10 @@ def test_rank_loads_and_straggler_factor_worked_by_hand(tmp_path):
     (folder / INDEX).write_text(json.dumps({"format": 1, "mode": "counts", "layers": ["L"], "num_experts": E,
                                             "top_k": K, "tokens_per_step": 6, "world_size": 2, "ep": 2,
                                             "steps": [3]}))
-    steps, layers, load_SLP = rank_loads(tmp_path)
-    # global counts [8, 2, 1, 1]: rank 0 gets 10 copies, rank 1 gets 2; mean 6, factor 10 / 6.
-    assert steps == [3] and layers == ["L"] and load_SLP.tolist() == [[[10.0, 2.0]]]
-    assert straggler_factors(load_SLP).tolist() == [[pytest.approx(10 / 6)]]
+    steps, layers, load_SLGP = rank_loads(tmp_path)
+    # global counts [8, 2, 1, 1]: rank 0 gets 10 copies, rank 1 gets 2; mean 6, factor 10 / 6 (one ep group).
+    assert steps == [3] and layers == ["L"] and load_SLGP.tolist() == [[[[10.0, 2.0]]]]
+    assert straggler_factors(load_SLGP).tolist() == [[pytest.approx(10 / 6)]]
     made = plot_rank_load(tmp_path, tmp_path)
     assert [p.name for p in made] == ["rank_load.png", "routing_straggler.json"]
     assert json.loads(made[1].read_text())["layers"]["L"]["max"] == round(10 / 6, 5)
