@@ -75,8 +75,10 @@ def read_index(path: str | os.PathLike) -> MegatronIndex:
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(34)
-    if len(head) < 34 or head[:9] != INDEX_HEADER:
+    if head[:len(INDEX_HEADER)] != INDEX_HEADER[:len(head)]:
         raise ValueError(f"{path} is not a Megatron index: it must start with {INDEX_HEADER!r}")
+    if len(head) < 34:
+        raise ValueError(f"{path} has {len(head)} bytes, fewer than the 34 of a Megatron index's header: truncated")
     version, code, num_sequences, num_documents = struct.unpack("<QBQQ", head[9:34])
     if version != 1:
         raise ValueError(f"{path}: index version ({version}) must be 1")

@@ -129,6 +129,8 @@ class PrepareOptions:
             bad.append(f"--workers ({self.num_workers!r}) must be an int >= 0")
         if self.output_format not in FORMATS:
             bad.append(f"--format ({self.output_format!r}) must be one of {', '.join(FORMATS)}")
+        if self.tokenizer == "bpe" and not (isinstance(self.vocab_size, int) and self.vocab_size >= 257):
+            bad.append(f"--vocab-size ({self.vocab_size!r}) must be an int >= 257 (256 bytes + eos)")
         for name in ("shard_docs", "batch_docs", "batch_chars"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):

@@ -90,24 +90,25 @@ def open_token_file(path: str | os.PathLike) -> tuple[np.ndarray, dict]:
     if not side.is_file():
         raise ValueError(f"token file {path} has no sidecar {side.name}; write one, e.g. {example} "
                          "(uint16 when vocab_size <= 65536, else uint32, little-endian, no header)")
-    try:
-        meta = json.loads(side.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"{side} is not valid JSON ({e})") from None
+    meta = _read_sidecar(side, example)
     dtype_name, vocab_size = meta.get("dtype"), meta.get("vocab_size")
     if dtype_name not in TOKEN_DTYPES:
         raise ValueError(f"{side}: dtype ({dtype_name!r}) must be one of 'uint16', 'uint32'")
     if not (isinstance(vocab_size, int) and 0 < vocab_size <= np.iinfo(TOKEN_DTYPES[dtype_name]).max + 1):
         raise ValueError(f"{side}: vocab_size ({vocab_size!r}) must be an int in [1, "
                          f"{np.iinfo(TOKEN_DTYPES[dtype_name]).max + 1}] for dtype {dtype_name}")
+    _check_eos_id(side, meta, vocab_size)
     dtype = TOKEN_DTYPES[dtype_name]
     num_bytes = path.stat().st_size
     if num_bytes % dtype.itemsize:
         raise ValueError(f"token file {path} has {num_bytes} bytes, not a multiple of {dtype.itemsize} "
                          f"({dtype_name}); is the dtype in {side.name} right?")
     num_tokens = num_bytes // dtype.itemsize
+    if "num_tokens" in meta and not _is_int(meta["num_tokens"]):
+        raise ValueError(f"{side}: num_tokens ({meta['num_tokens']!r}) must be an int, the number of tokens "
+                         f"in {path.name} ({num_tokens})")
     if "num_tokens" in meta and meta["num_tokens"] != num_tokens:
-        raise ValueError(f"{side}: num_tokens ({meta['num_tokens']}) does not match the {num_tokens} "
+        raise ValueError(f"{side}: num_tokens ({meta['num_tokens']!r}) does not match the {num_tokens} "
                          f"tokens in {path.name}; the file is truncated or the sidecar is stale")
     meta = {**meta, "num_tokens": num_tokens}
     if num_tokens == 0:
@@ -119,16 +120,37 @@ def _open_megatron_file(path: Path, side: Path) -> tuple[np.ndarray, dict]:
     tokens, index = open_megatron(path)
     meta: dict = {}
     if side.is_file():
-        try:
-            meta = json.loads(side.read_text(encoding="utf-8"))
-        except ValueError as e:
-            raise ValueError(f"{side} is not valid JSON ({e})") from None
+        meta = _read_sidecar(side, '{"vocab_size": 50257, "eos_id": 50256}')
         vocab_size = meta.get("vocab_size")
-        if not (isinstance(vocab_size, int) and vocab_size > 0):
+        if not (isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size > 0):
             raise ValueError(f"{side}: vocab_size ({vocab_size!r}) must be an int >= 1")
+        _check_eos_id(side, meta, vocab_size)
     meta = {**meta, "dtype": index.dtype.name, "num_tokens": len(tokens), "format": "megatron",
             "num_documents": max(0, len(index.document_indices) - 1)}
     return tokens, meta
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is no count
+
+
+def _read_sidecar(side: Path, example: str) -> dict:
+    """A token file's sidecar: a JSON object, else a ValueError naming the file."""
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"{side} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{side} holds a JSON {type(meta).__name__} ({meta!r:.60}); it must be an object, "
+                         f"e.g. {example}")
+    return meta
+
+
+def _check_eos_id(side: Path, meta: dict, vocab_size: int) -> None:
+    """eos_id ends every document (data.document_mask finds documents by it): None or a token id."""
+    eos_id = meta.get("eos_id")
+    if eos_id is not None and not (_is_int(eos_id) and 0 <= eos_id < vocab_size):
+        raise ValueError(f"{side}: eos_id ({eos_id!r}) must be null or an int in [0, vocab_size={vocab_size})")
 
 
 def encode_texts(texts: Sequence[str], tokenizer, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:

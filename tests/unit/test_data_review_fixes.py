@@ -257,3 +257,57 @@ def test_a_jsonl_with_a_bom_gives_the_same_tokens_prepared_and_in_data_path(tmp_
     cached = load_or_build_tokens(Documents([path], label="x"), ByteTokenizer(), cache_dir=tmp_path / "cache")[0]
     assert bytes(np.asarray(prepared, dtype=np.uint8)) == bytes(np.asarray(cached, dtype=np.uint8)) == \
         b"first\nsecond\n"
+
+
+@pytest.mark.parametrize("sidecar, match", [
+    ("[1, 2]", r"t\.bin\.json holds a JSON list \(\[1, 2\]\); it must be an object"),
+    ('{"dtype": "uint16", "vocab_size": 300, "eos_id": "0"}', r"t\.bin\.json: eos_id \('0'\) must be null or an int "
+                                                             r"in \[0, vocab_size=300\)"),
+    ('{"dtype": "uint16", "vocab_size": 300, "eos_id": 300}', r"eos_id \(300\) must be null or an int in \[0, "),
+    ('{"dtype": "uint16", "vocab_size": 300, "eos_id": true}', r"eos_id \(True\) must be null or an int"),
+    ('{"dtype": "uint16", "vocab_size": 300, "num_tokens": "11"}', r"num_tokens \('11'\) must be an int, the number "
+                                                                  r"of tokens in t\.bin \(11\)"),
+])
+def test_a_bad_token_file_sidecar_is_named(tmp_path, sidecar, match):
+    import numpy as np
+
+    from moetrain.data.tokens import open_token_file
+
+    np.arange(11, dtype="<u2").tofile(tmp_path / "t.bin")
+    (tmp_path / "t.bin.json").write_text(sidecar)
+    with pytest.raises(ValueError, match=match):
+        open_token_file(tmp_path / "t.bin")
+
+
+def test_a_bad_megatron_sidecar_or_a_short_index_is_named(tmp_path):
+    import numpy as np
+
+    from moetrain.data.megatron import INDEX_HEADER, write_index
+    from moetrain.data.tokens import open_token_file
+
+    np.arange(10, dtype="<u2").tofile(tmp_path / "m.bin")
+    write_index(tmp_path / "m.idx", dtype=np.dtype("<u2"), sequence_lengths=np.array([6, 4]))
+    side = tmp_path / "m.bin.json"
+    for sidecar, match in [("[1]", r"m\.bin\.json holds a JSON list \(\[1\]\); it must be an object"),
+                           ('{"vocab_size": 300, "eos_id": "x"}', r"m\.bin\.json: eos_id \('x'\) must be null or an"),
+                           ('{"vocab_size": 300, "eos_id": -1}', r"eos_id \(-1\) must be null or an int in \[0, ")]:
+        side.write_text(sidecar)
+        with pytest.raises(ValueError, match=match):
+            open_token_file(tmp_path / "m.bin")
+    side.write_text('{"vocab_size": 300, "eos_id": 299}')
+    assert open_token_file(tmp_path / "m.bin")[1]["eos_id"] == 299
+    whole = (tmp_path / "m.idx").read_bytes()
+    for cut in (20, len(INDEX_HEADER), 0):  # a cut inside the header is a truncation, not another format
+        (tmp_path / "m.idx").write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=rf"m\.idx has {cut} bytes, fewer than the 34 of a Megatron index's "
+                                             "header: truncated"):
+            open_token_file(tmp_path / "m.bin")
+
+
+def test_prepare_names_its_own_vocab_size_option(tmp_path):
+    from moetrain.data.prepare_corpus import PrepareOptions, prepare_corpus
+
+    (tmp_path / "a.jsonl").write_bytes(b"".join(_lines(5)))
+    with pytest.raises(ValueError, match=r"^--vocab-size \(0\) must be an int >= 257"):
+        prepare_corpus([tmp_path / "a.jsonl"], PrepareOptions(out_dir=tmp_path / "out", vocab_size=0),
+                       log=lambda m: None)
