@@ -210,6 +210,8 @@ class Trainer:
             is_main=self.is_main, start_step=self.step, tp=self.dims.tp,
             tp_rank=self.dims.tp_rank if self.dims.tp > 1 else 0)
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
+        if lc.memory and self.cfg.train.compile:
+            log.info("log.memory: no mem/* peaks under train.compile (compiled code runs no step under the tracker)")
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()
         pc = self.param_counts
@@ -224,8 +226,11 @@ class Trainer:
         self.parallel_model.train()
         self._step_sums = StepSums()
         # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
-        # watches), and not in the first two steps, where DDP still rebuilds its buckets.
-        track = self.cfg.log.memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0
+        # watches), and not in the first two steps, where DDP still rebuilds its buckets. Not under
+        # train.compile: dynamo runs no compiled frame while a dispatch mode is active, so a
+        # tracked step would be the eager model's.
+        track = (self.cfg.log.memory and not self.cfg.train.compile and self.step + 1 >= 3
+                 and (self.step + 1) % self.cfg.log.every == 0)
         tracker = None
         if track:
             averages = self.ema.tensors() if self.ema is not None else ()
