@@ -191,7 +191,8 @@ class MetricsLogger:
 
     ``keep_until_step``: a resumed run's file keeps the records of steps up to this one and
     drops those the stopped run wrote after it, so it reads like the file of a run that never
-    stopped. None starts an empty file. ``tags`` (``run_tags``) go into every record, after the
+    stopped (TensorBoard's events likewise). None starts an empty file (and TensorBoard drops the
+    events already in the folder). ``tags`` (``run_tags``) go into every record, after the
     step, so a benchmark-mode run cannot be mistaken for an ordinary one. ``report`` (log.report):
     whether ``close`` draws the report's PNGs for the trackers.
     """
@@ -218,7 +219,10 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+            # TensorBoard reads every event file of the folder: a START marker at this step makes it
+            # drop the stopped run's events from here on, as metrics.jsonl drops its records.
+            purge_step = 0 if keep_until_step is None else keep_until_step + 1
+            self._tb = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"), purge_step=purge_step)
 
     def log(self, step: int, metrics: dict) -> None:
         for tracker in self.trackers:
