@@ -81,7 +81,9 @@ class WandbTracker:
         self.last_step = self.run.step - 1 if self.run.resumed else -1
 
     def log(self, step: int, metrics: dict) -> None:
-        if step <= self.last_step:  # W&B keeps one history row per step, in order
+        # W&B keeps one history row per step, in order: a step it holds is skipped, except an event
+        # record (a resume's world_size_changed is logged at the step the tracker already holds).
+        if step <= self.last_step and "event" not in metrics:
             return
         row: dict[str, Any] = dict(scalars(metrics, self.class_names.for_record(metrics)))
         for key in PER_EXPERT_KEYS:
@@ -90,9 +92,11 @@ class WandbTracker:
                 row[key] = self._wandb.Table(columns=["layer", "expert", key], data=expert_rows(table))
                 for i, values in enumerate(table):
                     row[f"{key}_hist/layer{i}"] = self._wandb.Histogram(values, num_bins=max(1, len(values)))
-        if row:
+        if row and step > self.last_step:
             self.run.log(row, step=step)
             self.last_step = step
+        elif row:  # W&B cannot go back a step: the event joins the next one's row
+            self.run.log(row, step=self.last_step + 1, commit=False)
 
     def log_files(self, paths: list[Path]) -> None:
         artifact = self._wandb.Artifact(f"{self.run.id}-files", type="run-files")
@@ -129,7 +133,7 @@ class MlflowTracker:
                 self.client.log_batch(self.run_id, params=params[i:i + 100])
 
     def log(self, step: int, metrics: dict) -> None:
-        if step <= self.last_step:
+        if step <= self.last_step and "event" not in metrics:  # an event record is new even at a held step
             return
         now = int(time.time() * 1000)
         names = self.class_names.for_record(metrics)
@@ -141,7 +145,7 @@ class MlflowTracker:
                 rows = expert_rows(metrics[key])
                 columns = {"layer": [r[0] for r in rows], "expert": [r[1] for r in rows], key: [r[2] for r in rows]}
                 self.client.log_dict(self.run_id, columns, f"{key}/step{step:08d}.json")
-        self.last_step = step
+        self.last_step = max(self.last_step, step)
 
     def log_files(self, paths: list[Path]) -> None:
         for path in paths:

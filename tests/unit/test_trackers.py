@@ -129,6 +129,27 @@ def test_mlflow_run_holds_the_jsonl_scalars_tables_and_resumes(tmp_path, monkeyp
     tracker = MlflowTracker(cfg.log.mlflow, run_dir=run_dir, config={})
     assert tracker.run_id == run_id and client.get_run(run_id).info.status == "RUNNING"
     tracker.log(4, {"loss": 99.0})
+    # ... but not the event a resume at another world size logs at the step it resumed from.
+    tracker.log(4, {"event": "world_size_changed", "world_size_before": 1, "world_size": 2})
     tracker.log(6, {"loss": 2.5})
     tracker.close()
     assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [(2, 3.5), (4, 3.0), (6, 2.5)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "world_size")] == [(4, 2.0)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "world_size_before")] == [(4, 1.0)]
+
+
+def test_wandb_resumed_run_takes_the_resume_event_on_its_next_row(tmp_path, monkeypatch):
+    """A resumed W&B run holds steps up to 4 (set by hand: an offline run cannot resume); the
+    world_size_changed record logged at step 4 lands on step 5's row, the steps it holds are skipped."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = load_config("tiny", ["--log.wandb={project: moetrain-test, mode: offline}"])
+    tracker = WandbTracker(cfg.log.wandb, run_dir=tmp_path, config={})
+    tracker.last_step = 4
+    tracker.log(4, {"loss": 99.0})
+    tracker.log(4, {"event": "world_size_changed", "world_size_before": 1, "world_size": 2})
+    tracker.log(6, {"loss": 2.5})
+    tracker.close()
+    rows = wandb_records.history(wandb_records.run_file(tmp_path))
+    assert sorted(rows) == [5, 6]
+    assert rows[5]["world_size"] == 2 and rows[5]["world_size_before"] == 1 and "loss" not in rows[5]
+    assert rows[6]["loss"] == 2.5
