@@ -203,6 +203,18 @@ def summary_markdown(runs: list[Run], finals: dict[str, list], differences: dict
     return "\n".join(lines) + "\n"
 
 
+def _finite_or_null(value):
+    """``value`` with NaN and infinities as None: summary.json is standard JSON (metrics.jsonl keeps
+    Python's NaN, which strict parsers refuse)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_null(v) for v in value]
+    return value
+
+
 def compare_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike = "compare") -> list[Path]:
     """Write the plots, summary.md and summary.json of ``run_dirs`` into ``out_dir``; returns the
     files written (summary.md first)."""
@@ -220,5 +232,5 @@ def compare_runs(run_dirs: list[str | os.PathLike], out_dir: str | os.PathLike =
     summary = {"runs": [{"name": r.name, "path": str(r.path), "last_step": r.last_step} for r in runs],
                "final": finals, "config_differences": differences}
     js = out / "summary.json"
-    js.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    js.write_text(json.dumps(_finite_or_null(summary), indent=1, allow_nan=False) + "\n", encoding="utf-8")
     return [md, js, *plots]

@@ -77,6 +77,19 @@ def test_synthetic_runs_table_differences_and_missing_values(tmp_path):
     assert "(no config.yaml)" in md and "log.run_dir" not in differences
 
 
+def test_summary_json_is_standard_json_with_null_for_non_finite_values(tmp_path):
+    a = write_run(tmp_path / "a", [{"step": 1, "loss": 2.0, "tokens_per_s": 10.0},
+                                   {"step": 2, "loss": float("nan"), "tokens_per_s": float("inf")}], None)
+    b = write_run(tmp_path / "b", [{"step": 2, "loss": 1.5, "tokens_per_s": 20.0}], None)
+    compare_runs([a, b], tmp_path / "out")
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not standard JSON")
+
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text(), parse_constant=refuse)
+    assert summary["final"] == {"loss": [None, 1.5], "tokens_per_s": [None, 20.0]}
+
+
 def test_compare_needs_two_runs_with_metrics(tmp_path, capsys):
     run = write_run(tmp_path / "a", [{"step": 1, "loss": 1.0}], {})
     with pytest.raises(ValueError, match="at least two runs"):
