@@ -94,7 +94,8 @@ class LogConfig:
 
     mlflow: MlflowConfig | None = None
     """Also log to MLflow (rank 0): the same scalars as metrics.jsonl, the resolved config as parameters and as
-    config.yaml, the per-expert load as JSON tables (expert_load/step<N>.json) and at the end the report's PNGs.
+    config.yaml, each per-expert table (expert_share, expert_bias, expert_lr_scale) as JSON artifacts named
+    <key>/step<step, 8 digits>.json (expert_share/step00000002.json) and at the end the report's PNGs.
     The run id is kept in <run_dir>/mlflow_run_id for resumes. None = off (mlflow not imported)."""
 
     routing_trace: str = "counts"
