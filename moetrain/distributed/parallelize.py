@@ -33,7 +33,7 @@ from moetrain.distributed.expert_parallel.apply import enable_comm_timing as ena
 from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.moe.dispatcher import LocalDispatcher
-from moetrain.models.moe.layer import MoELayer
+from moetrain.models.moe.layer import MoEAux, MoELayer
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -74,14 +74,38 @@ def apply_activation_checkpointing(blocks: list[nn.Module], *, compile: bool = F
     ``compile``: the checkpointed function is the block's own forward compiled, so the checkpoint
     itself stays eager. Dynamo traces a checkpoint as one higher-order op, which may not contain a
     graph break; an expert-parallel MoE block breaks at its host syncs, and a compiled wrapper
-    around its checkpoint then ran the whole block eagerly."""
+    around its checkpoint then ran the whole block eagerly.
+
+    The routing statistics of the MoE layer in a checkpointed module are recorded here, after the
+    checkpoint, from the ``MoEAux`` the module returns (``(out, aux)``, as a block and an MoE layer
+    do): the recompute in backward calls only the checkpointed function, so it is not counted
+    again, and nothing in the compiled forward has to tell a recompute from a forward."""
     for block in blocks:
+        layers = [m for m in block.modules() if isinstance(m, MoELayer)]
+        if compile and len(layers) > 1:
+            raise ValueError(f"a checkpointed module compiled with {len(layers)} MoE layers: its routing "
+                             "statistics would be counted again by the recompute; checkpoint one block or "
+                             "MoE layer per module")
+        stats_layer = layers[0] if len(layers) == 1 else None  # several: each records itself (eager)
+        if stats_layer is not None:
+            stats_layer.stats_recorded_by_caller = True
         inner = torch.compile(block.forward, dynamic=compile_dynamic(block)) if compile else block.forward
 
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+        def forward(*args, _inner=inner, _layer=stats_layer, **kwargs):
+            out = checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            if _layer is not None and _layer.track_routing_stats and _layer.training:
+                _layer.record_step_stats(_returned_aux(out))
+            return out
 
         block.forward = forward
+
+
+def _returned_aux(out) -> MoEAux:
+    """The ``MoEAux`` of a checkpointed module's ``(out, aux)``."""
+    if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], MoEAux)):
+        raise RuntimeError("a checkpointed module holding one MoE layer must return (output, MoEAux) for its "
+                           f"routing statistics to be recorded; it returned {type(out).__name__}")
+    return out[1]
 
 
 def compile_blocks(blocks: list[nn.Module], *, checkpointed: list[nn.Module]) -> None:

@@ -1,12 +1,15 @@
 """``train.compile`` at ep = 1: an MoE transformer block traces into one graph (dynamo's explain
-finds no graph break), and training steps whose token counts per expert change run the first
-step's compiled code without recompiling.
+finds no graph break), also with the balancer's routing statistics on (counted once, as eager
+counts them, with every activation-checkpointing mode), and training steps whose token counts per
+expert change run the first step's compiled code without recompiling.
 
 Both are dynamo's business (tracing and guards), so the recompile test stops at the "eager"
 backend: inductor's code generation costs seconds per graph on CPU. The compiled numerics
 (inductor, against eager, under every parallel layout) are tested in
 tests/distributed/test_compile_parallel.py.
 """
+
+import functools
 
 import pytest
 import torch
@@ -15,9 +18,11 @@ from torch._dynamo.utils import counters
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
+from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks, compile_blocks
 from moetrain.models.attention import rope_rows
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer
+from moetrain.train.balancing import install_balancing
 
 DIM, SEQ = 32, 16
 
@@ -100,3 +105,53 @@ def test_steps_with_changing_expert_loads_do_not_recompile():
     assert len({tuple(load) for load in loads}) == len(loads), f"the loads did not change: {loads}"
     assert counters["stats"]["unique_graphs"] >= 1, "the block did not compile"
     assert sum(counters["recompiles"].values()) == 0
+
+
+def _aot_eager(monkeypatch) -> None:
+    """parallelize's compiles through aot_eager: dynamo's graphs and aot_autograd's forward/backward
+    split (buffer mutations, checkpoint recompute) as inductor gets them, without code generation."""
+    compile_fn, module_compile = torch.compile, torch.nn.Module.compile
+    monkeypatch.setattr(torch, "compile", functools.partial(compile_fn, backend="aot_eager"))
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: module_compile(self, backend="aot_eager", **kw))
+
+
+def _step_stats(model_config: ModelConfig, *, compile: bool, ac: str) -> list[list[torch.Tensor]]:
+    """Every MoE layer's step statistics after two micro-batches of a model with the balancer
+    installed (as the trainer installs it), read before the optimizer step would zero them."""
+    moe = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=32, collapse_threshold=0.9)
+    model = Transformer(model_config, moe=moe, seed=0)
+    checkpointed = checkpoint_blocks(model, ac)
+    apply_activation_checkpointing(checkpointed, compile=compile)
+    if compile:
+        compile_blocks(list(model.layers) + [m.block for m in model.mtp_modules()], checkpointed=checkpointed)
+    install_balancing(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, model_config.vocab_size, (2, SEQ), generator=g)
+        model(ids, ids.roll(-1, 1)).total_loss.backward()
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    return [[layer.step_routed_E.clone(), layer.step_local_stats.clone()] for layer in layers]
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "moe"])
+def test_routing_statistics_compile_in_the_block_graph_and_count_each_forward_once(ac, monkeypatch):
+    # The trainer always installs the balancer, which has every MoE layer add its routing counts to
+    # the step's statistics. Recorded in the compiled block (no checkpoint around it) or after the
+    # checkpoint (which the recompute in backward does not reach): one graph, no break, and the
+    # counts of the eager model without checkpointing (a recompute counted again would double them).
+    reference = _step_stats(CONFIG, compile=False, ac="none")
+    assert _same_stats(_step_stats(CONFIG, compile=False, ac=ac), reference)
+    _aot_eager(monkeypatch)
+    compiled = _step_stats(CONFIG, compile=True, ac=ac)
+    breaks = {reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()}
+    assert sum(counters["graph_break"].values()) == 0, breaks
+    assert counters["stats"]["unique_graphs"] == 1
+    assert _same_stats(compiled, reference)
+
+
+def _same_stats(stats: list[list[torch.Tensor]], reference: list[list[torch.Tensor]]) -> bool:
+    """Counts exactly, the summed entropy within fp32 reordering (inductor and eager sum alike
+    here: aot_eager runs the same kernels)."""
+    assert len(stats) == len(reference)
+    return all(torch.equal(r, r_ref) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
+               for (r, s), (r_ref, s_ref) in zip(stats, reference, strict=True))

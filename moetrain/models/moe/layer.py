@@ -64,6 +64,11 @@ class MoEAux:
     """Under expert parallelism (token choice): (token, other ep rank) pairs among this rank's
     routed copies, before capacity drops, as the dispatcher reports them
     (``DispatchResult.num_token_rank_sends``); None without expert parallelism."""
+    routing_entropy: torch.Tensor | None = None
+    """Summed routing entropy of this forward's tokens (0-dim, no grad), and ``num_tokens`` its
+    tokens: set only while the layer tracks routing statistics (``MoELayer.record_step_stats``
+    adds them up)."""
+    num_tokens: int = 0
 
     @property
     def dropped_fraction(self) -> torch.Tensor:
@@ -129,6 +134,11 @@ class MoELayer(nn.Module):
         # hook reads and zeroes them). Routed counts are global (summed over balance_group); the
         # local stats are this rank's: dropped copies, routed copies, summed token entropy, tokens.
         self.track_routing_stats = False
+        # Whether the caller records this layer's statistics from the returned MoEAux
+        # (``record_step_stats``), not the forward itself: an activation checkpoint around the
+        # layer does, after the checkpointed call, which a recompute in backward never reaches
+        # (and which dynamo can trace, unlike a test for the recompute inside a compiled forward).
+        self.stats_recorded_by_caller = False
         # Whether install_balancing's hooks own this layer (track_routing_stats may still be
         # muted for a forward, as the pipeline's shape inference does).
         self.balancing_installed = False
@@ -246,7 +256,10 @@ class MoELayer(nn.Module):
         else:
             aux = self._token_choice_aux(x, routing, d, z, num_tokens, sequence_ids, num_sequences)
         if self.track_routing_stats and self.training:
-            self._record_step_stats(aux, routing, num_tokens)
+            aux.routing_entropy = routing_entropy(routing.probs_TE.detach())
+            aux.num_tokens = num_tokens
+            if not self.stats_recorded_by_caller:
+                self.record_step_stats(aux)
         return out_TD.view_as(x), aux
 
     def _shared(self, x_TD: torch.Tensor) -> torch.Tensor:
@@ -326,14 +339,19 @@ class MoELayer(nn.Module):
                       num_dropped=num_skipped, num_routed=num_tokens)
 
     @torch.no_grad()
-    def _record_step_stats(self, aux: MoEAux, routing, num_tokens: int) -> None:
-        # Under activation checkpointing the forward runs again inside backward (a graph task
-        # is then executing); counting it twice would double the step's load.
-        if torch._C._current_graph_task_id() != -1:
+    def record_step_stats(self, aux: MoEAux) -> None:
+        """Add one training forward's routing counts (``aux``, with its ``routing_entropy``) to
+        the step's statistics buffers."""
+        # Under a checkpoint of the caller's own the forward runs again inside backward (eager: a
+        # graph task is then executing); counting it twice would double the step's load. Dynamo
+        # cannot trace that test: in compiled code the forward records only where no checkpoint
+        # of moetrain's encloses it (apply_activation_checkpointing records after its checkpoint).
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
+        assert aux.routing_entropy is not None, "set by a forward that tracks routing statistics"
         self.step_routed_E.add_(aux.num_routed_per_expert)
         self.step_local_stats[STAT_DROPPED] += aux.num_dropped.to(torch.float64)
         self.step_local_stats[STAT_ROUTED] += aux.num_routed
-        self.step_local_stats[STAT_ENTROPY] += routing_entropy(routing.probs_TE).to(torch.float64)
-        self.step_local_stats[STAT_TOKENS] += num_tokens
+        self.step_local_stats[STAT_ENTROPY] += aux.routing_entropy.to(torch.float64)
+        self.step_local_stats[STAT_TOKENS] += aux.num_tokens
 

@@ -85,15 +85,17 @@ def _bias_local_counts(layer) -> None:
 
     from moetrain.models.moe import router as router_module
 
-    record = layer.MoELayer._record_step_stats
+    token_choice_aux = layer.MoELayer._token_choice_aux
 
-    @_when("bias_local_counts", record)
-    def _record_step_stats(self, aux, routing, num_tokens):
-        record(self, aux, routing, num_tokens)
-        if torch._C._current_graph_task_id() != -1:  # a checkpointed forward run again: counted once
-            return
-        local_E = torch.bincount(routing.idx_TK.reshape(-1), minlength=self.config.num_experts)
-        self.router._local_routed_E = getattr(self.router, "_local_routed_E", 0) + local_E
+    @_when("bias_local_counts", token_choice_aux)
+    def _token_choice_aux(self, x, routing, *args, **kwargs):
+        aux = token_choice_aux(self, x, routing, *args, **kwargs)
+        # Counted where the layer records its step statistics: training forwards, a checkpointed
+        # forward run again in backward once.
+        if self.track_routing_stats and self.training and torch._C._current_graph_task_id() == -1:
+            local_E = torch.bincount(routing.idx_TK.reshape(-1), minlength=self.config.num_experts)
+            self.router._local_routed_E = getattr(self.router, "_local_routed_E", 0) + local_E
+        return aux
 
     update = router_module.TopKRouter.update_bias
 
@@ -102,7 +104,7 @@ def _bias_local_counts(layer) -> None:
         local_E = self.__dict__.pop("_local_routed_E", num_routed_E)
         update(self, local_E, rate)
 
-    layer.MoELayer._record_step_stats = _record_step_stats
+    layer.MoELayer._token_choice_aux = _token_choice_aux
     router_module.TopKRouter.update_bias = update_bias
 
 
