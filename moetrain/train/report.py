@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from moetrain.train.metrics import read_class_names, read_metrics
-from moetrain.train.routing_trace import INDEX, TRACE_DIR, rank_loads, straggler_factors
+from moetrain.train.routing_trace_read import INDEX, TRACE_DIR, rank_loads, straggler_factors
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list]:

@@ -17,7 +17,14 @@ import pytest
 import torch
 
 from moetrain.train.checkpoint.files import step_dir_name
-from moetrain.train.routing_trace import INDEX, TRACE_DIR, _read, load_step_ids, read_index, step_file
+from moetrain.train.routing_trace_read import (
+    INDEX,
+    TRACE_DIR,
+    load_step_ids,
+    read_index,
+    read_tensor,
+    step_file,
+)
 from moetrain.utils.safetensors_io import read_header
 from moetrain.verify.runs import read_checkpoint
 from tests.distributed.workers.zero_parity import rel_err
@@ -92,7 +99,7 @@ def test_trace_and_replay(tmp_path, shakespeare_cached):
         path = folder / step_file(record["step"], 0)
         tensors, _ = read_header(path)
         for i, name in enumerate(index["layers"]):
-            counts = _read(tensors[f"counts.{name}"], path).double()
+            counts = read_tensor(tensors[f"counts.{name}"], path).double()
             assert counts.sum() == 8 * 64 * 2  # global batch x seq_len x top_k
             assert [round(v, 5) for v in (counts / counts.sum()).tolist()] == record["expert_share"][i]
     _check_bad_traces(a, tmp_path)

@@ -14,13 +14,12 @@ from moetrain.config.moe import MoEConfig
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.moe.router import TopKRouter
 from moetrain.train.report import plot_rank_load
-from moetrain.train.routing_trace import (
+from moetrain.train.routing_trace import Geometry, RoutingRecorder
+from moetrain.train.routing_trace_read import (
     INDEX,
     TRACE_DIR,
-    Geometry,
-    RoutingRecorder,
-    _read,
     rank_loads,
+    read_tensor,
     step_file,
     straggler_factors,
 )
@@ -64,7 +63,7 @@ def test_counts_on_log_steps_only_and_not_in_eval(tmp_path, monkeypatch):
     path = tmp_path / TRACE_DIR / step_file(4, 0)
     tensors, _ = read_header(path)
     for i in range(2):
-        assert torch.equal(_read(tensors[f"counts.{i}"], path).long(), expected[4][i])
+        assert torch.equal(read_tensor(tensors[f"counts.{i}"], path).long(), expected[4][i])
     rec.remove()
     # A trace is a log: written atomically, never fsynced (a durable write of the same tensors is).
     assert fsyncs == []

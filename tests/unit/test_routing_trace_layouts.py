@@ -14,12 +14,10 @@ from torch import nn
 from moetrain.config.moe import MoEConfig
 from moetrain.models.moe.layer import MoELayer
 from moetrain.train.report import plot_rank_load
-from moetrain.train.routing_trace import (
+from moetrain.train.routing_trace import Geometry, RoutingRecorder, check_trace
+from moetrain.train.routing_trace_read import (
     INDEX,
     TRACE_DIR,
-    Geometry,
-    RoutingRecorder,
-    check_trace,
     expert_loads,
     load_step_ids,
     rank_loads,
