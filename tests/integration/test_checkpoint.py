@@ -329,11 +329,16 @@ def _corrupt_or_partial_refused(tmp_path):
     _assert_same_state(_full_state(target), before)
     target.close()
 
-    # Another model (dim 32): every mis-shaped entry is named, through the trainer's resume.
-    with pytest.raises(CheckpointError, match=r"entries of another shape: model\.layers\.0\.attention\.wk"
-                                              r"\.weight \(saved \(64, 64\), this model \(32, 32\)\)"):
+    # Another model (dim 32): the trainer's resume names the config field; the loader itself names
+    # every mis-shaped entry.
+    with pytest.raises(CheckpointError, match=r"does not match this job's model: model\.dim \(saved 64, now 32\)"):
         Trainer(load_config(None, _ov(tmp_path / "other", steps=2,
                                       extra=("--model.dim=32", f"--checkpoint.resume={good}"))))
+    other = Trainer(load_config(None, _ov(tmp_path / "other", steps=2, extra=("--model.dim=32",))))
+    with pytest.raises(CheckpointError, match=r"entries of another shape: model\.layers\.0\.attention\.wk"
+                                              r"\.weight \(saved \(64, 64\), this model \(32, 32\)\)"):
+        load_checkpoint(good, model=other.model, optimizer=other.optimizer)
+    other.close()
     # The temporary folder of a save that never finished is not a checkpoint.
     tmp_dir = tmp_path / "src" / "checkpoints" / ".step_000000003.tmp"
     tmp_dir.mkdir()

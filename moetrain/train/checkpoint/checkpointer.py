@@ -41,6 +41,8 @@ from moetrain.train.checkpoint.files import (
     resolve_checkpoint,
     step_dir_name,
 )
+from moetrain.train.checkpoint.index import read_trainer_state
+from moetrain.train.checkpoint.same_model import check_same_model
 from moetrain.train.checkpoint.state import begin_save, load_checkpoint, save_checkpoint
 from moetrain.train.faults import Phase
 from moetrain.train.rng_state import capture_rng_state
@@ -134,13 +136,19 @@ class Checkpointer:
         return self.load(Path(choice))
 
     def _resume_choice(self) -> str | CheckpointError | None:
-        """Rank 0: remove what killed saves left behind, then pick the checkpoint to resume from."""
+        """Rank 0: remove what killed saves left behind, then pick the checkpoint to resume from and
+        check that it holds this job's model (``same_model``): a refusal reaches every rank before
+        any of them loads, and before the run folder's record is rewritten."""
         for p in clean_stale_tmp(self.folder):
             log.warning("removed %s, left by a checkpoint save that did not finish", p)
         resume = self.cfg.checkpoint.resume
         try:
             found = latest_checkpoint(self.folder) if resume == "auto" else (
                 None if resume == "never" else resolve_checkpoint(resume))
+            if found is not None:
+                saved = read_trainer_state(found)
+                check_same_model(found, saved.get("config") if isinstance(saved, dict) else None,
+                                 self._config(), moe=self.cfg.model.is_moe)
         except CheckpointError as e:
             return e
         return str(found) if found is not None else None
@@ -178,6 +186,12 @@ class Checkpointer:
 
     # --- saving -----------------------------------------------------------------------------------
 
+    def _config(self) -> dict:
+        """The job's config as a checkpoint holds it: resolved, with the vocabulary the model was built with."""
+        config = config_to_dict(self.cfg)
+        config["model"]["vocab_size"] = self.vocab_size
+        return config
+
     def snapshot(self, *, step: int, skipped_total: int) -> dict:
         """The small, non-tensor part of the training state after step ``step``; the model and
         optimizer are saved from the live objects (a skipped step does not change them)."""
@@ -195,9 +209,7 @@ class Checkpointer:
         o, dims = self.objects, self.dims
         snap = dict(snapshot)
         rng = snap.pop("rng")
-        config = config_to_dict(self.cfg)
-        config["model"]["vocab_size"] = self.vocab_size
-        trainer_state = {**snap, "config": config, "time": time.time()}
+        trainer_state = {**snap, "config": self._config(), "time": time.time()}
         if o.ema is not None:
             trainer_state["ema_updates"] = o.ema.num_updates  # skipped steps do not change it
         if o.balancer is not None:

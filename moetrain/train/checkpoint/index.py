@@ -175,3 +175,21 @@ def load_model_weights(path: str | os.PathLike, *,
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
     return state["model"], json_entry(path, state, "trainer")
+
+
+def read_trainer_state(path: str | os.PathLike) -> Any:
+    """The JSON ``trainer`` entry of checkpoint ``path`` (step, schedule, data position, the resolved
+    config), read alone in this process: a small read, before the collective load of the tensors."""
+    path = Path(path)
+    reader = SafeReader(path)
+    metadata = reader.read_metadata()
+    if "trainer" not in metadata.state_dict_metadata:
+        raise CheckpointError(f"checkpoint {str(path)!r} has no trainer entry")
+    state: dict[str, Any] = {"trainer": saved_like(metadata, "trainer", torch.uint8)}
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=True)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    return json_entry(path, state, "trainer")
