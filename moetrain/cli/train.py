@@ -82,6 +82,9 @@ def run_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_job(args, overrides, world=world, sample_tokens=args.sample_tokens)
     if args.nproc and args.nproc > 1 and not under_launcher():
         check_model(cfg)  # the model's own rules, once here rather than once per rank
+        from moetrain.train.checkpoint.launch_check import check_job_checkpoints
+
+        check_job_checkpoints(cfg)  # the checkpoints it names too: one line, not one error per rank
         return launch(args.nproc, argv)
     from moetrain.distributed import runtime
 

@@ -153,3 +153,28 @@ def test_an_unknown_corpus_fails_before_any_process_starts(tmp_path):
     assert message == ("data.corpus ('shakspeare') must be one of '20newsgroups', 'r52', 'r8', 'shakespeare', "
                        "'sotu', 'thucnews', or 'path' with data.path=DIR")
     assert not (tmp_path / "x").exists()
+
+
+def test_the_checkpoints_a_job_names_are_checked_once_before_launch(tmp_path, monkeypatch, shakespeare_cached):
+    """A missing resume or init_from path, or a checkpoint of another model, is one line and exit 2
+    before any rank starts (under torchrun: the error once per rank, then its ChildFailedError)."""
+    from tests.helpers.dist_launcher import run_ranks
+    from tests.integration.conftest import train_job
+
+    nope = tmp_path / "nope"
+    r = _process(["train", "--nproc", "2", *job_overrides(tmp_path / "a", ep=2), f"--checkpoint.resume={nope}"])
+    assert _one_error_line(r) == f"checkpoint {str(nope)!r} does not exist"
+    assert "ChildFailedError" not in r.stderr and not (tmp_path / "a").exists()
+
+    import moetrain.cli.train as cli_train
+
+    monkeypatch.setattr(cli_train, "launch", lambda *args: pytest.fail(f"launched {args}"))
+    message = _one_error_line(_cli(["train", "--nproc", "2", *job_overrides(tmp_path / "a", ep=2),
+                                    f"--checkpoint.init_from={nope}"]))
+    assert message.startswith(f"checkpoint.init_from ({str(nope)!r}) must be a moetrain export folder"), message
+    run = tmp_path / "run"
+    run_ranks(train_job, 1, job_overrides(run, steps=1), timeout_s=120)
+    message = _one_error_line(_cli(["train", "--nproc", "2", *job_overrides(run, steps=2, ep=2),
+                                    "--moe.top_k=1"]))
+    assert message.startswith(f"checkpoint {str(run / 'checkpoints' / 'step_000000001')!r} does not match this "
+                              "job's model: moe.top_k (saved 2, now 1). A resume continues the same model"), message
