@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
-from moetrain.config.base import require
+from moetrain.config.base import require, require_active
 
 TOKENIZER_KINDS = ("bpe", "bytes")
 """Names ``data.tokenizer`` accepts besides the path of a Hugging Face ``tokenizer.json``."""
@@ -35,10 +34,10 @@ class DataConfig:
     (``moetrain.data.registry.check_corpus``)."""
 
     path: str | None = None
-    """User data (with corpus="path"): a folder (or file) of .txt/.jsonl documents (jsonl: a "text"
-    field per line), or of pre-tokenised .bin token files with their .bin.json sidecars (see
-    moetrain.data.tokens for the format). Several .bin files are read as the shards of one source.
-    Exclusive with `data.sources`."""
+    """User data (only with corpus="path"; refused with a registered corpus): a folder (or file) of
+    .txt/.jsonl documents (jsonl: a "text" field per line), or of pre-tokenised .bin token files with
+    their .bin.json sidecars (see moetrain.data.tokens for the format). Several .bin files are read
+    as the shards of one source. Exclusive with `data.sources`."""
 
     sources: tuple[DataSource, ...] | None = None
     """User data mixed from several places (with corpus="path", instead of `data.path`): a list of
@@ -100,9 +99,10 @@ class DataConfig:
                     "must be null when data.sources is set (one source: a single entry in data.sources)")
         require(self.corpus != "path" or self.path is not None or self.sources is not None, "data.path",
                 self.path, 'must be set when data.corpus is "path" (or data.sources instead)')
-        if self.corpus != "path" and self.path is not None:
-            warnings.warn(f"data.path ({self.path!r}) is ignored because data.corpus is {self.corpus!r}, "
-                          'not "path"', stacklevel=2)
+        # A path a registered corpus would ignore: the run would train on that corpus instead.
+        require_active(self.corpus == "path" or self.path is None, "data.path", self.path,
+                       f'acts only with data.corpus="path" (it is {self.corpus!r}, whose data would be trained '
+                       "on instead): pass --data.corpus=path to train on it")
 
 
 def _checked_sources(sources) -> tuple[DataSource, ...]:

@@ -189,7 +189,7 @@ def test_config_validation_names_the_field():
         DataConfig(vocab_size=256)
     with pytest.raises(ValueError, match=r"data.val_fraction \(0.5\)"):
         DataConfig(val_fraction=0.5)
-    with pytest.warns(UserWarning, match=r"data.path \('x'\) is ignored"):
+    with pytest.raises(ValueError, match=r"data.path \('x'\) acts only with data.corpus=\"path\""):
         DataConfig(path="x")
 
 
