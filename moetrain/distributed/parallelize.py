@@ -34,15 +34,28 @@ from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.tensor_parallel import apply_tensor_parallel
 from moetrain.models.moe.dispatcher import LocalDispatcher
 from moetrain.models.moe.layer import MoEAux, MoELayer
+from moetrain.models.mtp import MTPModule
 
 
 def default_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units checkpointed and compiled: the children of ``model.layers`` (a ModuleList or
-    ModuleDict of transformer blocks, torchtitan's convention) if it exists, else every MoELayer."""
+    """The units checkpointed ("full", "every_n") and the FSDP units: the children of
+    ``model.layers`` (a ModuleList or ModuleDict of transformer blocks, torchtitan's convention) if
+    it exists, else every MoELayer. Not the multi-token modules' blocks (``model.mtp``): the
+    activation planner (``moetrain.plan.activations``) counts them as not checkpointed but for
+    their MoE layer under "moe"."""
     layers = getattr(model, "layers", None)
     if isinstance(layers, (nn.ModuleList, nn.ModuleDict)):
         return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers)
     return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def compiled_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units compiled: ``default_blocks`` and then the block of each multi-token module
+    (``model.mtp``), a transformer block like the others (it is no FSDP unit of its own: the
+    multi-token modules' parameters stay in the root unit)."""
+    mtp = getattr(model, "mtp", None)
+    extra = [m.block for m in mtp if isinstance(m, MTPModule)] if isinstance(mtp, nn.ModuleList) else []
+    return default_blocks(model) + extra
 
 
 AC_MODES = ("none", "full", "moe", "every_n")
@@ -51,7 +64,9 @@ AC_MODES = ("none", "full", "moe", "every_n")
 def checkpoint_blocks(model: nn.Module, mode: str, *, every: int = 2) -> list[nn.Module]:
     """The modules that activation checkpointing mode ``mode`` recomputes: "none" nothing,
     "full" every block, "moe" only the MoE feed-forward layers (the all-to-alls and the expert
-    activations, which dominate an MoE block), "every_n" every ``every``-th block from the first."""
+    activations, which dominate an MoE block), "every_n" every ``every``-th block from the first.
+    The blocks are ``default_blocks``: "full" and "every_n" leave the multi-token modules' blocks
+    out, "moe" takes their MoE layers too."""
     if mode not in AC_MODES:
         raise ValueError(f"train.activation_checkpointing ({mode!r}) must be one of {', '.join(map(repr, AC_MODES))}")
     if mode == "none":
@@ -124,9 +139,18 @@ def compile_dynamic(block: nn.Module) -> bool | None:
     (the graph break), and the code after it gets them as Python ints, as do the byte counters
     (``CommStats``) they are added to; by default dynamo specialises the first step's values and
     recompiles at the next step, whose expert loads differ. Traced as symbols from the first step,
-    one compiled graph serves every load."""
+    one compiled graph serves every load.
+
+    False for a block that sees shorter sequences than the others (``static_shapes``: a multi-token
+    module's, S - k positions) and exchanges none: a static graph of its own. By default dynamo
+    would answer its new length with a dynamic graph of the same code, which the other blocks
+    would then run too, and which a checkpoint recompute of a block compiled from the same code
+    could pick instead of the static graph its forward ran (torch refuses that recompute: "A
+    different number of tensors was saved"; seen with the multi-token block checkpointed as well)."""
     exchanges = any(isinstance(m, MoELayer) and not isinstance(m.dispatcher, LocalDispatcher) for m in block.modules())
-    return True if exchanges else None
+    if exchanges:
+        return True
+    return False if getattr(block, "static_shapes", False) else None
 
 
 def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointing: bool | str = False,
@@ -138,8 +162,9 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
 
     ``activation_checkpointing``: True checkpoints ``blocks(model)``; a mode string ("none",
     "full", "moe", "every_n" with ``activation_checkpointing_every``) picks the modules through
-    ``checkpoint_blocks`` instead. Compile always goes per block of ``default_blocks`` (so
-    checkpointing only every n-th block does not change what compiles), and so do the FSDP units.
+    ``checkpoint_blocks`` instead. Compile always goes per block of ``compiled_blocks`` (so
+    checkpointing only every n-th block does not change what compiles), the FSDP units per block
+    of ``default_blocks`` (the same without the multi-token modules' blocks).
 
     ``zero_stage`` 0/1 returns a ``MoEDataParallel`` when ``dims.dp > 1`` (stage 1 also needs
     ``wrap_optimizer``), else ``model``; 2/3 returns ``model`` sharded by FSDP2. The remaining
@@ -160,7 +185,7 @@ def parallelize(model: nn.Module, dims: ParallelDims, *, activation_checkpointin
     apply_activation_checkpointing(checkpointed, compile=compile)
     # 4. Compile, per block (the all-to-all's host sync would split a whole-model graph anyway).
     if compile:
-        compile_blocks(default_blocks(model), checkpointed=checkpointed)
+        compile_blocks(compiled_blocks(model), checkpointed=checkpointed)
     # 5. Data parallelism.
     return apply_data_parallel(model, dims, bucket_cap_mb=bucket_cap_mb, zero_stage=zero_stage,
                                blocks=default_blocks(model), mixed_precision=mixed_precision,

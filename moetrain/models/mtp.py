@@ -58,6 +58,9 @@ class MTPModule(nn.Module):
         self.enorm = RMSNorm(dim, eps=norm_eps)
         self.eh_proj = nn.Linear(2 * dim, dim, bias=False)
         self.block = block
+        # It sees S - k positions, the trunk's blocks S: compiled, it gets static graphs of its own
+        # (moetrain.distributed.parallelize.compile_dynamic).
+        self.block.static_shapes = True  # type: ignore[assignment]
         self.norm = RMSNorm(dim, eps=norm_eps)
         self.keep_length = False
         """Run at the S positions of the main sequence, the last k padded (see the module docstring);

@@ -18,7 +18,12 @@ from torch._dynamo.utils import counters
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks, compile_blocks
+from moetrain.distributed.parallelize import (
+    apply_activation_checkpointing,
+    checkpoint_blocks,
+    compile_blocks,
+    compiled_blocks,
+)
 from moetrain.models.attention import rope_rows
 from moetrain.models.moe.layer import MoELayer
 from moetrain.models.transformer import Transformer
@@ -123,7 +128,7 @@ def _step_stats(model_config: ModelConfig, *, compile: bool, ac: str) -> list[li
     checkpointed = checkpoint_blocks(model, ac)
     apply_activation_checkpointing(checkpointed, compile=compile)
     if compile:
-        compile_blocks(list(model.layers) + [m.block for m in model.mtp_modules()], checkpointed=checkpointed)
+        compile_blocks(compiled_blocks(model), checkpointed=checkpointed)
     install_balancing(torch.optim.SGD(model.parameters(), lr=0.1), model)
     g = torch.Generator().manual_seed(0)
     for _ in range(2):
@@ -155,3 +160,24 @@ def _same_stats(stats: list[list[torch.Tensor]], reference: list[list[torch.Tens
     assert len(stats) == len(reference)
     return all(torch.equal(r, r_ref) and torch.allclose(s, s_ref, rtol=1e-6, atol=0)
                for (r, s), (r_ref, s_ref) in zip(stats, reference, strict=True))
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "moe"])
+def test_the_multi_token_block_is_compiled_like_the_others(ac, monkeypatch):
+    # model.mtp[0].block is a transformer block: compiled as the trunk's are (a static graph at S - 1
+    # positions), its routing statistics counted once, as eager counts them. "full" and "every_n"
+    # checkpoint the trunk's blocks only, as the activation planner counts them; "moe" its MoE layer.
+    mtp_config = ModelConfig(vocab_size=64, dim=DIM, num_layers=2, num_heads=2, max_seq_len=SEQ, mtp_depth=1)
+    model = Transformer(mtp_config, moe=MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=32), seed=0)
+    mtp_block = model.mtp_modules()[0].block
+    assert compiled_blocks(model) == [*model.layers, mtp_block]
+    assert checkpoint_blocks(model, "full") == list(model.layers)
+    assert checkpoint_blocks(model, "moe")[-1] is mtp_block.feed_forward
+    reference = _step_stats(mtp_config, compile=False, ac="none")
+    assert len(reference) == 3, "two trunk MoE layers and the multi-token block's"
+    _aot_eager(monkeypatch)
+    compiled = _step_stats(mtp_config, compile=True, ac=ac)
+    assert sum(counters["graph_break"].values()) == 0
+    # One graph at S positions (the trunk's blocks), one at S - 1 (the multi-token block).
+    assert counters["stats"]["unique_graphs"] == 2
+    assert _same_stats(compiled, reference)
