@@ -94,8 +94,8 @@ def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float 
     # The peak after the first re-plan when rebalancing (before it the home layout runs, bank and all).
     first = REBALANCE_EVERY if extra else 2
     recs = [r for r in _train(run_dir, ep, [*args, f"--train.steps={steps}"]) if "loss" in r and r["step"] > first]
-    _, _, load_SLP = rank_loads(run_dir)
-    out = {"max_over_mean_tokens": float(straggler_factors(load_SLP).mean()),
+    _, _, load_SLGP = rank_loads(run_dir)
+    out = {"max_over_mean_tokens": float(straggler_factors(load_SLGP).mean()),
            "peak_bytes": max(r["mem/peak_bytes"] for r in recs if "mem/peak_bytes" in r), "run_dir": run_dir}
     if timed:
         out["step_time_s"] = timed_step_s(run_dir.with_name(run_dir.name + "-timing"), ep, args, repeats)

@@ -59,13 +59,13 @@ def _measure(name: str, ep: int, steps: int, extra: list[str], *, reuse: bool, r
                         *extra, f"--log.run_dir={run_dir}"], cwd=ROOT, check=True, capture_output=True)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
     recs = [r for r in recs if "loss" in r and r["step"] > 2]
-    _, _, load_SLP = rank_loads(run_dir)
+    _, _, load_SLGP = rank_loads(run_dir)
     dropped = [statistics.mean(r["dropped_fraction"]) if isinstance(r.get("dropped_fraction"), list)
                else r.get("dropped_fraction", 0.0) for r in recs]
     timing = run_dir.with_name(run_dir.name + "-timing")
     reused = reuse and (timing / "metrics.jsonl").is_file()
     step_s = timed_windows_median(timing) if reused else timed_step_s(timing, ep, extra, repeats)
-    return {"hot_copies": float(load_SLP.amax(-1).mean()),  # one micro-batch per step (grad_accum 1)
+    return {"hot_copies": float(load_SLGP.amax(-1).nanmean()),  # one micro-batch per step (grad_accum 1)
             "dropped": statistics.mean(dropped), "step_s": step_s,
             "activation_peak": max(r["mem/activation_peak_bytes"] for r in recs if "mem/activation_peak_bytes" in r)}
 
