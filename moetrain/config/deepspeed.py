@@ -46,6 +46,8 @@ def load_deepspeed_config(path: str | Path) -> dict:
         ds = json.loads(Path(path).read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from e
+    except (OSError, UnicodeDecodeError) as e:  # missing, a folder, unreadable, not text
+        raise ValueError(f"--deepspeed ({str(path)!r}) must be a readable JSON file: {e}") from e
     require(isinstance(ds, dict), f"DeepSpeed config {str(path)!r}", type(ds).__name__,
             "must hold a JSON object")
     return ds

@@ -238,3 +238,6 @@ def test_deepspeed_file_needs_the_world_size(tmp_path):
     path.write_text("{not json")
     with pytest.raises(ValueError, match="not valid JSON"):
         load_config(None, [], deepspeed=path, world_size=1)
+    for missing in (tmp_path / "absent.json", tmp_path):  # no such file; a folder
+        with pytest.raises(ValueError, match=r"--deepspeed \(.*\) must be a readable JSON file"):
+            load_config(None, [], deepspeed=missing, world_size=1)
