@@ -76,7 +76,8 @@ class LogConfig:
 
     memory: bool = True
     """Measure each rank's peak bytes of parameters, gradients, optimizer states and activations on
-    the log steps (a tensor-allocation tracker; it slows the step it watches) and log them as mem/*."""
+    the log steps (a tensor-allocation tracker; it slows the step it watches) and log them as mem/*.
+    Not under train.compile: compiled code does not run under the tracker (docs/compile.md)."""
 
     comm_timing: bool = False
     """Time every collective of the expert-parallel exchanges (dispatch, combine and their backward,
