@@ -7,7 +7,7 @@
                           [--vocab-size V]
 
 ``prepare`` tokenises jsonl (.gz, .zst), parquet and saved ``datasets`` folders into token shards
-that ``data.path=DIR`` trains on (moetrain.data.prepare_corpus); rerun the same command to resume.
+that ``data.corpus=path data.path=DIR`` trains on (moetrain.data.prepare_corpus); rerun the same command to resume.
 """
 
 from __future__ import annotations

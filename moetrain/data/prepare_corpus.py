@@ -1,7 +1,7 @@
 """``moetrain data prepare``: jsonl / parquet / arrow corpora tokenised by worker processes into
 token shards, resumable after a kill.
 
-The output folder (a data source as it is: ``data.path=OUT``)::
+The output folder (a data source as it is: ``data.corpus=path``, ``data.path=OUT``)::
 
     shard-IIIII-SSSSS.bin (+ .bin.json)   the documents of records [S*shard_docs, (S+1)*shard_docs)
                                           of input I (+ .idx with --format megatron)
