@@ -74,7 +74,8 @@ def _jsonl_texts(path: Path) -> Iterator[str]:
                 record = load_json_line(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 reason = e.msg if isinstance(e, json.JSONDecodeError) else f"not UTF-8: {e.reason}"
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({reason})") from None
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({reason}; a line ends at \\n only, "
+                                 "and a blank one holds nothing but ASCII whitespace)") from None
             text = record.get("text") if isinstance(record, dict) else None
             if not isinstance(text, str):
                 # A malformed input file is bad data (ValueError), not a programming error.

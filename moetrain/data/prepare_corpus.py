@@ -349,6 +349,12 @@ def _load_progress(out: Path, identity: dict) -> Progress:
         progress.save(out)
         return progress
     state = json.loads(path.read_text(encoding="utf-8"))
+    if not state.get("shards") and not any(out.glob("shard-*.bin")):
+        # A run that stopped before its first shard (bad input, a wrong --field) left nothing to
+        # continue: the corrected command starts again here.
+        progress = Progress(identity)
+        progress.save(out)
+        return progress
     _check_identity(out, state.get("identity"), identity, "progress.json")
     return Progress(**state)
 

@@ -94,6 +94,30 @@ def test_a_prepare_killed_once_its_first_shard_is_published_is_unfinished_and_re
         assert (out / name).read_bytes() == (reference / name).read_bytes(), name
 
 
+def test_a_prepare_that_stopped_before_its_first_shard_starts_again_with_the_corrected_command(tmp_path):
+    """Bad input (or a wrong --field) stops the first run before any shard: its progress.json holds
+    nothing to continue, so the rerun on the corrected file starts again in the same folder and
+    writes what a clean run writes."""
+    from moetrain.data import prepare_corpus as pc
+    from moetrain.data.inputs import BadInputError
+
+    inp, out, reference = tmp_path / "c.jsonl", tmp_path / "out", tmp_path / "reference"
+    good = b"".join(_lines(30))
+    inp.write_bytes(b"{not json\n" + good)
+    options = {"tokenizer": "bytes", "num_workers": 0, "shard_docs": 20}
+    with pytest.raises(BadInputError, match="not valid JSON"):
+        pc.prepare_corpus([inp], pc.PrepareOptions(out_dir=out, **options), log=lambda m: None)
+    assert (out / "progress.json").is_file() and not any(out.glob("shard-*.bin"))
+    inp.write_bytes(good)  # the bad line deleted: another size and time, the identity changes
+    pc.prepare_corpus([inp], pc.PrepareOptions(out_dir=out, **options), log=lambda m: None)
+    pc.prepare_corpus([inp], pc.PrepareOptions(out_dir=reference, **options), log=lambda m: None)
+    names = sorted(p.name for p in reference.iterdir() if not p.name.startswith("."))
+    assert names == sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+    assert len([n for n in names if n.endswith(".bin")]) == 2
+    for name in names:
+        assert (out / name).read_bytes() == (reference / name).read_bytes(), name
+
+
 def _reference_mixing_order(num_windows, weights):
     """(source, window) of the mixing order up to the first repeat, by exact keys (k + 1/2) / w_s,
     ties to the lower source: the rule of moetrain.data.mixture, computed without it."""

@@ -47,7 +47,8 @@ RULE = ("a resume continues the same model, so every model field and the moe fie
         "(`moetrain export`) and start a new run from its weights with --checkpoint.init_from. A resume "
         "may change the training settings: the losses and their coefficients, the capacity factor and "
         "drop policy, the dispatch settings and expert_impl, the balancing and collapse settings, "
-        "model.dropout, and every train, optim and parallel field (docs/checkpoints.md)")
+        "model.dropout, and the train, optim and parallel fields but the global batch, train.seed and "
+        "optim.name (docs/checkpoints.md)")
 
 
 def _plain(value: Any) -> Any:
