@@ -232,7 +232,10 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, skew: str | No
                              "the dp x ep layouts")
     E, K = moe.num_experts, moe.top_k
     vectors = spec_shares(skew, num_experts=E, top_k=K) if skew is not None else trace_shares(routing_trace or "")
-    if not vectors or any(v.numel() != E for v in vectors):
+    if not vectors:
+        raise ValueError(f"--routing-trace ({routing_trace!r}) holds no complete step (every step lacks the file "
+                         "of some rank): nothing to plan from")
+    if any(v.numel() != E for v in vectors):
         raise ValueError(f"--routing-trace ({routing_trace!r}): its experts do not match moe.num_experts ({E})")
     micro, accum, _ = planned_micro_batch(cfg.train, nproc)
     t = cfg.train

@@ -167,6 +167,11 @@ class PipelineStep:
         dist.all_reduce(loss_sum, group=self.pp_group)  # the last stage's losses to every rank
         return lm_metrics(loss_sum, num_tokens, self.dims)
 
+    def discard_timings(self) -> None:
+        """Drop the stage timings since the last ``metrics`` (an evaluation's forwards)."""
+        for chunk in self.pm.chunks:
+            chunk.timer.read()
+
     def metrics(self, balancer=None) -> dict:
         """Per-stage timings since the last call, ``pp_time/stage<s>_forward`` and ``_backward``
         (compute seconds per step on the stage's rank) and ``pp_time/rank<r>_step`` (the whole

@@ -427,6 +427,8 @@ class Trainer:
             if evaluate or test:  # evaluation's exchanges are no window's: the next counts its training alone
                 collect_comm_stats(self.model)
                 collect_comm_times(self.model, self.parallel_model, self.optimizer)
+                if self.pipeline is not None:  # and its stages' forward spans
+                    self.pipeline.discard_timings()
         self.metrics.log(self.step, metrics)
         return metrics
 

@@ -174,3 +174,25 @@ def test_evaluation_exchanges_stay_out_of_the_next_window(tmp_path, shakespeare_
         assert {k for k in evaluated if k.startswith(("a2a_", "comm_calls/", "comm_time/"))} == \
             {k for k in plain if k.startswith(("a2a_", "comm_calls/", "comm_time/"))}
         assert {k: evaluated[k] for k in counters} == {k: plain[k] for k in counters}
+
+
+def _stage_spans_left(rank: int, world_size: int, overrides: list[str]) -> dict:
+    from moetrain.train.trainer import Trainer
+
+    trainer = Trainer(load_config(None, overrides))
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    assert trainer.pipeline is not None
+    # What the stage timers hold after the last log step (its evaluation ran after its read).
+    return {k: v for chunk in trainer.pipeline.pm.chunks for k, v in chunk.timer.read(reset=False).items()
+            if k.startswith("comm_calls/")}
+
+
+def test_evaluation_forwards_stay_out_of_the_next_windows_stage_timings(tmp_path, shakespeare_cached):
+    # pp = 2: the last log step reads the stage timers, then evaluates (forward-only schedules
+    # through the same stages); the next window must start from none of those spans.
+    left = run_ranks(_stage_spans_left, 2, job_overrides(tmp_path / "pp", steps=2, extra=(
+        "--parallel.pp=2", "--log.every=2", "--train.eval_every=2", "--train.eval_steps=2")), timeout_s=150)
+    assert left == [{}, {}], left

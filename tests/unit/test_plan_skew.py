@@ -143,3 +143,7 @@ def test_a_counts_trace_is_planned_from_its_recorded_loads(tmp_path, capsys):
     checks = json.loads(capsys.readouterr().out)["buffer_checks"]
     # The recorded counts scaled to one micro-batch (1024 copies): 768 and 256; planned = mean + 3 sigma, capped.
     assert [(c["drawn_copies"], c["planned_copies"]) for c in checks] == [(1024, 1120), (512, 512), (512, 580)]
+    # Rank 1's file gone (a rank that died): no step is complete, and the error says so.
+    (folder / step_file(1, 1)).unlink()
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match="holds no complete step"):
+        make_skew_plan(load_config(None, overrides), nproc=2, routing_trace=str(tmp_path))
