@@ -277,6 +277,7 @@ def test_the_weight_average_adds_its_lerp_to_the_optimizer_time(stage):
 
 
 @pytest.mark.slow
+@pytest.mark.slow  # two spawned gloo processes: the multi-process tier's, not the unit tier's
 def test_calibration_measures_two_real_processes(tmp_path):
     from moetrain.plan.calibrate import main
 
