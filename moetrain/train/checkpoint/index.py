@@ -167,13 +167,7 @@ def load_model_weights(path: str | os.PathLike, *,
     tensors = {key[len("model."):]: saved_like(metadata, key) for key in metadata.state_dict_metadata
                if key.startswith("model.")}
     state: dict[str, Any] = {"model": tensors, "trainer": saved_like(metadata, "trainer", torch.uint8)}
-    try:
-        with warnings.catch_warnings():
-            # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
-            warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
-            dcp.load(state, storage_reader=reader, no_dist=True)
-    except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
+    _load_in_this_process(path, reader, state)
     return state["model"], json_entry(path, state, "trainer")
 
 
@@ -186,10 +180,16 @@ def read_trainer_state(path: str | os.PathLike) -> Any:
     if "trainer" not in metadata.state_dict_metadata:
         raise CheckpointError(f"checkpoint {str(path)!r} has no trainer entry")
     state: dict[str, Any] = {"trainer": saved_like(metadata, "trainer", torch.uint8)}
+    _load_in_this_process(path, reader, state)
+    return json_entry(path, state, "trainer")
+
+
+def _load_in_this_process(path: Path, reader: SafeReader, state: dict[str, Any]) -> None:
+    """``dcp.load`` of ``state`` from ``path`` without a process group; any failure a CheckpointError."""
     try:
         with warnings.catch_warnings():
+            # "torch.distributed is ... uninitialized, assuming ... a single process": intended.
             warnings.filterwarnings("ignore", message="torch.distributed is", category=UserWarning)
             dcp.load(state, storage_reader=reader, no_dist=True)
     except (Exception, CheckpointException) as e:
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {type(e).__name__}: {e}") from e
-    return json_entry(path, state, "trainer")
