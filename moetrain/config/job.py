@@ -136,14 +136,7 @@ class JobConfig:
                     'needs model.head = "lm": a classifier reads one labelled corpus (data.corpus)')
             require(not self.data.document_mask, "data.document_mask", self.data.document_mask,
                     'needs model.head = "lm": a classifier\'s examples are not packed')
-        require(not self.finetune.enabled or par.tp == 1, "parallel.tp", par.tp,
-                "must be 1 with LoRA (finetune.lora_rank > 0): the adapters are not split by tensor parallelism")
-        lora_experts = self.finetune.lora_rank > 0 and "experts" in self.finetune.lora_targets
-        require(not lora_experts or par.etp == 1, "parallel.etp", par.etp,
-                "must be 1 with LoRA on the routed experts (finetune.lora_targets): the adapters are not split by etp")
-        require(not lora_experts or self.moe.expert_lr_scale_max == 1.0, "moe.expert_lr_scale_max",
-                self.moe.expert_lr_scale_max, "must be 1.0 with LoRA on the routed experts (finetune.lora_targets): "
-                "the per-expert learning rate scales the expert weights, which LoRA freezes")
+        self._check_lora()
         # "auto" on a machine without CUDA resolves to cpu: refused when the processes start.
         require(par.backend != "nccl" or self.train.device != "cpu", "parallel.backend", par.backend,
                 'needs train.device "cuda" or "auto" (train.device is "cpu"): NCCL runs on GPUs only; use "gloo" '
@@ -156,6 +149,17 @@ class JobConfig:
         ckpt = self.train.activation_checkpointing
         require(ckpt != "moe" or m.is_moe, "train.activation_checkpointing", ckpt,
                 'cannot be "moe" for a dense model (model.moe_every = 0)')
+
+    def _check_lora(self) -> None:
+        par = self.parallel
+        require(not self.finetune.enabled or par.tp == 1, "parallel.tp", par.tp,
+                "must be 1 with LoRA (finetune.lora_rank > 0): the adapters are not split by tensor parallelism")
+        lora_experts = self.finetune.lora_rank > 0 and "experts" in self.finetune.lora_targets
+        require(not lora_experts or par.etp == 1, "parallel.etp", par.etp,
+                "must be 1 with LoRA on the routed experts (finetune.lora_targets): the adapters are not split by etp")
+        require(not lora_experts or self.moe.expert_lr_scale_max == 1.0, "moe.expert_lr_scale_max",
+                self.moe.expert_lr_scale_max, "must be 1.0 with LoRA on the routed experts (finetune.lora_targets): "
+                "the per-expert learning rate scales the expert weights, which LoRA freezes")
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different data: parallel.dp, or world / (tp * pp) when dp is -1 (auto)."""
