@@ -106,7 +106,7 @@ def _train_and_report(args: argparse.Namespace, cfg) -> tuple[int, int]:
     try:
         final = trainer.fit()
         if not trainer.interrupted:
-            sample = trainer.generate(args.prompt, max_new_tokens=args.sample_tokens) if args.sample_tokens else None
+            sample = _sample(trainer, args.prompt, args.sample_tokens) if args.sample_tokens else None
         # A last collective that every rank waits in: the run's final collectives (the
         # checkpoint's outcome broadcast) leave gloo worker threads releasing Python-owned tensors
         # just after the ranks return from them, and this hands them the GIL while every rank is
@@ -146,3 +146,18 @@ def run_config_show(args: argparse.Namespace, overrides: list[str]) -> int:
 
     print(format_config(load_job(args, overrides, world=world_size(args, default=None))))
     return 0
+
+
+def _sample(trainer, prompt: str, max_new_tokens: int) -> str:
+    """``prompt`` continued by the trained model, with its weight average if it keeps one (collective:
+    every rank runs the same computation)."""
+    from moetrain.train.generation import sample_text
+
+    data = trainer.data
+    if data.tokenizer is None:
+        raise ValueError("data.path holds pre-tokenised .bin files: no tokenizer to decode samples")
+    assert trainer.pipeline is None, "sampling needs the whole model (the command line refuses it under pp)"
+    trainer.parallel_model.eval()
+    with trainer.averaged_weights():
+        return sample_text(trainer.model, data.tokenizer, prompt, context=trainer.cfg.data.seq_len,
+                           device=trainer.device, fallback_id=data.eos_id or 0, max_new_tokens=max_new_tokens)

@@ -44,7 +44,6 @@ from moetrain.train.classification import classification_loss, describe_classes
 from moetrain.train.evaluate import evaluate_classifier, evaluate_lm
 from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
 from moetrain.train.flops import peak_flops
-from moetrain.train.generation import sample_text
 from moetrain.train.init_from import load_initial_weights
 from moetrain.train.metrics import MetricsLogger, MetricsWindow, ProgressBar, StepSums, run_tags
 from moetrain.train.optim import build_optimizer, build_scheduler, optimizer_settings
@@ -210,7 +209,9 @@ class Trainer:
             is_main=self.is_main, start_step=self.step, tp=self.dims.tp,
             tp_rank=self.dims.tp_rank if self.dims.tp > 1 else 0)
         self.peak_flops = peak_flops(self.device, self.cfg.train.dtype)
-        if lc.memory and self.cfg.train.compile:
+        # Dynamo runs no compiled frame under the tracker (a dispatch mode): a tracked step would be eager.
+        self.track_memory = lc.memory and not self.cfg.train.compile
+        if lc.memory and not self.track_memory:
             log.info("log.memory: no mem/* peaks under train.compile (compiled code runs no step under the tracker)")
         self.memory_metrics: dict = {}
         self.window = MetricsWindow()
@@ -226,13 +227,9 @@ class Trainer:
         self.parallel_model.train()
         self._step_sums = StepSums()
         # Memory is measured on log steps only (a dispatch-mode tracker slows the step it
-        # watches), and not in the first two steps, where DDP still rebuilds its buckets. Not under
-        # train.compile: dynamo runs no compiled frame while a dispatch mode is active, so a
-        # tracked step would be the eager model's.
-        track = (self.cfg.log.memory and not self.cfg.train.compile and self.step + 1 >= 3
-                 and (self.step + 1) % self.cfg.log.every == 0)
+        # watches), and not in the first two steps, where DDP still rebuilds its buckets.
         tracker = None
-        if track:
+        if self.track_memory and self.step + 1 >= 3 and (self.step + 1) % self.cfg.log.every == 0:
             averages = self.ema.tensors() if self.ema is not None else ()
             tracker = MemoryTracker(self.parallel_model, self.optimizer, averages)
         self.routing.start_step(self.step + 1)
@@ -369,13 +366,17 @@ class Trainer:
         m.update(data_parallel.grad_comm_metrics(self.parallel_model))  # grad_bytes, grad_bytes_ratio_vs_fp32
         m.update(self.memory_metrics)
         self.memory_metrics = {}
-        if self.dims.ep_enabled or self.dims.etp > 1:
-            m.update(collect_comm_stats(self.model).as_metrics())  # over the window
-            m["a2a_bytes_per_step"] = m["a2a_bytes"] / max(w.steps, 1)
-        times = collect_comm_times(self.model, self.parallel_model, self.optimizer)
-        m.update({k: v / max(w.steps, 1) for k, v in times.items()})  # per step
+        m.update(self._comm_since_last_read(w.steps))
         self.window = MetricsWindow()
         return m
+
+    def _comm_since_last_read(self, steps: int) -> dict:
+        """The exchanges' bytes and the timed communication since the last read, per step (reading resets them)."""
+        m = collect_comm_stats(self.model).as_metrics() if self.dims.ep_enabled or self.dims.etp > 1 else {}
+        if m:
+            m["a2a_bytes_per_step"] = m["a2a_bytes"] / max(steps, 1)
+        times = collect_comm_times(self.model, self.parallel_model, self.optimizer)
+        return m | {k: v / max(steps, 1) for k, v in times.items()}
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -425,8 +426,7 @@ class Trainer:
             if test:
                 metrics.update(self.evaluate("test"))
             if evaluate or test:  # evaluation's exchanges are no window's: the next counts its training alone
-                collect_comm_stats(self.model)
-                collect_comm_times(self.model, self.parallel_model, self.optimizer)
+                self._comm_since_last_read(1)
                 if self.pipeline is not None:  # and its stages' forward spans
                     self.pipeline.discard_timings()
         self.metrics.log(self.step, metrics)
@@ -439,18 +439,6 @@ class Trainer:
         good = self._last_good
         path = self.checkpointer.saved(good["step"]) or self.checkpointer.save(good, wait=True)
         raise self.skips.error(self.step, last_good_step=good["step"], path=path)
-
-    def generate(self, prompt: str, *, max_new_tokens: int = 100, temperature: float = 0.8, top_k: int = 50,
-                 seed: int = 0) -> str:
-        """Sample a continuation (collective: every rank runs the same computation)."""
-        if self.data.tokenizer is None:
-            raise ValueError("data.path holds pre-tokenised .bin files: no tokenizer to decode samples")
-        assert self.pipeline is None, "sampling needs the whole model (the command line refuses it under pp)"
-        self.parallel_model.eval()
-        with self.averaged_weights():
-            return sample_text(self.model, self.data.tokenizer, prompt, context=self.cfg.data.seq_len,
-                               device=self.device, fallback_id=self.data.eos_id or 0, max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_k=top_k, seed=seed)
 
     def barrier(self) -> None:
         runtime.barrier()
