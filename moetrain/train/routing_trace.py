@@ -19,10 +19,14 @@ recording needs no collective:
   Replay at any layout reassembles the global ``[T, K]`` ids from the blocks and hands each rank
   its own.
 
-The recorder reads the routers' output through forward hooks it registers itself (in training
-mode, and not in an activation-checkpointing recompute); the replay sets ``router.replay_idx_TK``
-before each micro-batch and clears it after the step. Reading a trace (its index, a step's ids, the
-per-expert and per-rank loads): :mod:`moetrain.train.routing_trace_read`.
+"counts" reads each MoE layer's ``trace_routed_E``, which the layer adds to in every training forward
+with its routing statistics (``MoELayer.record_step_stats``: not in an activation-checkpointing
+recompute, nor in the pipeline's shape inference), inside the compiled graph under ``train.compile``;
+the recorder zeroes it before a recorded step and reads it after. "full" reads the routers' output
+through forward hooks it registers itself (in training mode, and not in a recompute); under
+``train.compile`` dynamo traces the hook, which splits each MoE block's graph. The replay sets
+``router.replay_idx_TK`` before each micro-batch and clears it after the step. Reading a trace (its
+index, a step's ids, the per-expert and per-rank loads): :mod:`moetrain.train.routing_trace_read`.
 
 Shape legend: T tokens, E experts, K experts per token, A micro-batches per step, L MoE layers.
 """
@@ -109,9 +113,14 @@ class RoutingRecorder:
         self.folder = run_dir / TRACE_DIR
         self.layers = moe_layers(model)
         self.active = False
-        self._counts: dict[str, torch.Tensor] = {}
         self._ids: dict[str, list[torch.Tensor]] = {}
-        self._handles = [layer.router.register_forward_hook(self._hook(name)) for name, layer in self.layers]
+        self._handles = [] if mode == "counts" else [layer.router.register_forward_hook(self._hook(name))
+                                                      for name, layer in self.layers]
+        # "counts" needs the layers' routing statistics, which the balancer turns on (the trainer
+        # installs it for every MoE model); the recorder turns on those it finds off, and off again.
+        self._tracking = [layer for _, layer in self.layers if mode == "counts" and not layer.track_routing_stats]
+        for layer in self._tracking:
+            layer.track_routing_stats = True
         # The layer names of every rank (pipeline stages hold different layers): one gather at setup.
         names = [name for name, _ in self.layers]
         every_names: list[list[str]] = [names]
@@ -142,11 +151,7 @@ class RoutingRecorder:
             # (a graph task is executing) routes the same tokens a second time.
             if not (self.active and router.training) or torch._C._current_graph_task_id() != -1:
                 return
-            idx_TK = out.idx_TK.detach()
-            if self.mode == "counts":
-                self._counts[name] += torch.bincount(idx_TK.reshape(-1), minlength=self.geometry.num_experts)
-            else:
-                self._ids[name].append(idx_TK.to("cpu", torch.int16))
+            self._ids[name].append(out.idx_TK.detach().to("cpu", torch.int16))
         return hook
 
     def start_step(self, step: int) -> None:
@@ -157,8 +162,7 @@ class RoutingRecorder:
             return
         for name, layer in self.layers:
             if self.mode == "counts":
-                self._counts[name] = torch.zeros(self.geometry.num_experts, dtype=torch.int64,
-                                                 device=layer.tokens_per_expert.device)
+                layer.trace_routed_E.zero_()  # outside the compiled graph: no recompile
             else:
                 self._ids[name] = []
 
@@ -168,7 +172,8 @@ class RoutingRecorder:
         self.active = False
         tensors: dict[str, torch.Tensor] = {}
         if self.mode == "counts":
-            tensors = {f"counts.{n}": c.to("cpu", torch.int32) for n, c in self._counts.items()}  # host sync
+            # host sync
+            tensors = {f"counts.{n}": layer.trace_routed_E.to("cpu", torch.int32) for n, layer in self.layers}
         else:
             starts = [run for m in range(self.num_micro) for run in self.geometry.runs(m)]
             tensors["blocks"] = torch.tensor(starts, dtype=torch.int64)
@@ -194,6 +199,8 @@ class RoutingRecorder:
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+        for layer in self._tracking:
+            layer.track_routing_stats = False
 
 
 class RoutingReplay:

@@ -69,6 +69,10 @@ class MoEAux:
     tokens: set only while the layer tracks routing statistics (``MoELayer.record_step_stats``
     adds them up)."""
     num_tokens: int = 0
+    local_routed_per_expert: torch.Tensor | None = None
+    """This rank's routed copies per global expert (int64, before drops, not summed over any
+    group), as the dispatcher counts them: what a ``counts`` routing trace records. Expert choice:
+    this rank's tokens per expert (each is a candidate of every expert)."""
 
     @property
     def dropped_fraction(self) -> torch.Tensor:
@@ -86,6 +90,7 @@ class MoELayer(nn.Module):
     tokens_per_expert: torch.Tensor
     step_routed_E: torch.Tensor
     step_local_stats: torch.Tensor
+    trace_routed_E: torch.Tensor
     # Registered only when their feature is on (see __init__); read only then.
     capacity_factor_now: torch.Tensor
     expert_lr_scale: torch.Tensor
@@ -144,6 +149,10 @@ class MoELayer(nn.Module):
         self.balancing_installed = False
         self.register_buffer("step_routed_E", torch.zeros(c.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("step_local_stats", torch.zeros(4, dtype=torch.float64), persistent=False)
+        # This rank's routed copies per expert (not all-reduced), added next to the step statistics
+        # and never zeroed by the balancer: the routing-trace recorder zeroes it before a recorded
+        # step and reads it after (recorded in the compiled graph, not by a hook that splits it).
+        self.register_buffer("trace_routed_E", torch.zeros(c.num_experts, dtype=torch.int64), persistent=False)
 
         # Balancing state, registered only when its feature is on (so default checkpoints keep
         # their keys) and persistent (a resumed run continues with the same values).
@@ -275,7 +284,7 @@ class MoELayer(nn.Module):
     def _token_choice_aux(self, x, routing, d, z, num_tokens: int, sequence_ids: torch.Tensor | None = None,
                           num_sequences: int | None = None) -> MoEAux:
         c = self.config
-        num_routed_E = d.num_routed_per_expert
+        local_routed_E = num_routed_E = d.num_routed_per_expert
         num_balance_tokens: int | torch.Tensor = num_tokens
         # Masked (real tokens only), the ranks hold different token counts: the global count is
         # the routed copies over K, and each rank's token means are taken over the mean count per
@@ -308,7 +317,8 @@ class MoELayer(nn.Module):
                                      num_tokens=num_balance_tokens) * token_share
         return MoEAux(loss=self.aux_loss_coef * lb + c.z_loss_coef * z, load_balancing=lb, z_loss=z,
                       num_routed_per_expert=num_routed_E, num_dropped=d.num_dropped,
-                      num_routed=num_tokens * c.top_k, num_token_rank_sends=d.num_token_rank_sends)
+                      num_routed=num_tokens * c.top_k, num_token_rank_sends=d.num_token_rank_sends,
+                      local_routed_per_expert=local_routed_E)
 
     def _global_batch_loss(self, probs_TE: torch.Tensor) -> torch.Tensor:
         """``E * sum_e f_e * P_e``, f_e from the previous optimizer step's global counts and P_e
@@ -336,7 +346,8 @@ class MoELayer(nn.Module):
             self.tokens_per_expert.copy_(num_taken_E)
         lb = torch.zeros((), dtype=torch.float32, device=z.device)  # balanced by construction
         return MoEAux(loss=c.z_loss_coef * z, load_balancing=lb, z_loss=z, num_routed_per_expert=num_taken_E,
-                      num_dropped=num_skipped, num_routed=num_tokens)
+                      num_dropped=num_skipped, num_routed=num_tokens,
+                      local_routed_per_expert=d.num_routed_per_expert)
 
     @torch.no_grad()
     def record_step_stats(self, aux: MoEAux) -> None:
@@ -350,6 +361,8 @@ class MoELayer(nn.Module):
             return
         assert aux.routing_entropy is not None, "set by a forward that tracks routing statistics"
         self.step_routed_E.add_(aux.num_routed_per_expert)
+        if aux.local_routed_per_expert is not None:
+            self.trace_routed_E.add_(aux.local_routed_per_expert)
         self.step_local_stats[STAT_DROPPED] += aux.num_dropped.to(torch.float64)
         self.step_local_stats[STAT_ROUTED] += aux.num_routed
         self.step_local_stats[STAT_ENTROPY] += aux.routing_entropy.to(torch.float64)
