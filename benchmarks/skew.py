@@ -1,7 +1,7 @@
 """Skewed routing workloads (moe.force_skew) against forced balance, at ep=2 and ep=4, in one run.
 
     python benchmarks/skew.py [--steps 8] [--json] [--rebalance] [--ep 2 4] [--skews zipf:1.2 ...]
-                              [--capacities dropless capacity1.25] [--repeats 1]
+                              [--capacities dropless capacity1.25] [--repeats 1] [--model small | wide]
 
 For each ep in (2, 4) (that many CPU gloo processes, dp = ep), each capacity setting (dropless, and
 moe.capacity_factor 1.25) and each routing (balanced = moe.force_balance round_robin, exactly T*K/E
@@ -18,6 +18,11 @@ experts top-2, 16 sequences of 64 tokens per step, fp32) for ``--steps`` steps a
   0..E/ep-1: the hottest rank under zipf and hot (under drift the hot expert moves over the ranks);
 
 and prints each as a ratio to the balanced run of the same ep and capacity setting.
+
+``--model wide`` trains the same model at dim 128, expert hidden 512 and 128-token sequences (8x the
+expert FLOPs per token, twice the tokens): the small model's step is mostly the host's dispatch of its
+operations, so a skew moves it by a few percent; the wide one's expert GEMMs are most of its step, as
+at real widths on GPUs, so the hot rank's extra work (and what rebalancing takes off it) shows.
 
 ``--rebalance`` adds, for each ep, rows with expert rebalancing (settings "... rebalance":
 parallel.expert_slots_per_rank = E/ep + 1, one spare slot per rank, moe.rebalance_every 4) on
@@ -54,6 +59,8 @@ MODEL = ["--model.dim=64", "--model.num_layers=2", "--model.num_heads=4", "--mod
          "--log.progress_bar=false", "--log.tensorboard=false", "--moe.aux_loss_coef=0"]
 
 
+WIDE = ["--model.dim=128", "--moe.expert_hidden_dim=512", "--model.max_seq_len=128", "--data.seq_len=128"]
+"""Overrides of ``--model wide``: the expert GEMMs most of the step."""
 REBALANCE_EVERY = 4
 TIMING_STEPS, TIMING_LOG_EVERY = 25, 5
 """The timing run: 5 windows of 5 steps, the first one (warm-up, the first re-plan) left out."""
@@ -86,11 +93,11 @@ def timed_windows_median(run_dir: Path) -> float:
 
 
 def _run(name: str, *, ep: int, steps: int, routing: list[str], capacity: float | None,
-         extra: tuple[str, ...] = (), timed: bool = True, repeats: int = 1) -> dict:
+         extra: tuple[str, ...] = (), timed: bool = True, repeats: int = 1, width: tuple[str, ...] = ()) -> dict:
     from moetrain.train.routing_trace import rank_loads, straggler_factors
 
-    run_dir = ROOT / "runs" / f"bench-skew-{name}"
-    args = [*routing, *([] if capacity is None else [f"--moe.capacity_factor={capacity}"]), *extra]
+    run_dir = ROOT / "runs" / f"bench-skew{'-wide' if width else ''}-{name}"
+    args = [*width, *routing, *([] if capacity is None else [f"--moe.capacity_factor={capacity}"]), *extra]
     # The peak after the first re-plan when rebalancing (before it the home layout runs, bank and all).
     first = REBALANCE_EVERY if extra else 2
     recs = [r for r in _train(run_dir, ep, [*args, f"--train.steps={steps}"]) if "loss" in r and r["step"] > first]
@@ -119,16 +126,17 @@ def _rebalance_figures(path: Path) -> dict:
             "migration_s": statistics.median(r["after_step_s"] for r in recs if r["rebalanced"])}
 
 
-def _rebalance_runs(ep: int, steps: int, capacities: list[str], repeats: int) -> list[tuple[str, dict]]:
+def _rebalance_runs(ep: int, steps: int, capacities: list[str], repeats: int,
+                    width: tuple[str, ...]) -> list[tuple[str, dict]]:
     """(setting, figures) of the rebalanced runs at ``ep`` and the unrebalanced trace run (the
     capacity row only with "capacity1.25" in ``capacities``)."""
     extra = (f"--parallel.expert_slots_per_rank={8 // ep + 1}", f"--moe.rebalance_every={REBALANCE_EVERY}")
     # Long enough for the timing run's replay too.
     recorded = _run(f"ep{ep}-record", ep=ep, steps=max(steps, TIMING_STEPS), routing=["--log.routing_trace=full"],
-                    capacity=None, timed=False)
+                    capacity=None, timed=False, width=width)
     trace = [f"--moe.force_skew=trace:{recorded['run_dir']}"]
     zipf = ["--moe.force_skew=zipf:1.2"]
-    run = partial(_run, ep=ep, steps=steps, repeats=repeats)
+    run = partial(_run, ep=ep, steps=steps, repeats=repeats, width=width)
     rows = [("zipf:1.2 dropless rebalance", run(f"ep{ep}-zipf-rebalance", routing=zipf, capacity=None, extra=extra))]
     if "capacity1.25" in capacities:
         rows.append(("zipf:1.2 capacity1.25 rebalance", run(f"ep{ep}-zipf-cap-rebalance", routing=zipf,
@@ -160,7 +168,10 @@ def main() -> None:
     p.add_argument("--skews", nargs="+", default=list(SKEWS), choices=SKEWS, help="the skews without rebalancing")
     p.add_argument("--capacities", nargs="+", default=list(CAPACITY), choices=list(CAPACITY))
     p.add_argument("--repeats", type=int, default=1, help="timing runs per job (the median of their medians)")
+    p.add_argument("--model", choices=("small", "wide"), default="small",
+                   help="the small model, or the same at 8x the expert work per token (see the docstring)")
     a = p.parse_args()
+    width = tuple(WIDE) if a.model == "wide" else ()
     rows = []
 
     def emit(row: dict) -> None:
@@ -172,7 +183,7 @@ def main() -> None:
         p.error("--rebalance needs the dropless capacity setting (its balanced run is the rows' base)")
     for ep in a.ep:
         bases: dict[str, dict] = {}
-        run = partial(_run, ep=ep, steps=a.steps, repeats=a.repeats)
+        run = partial(_run, ep=ep, steps=a.steps, repeats=a.repeats, width=width)
         for cap_name in a.capacities:
             capacity = CAPACITY[cap_name]
             base = bases[cap_name] = run(f"ep{ep}-{cap_name}-balanced", routing=["--moe.force_balance=round_robin"],
@@ -182,7 +193,7 @@ def main() -> None:
                                                           routing=[f"--moe.force_skew={skew}"], capacity=capacity)
                 emit(_row(f"{skew} {cap_name}", ep, got, base))
         if a.rebalance:
-            for setting, got in _rebalance_runs(ep, a.steps, a.capacities, a.repeats):
+            for setting, got in _rebalance_runs(ep, a.steps, a.capacities, a.repeats, width):
                 emit(_row(setting, ep, got, bases["capacity1.25" if "capacity" in setting else "dropless"]))
     if not a.json:
         print("| setting | ep | max/mean rank tokens | step time vs balanced | peak memory vs balanced | step s "
