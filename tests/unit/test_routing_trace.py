@@ -1,6 +1,8 @@
 """The routing-trace recorder on a tiny stack of MoE layers, its per-rank loads and straggler factor
 (worked by hand), and the report's heat map; replay through the router (R3: ids fixed, gate weights
-the router's own differentiable scores). End to end: tests/integration/test_routing_trace.py."""
+the router's own differentiable scores); the counts the layers record equal the ids their routers
+returned in training forwards (masked tokens, expert choice, forced and replayed routing, the MoE
+layers checkpointed). End to end: tests/integration/test_routing_trace.py."""
 
 from __future__ import annotations
 
@@ -170,3 +172,66 @@ def test_forced_skew_under_tp_hands_each_rank_its_sequence_shard():
     whole = routed(1, 0).view(2, 4, 8, K)  # [L, B, S, K]
     halves = [routed(2, r).view(2, 4, 4, K) for r in range(2)]
     assert torch.equal(torch.cat(halves, dim=2), whole)
+
+
+COUNT_VARIANTS = {
+    "top_k": ({}, False),
+    "masked": ({}, True),  # only the real tokens are routed
+    "masked_capacity": ({"capacity_factor": 1.0}, True),  # every position is routed (capacity is a share of all)
+    "expert_choice": ({"router": "expert_choice", "capacity_factor": 1.0}, False),
+    "round_robin": ({"force_balance": "round_robin"}, False),
+    "random": ({"force_balance": "random"}, False),
+    "replay": ({}, False),
+}
+
+
+@pytest.mark.parametrize("variant", list(COUNT_VARIANTS))
+@pytest.mark.parametrize("ac", ["none", "moe"])
+def test_counts_are_the_ids_each_training_forward_routed(tmp_path, variant, ac):
+    # The reference is what the router returned in each training forward (not in the recompute of a
+    # checkpoint, nor in evaluation), counted per expert over the step's two micro-batches: what the
+    # router hook of the counts mode recorded before the layers counted it themselves.
+    from moetrain.distributed.parallelize import apply_activation_checkpointing, checkpoint_blocks
+
+    overrides, masked = COUNT_VARIANTS[variant]
+    torch.manual_seed(0)
+    model = nn.Sequential(*(MoELayer(D, MoEConfig(num_experts=E, top_k=K, expert_hidden_dim=16, **overrides))
+                            for _ in range(2)))
+    apply_activation_checkpointing(checkpoint_blocks(model, ac), compile=False)
+    rec = RoutingRecorder(model, mode="counts", every=1, run_dir=tmp_path, geometry=_geometry(8), num_micro=2,
+                          rank=0, world_size=1, ep=1, is_main=True, start_step=0)
+    assert all(layer.track_routing_stats and not layer.router._forward_hooks for layer in model)
+    routed: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def seen(i):
+        def hook(router, args, out):
+            if router.training and torch._C._current_graph_task_id() == -1:
+                routed[i].append(out.idx_TK.detach().reshape(-1))
+        return hook
+
+    handles = [layer.router.register_forward_hook(seen(i)) for i, layer in enumerate(model)]
+    for step in (1, 2):
+        routed = {0: [], 1: []}
+        rec.start_step(step)
+        for _ in range(2):
+            x_BSD = torch.randn(2, 4, D, requires_grad=True)
+            mask_BS = torch.tensor([[True, True, True, False], [True, False, False, False]]) if masked else None
+            model.train()
+            for layer in model:
+                if variant == "replay":
+                    layer.router.replay_idx_TK = torch.randint(0, E, (8, K))
+                out, _ = layer(x_BSD, mask_BS) if masked else layer(x_BSD)
+                out.sum().backward()
+            model.eval()
+            with torch.no_grad():
+                [layer(x_BSD) for layer in model]  # evaluation: not counted
+        rec.finish_step()
+        path = tmp_path / TRACE_DIR / step_file(step, 0)
+        tensors, _ = read_header(path)
+        for i in range(2):
+            expected = torch.bincount(torch.cat(routed[i]), minlength=E)
+            assert torch.equal(read_tensor(tensors[f"counts.{i}"], path).long(), expected), (step, i)
+    for h in handles:
+        h.remove()
+    rec.remove()
+    assert not any(layer.track_routing_stats for layer in model), "the recorder turns off what it turned on"
