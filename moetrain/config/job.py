@@ -160,6 +160,12 @@ class JobConfig:
         require(not lora_experts or self.moe.expert_lr_scale_max == 1.0, "moe.expert_lr_scale_max",
                 self.moe.expert_lr_scale_max, "must be 1.0 with LoRA on the routed experts (finetune.lora_targets): "
                 "the per-expert learning rate scales the expert weights, which LoRA freezes")
+        only_experts = self.finetune.lora_targets == ("experts",) and self.model.head != "classifier"
+        require(not (self.finetune.enabled and only_experts and par.ep > 1) or self.dp.grad_compression == "none",
+                "dp.grad_compression", self.dp.grad_compression,
+                f'must be "none" with LoRA on the routed experts only (finetune.lora_targets) at parallel.ep '
+                f"({par.ep}) > 1: no replicated gradient is left to compress (the expert adapters are ep shards, "
+                "reduced uncompressed after the backward)")
 
     def data_parallel_size(self, world_size: int) -> int:
         """Ranks that see different data: parallel.dp, or world / (tp * pp) when dp is -1 (auto)."""

@@ -58,6 +58,7 @@ from torch.autograd import Variable
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from moetrain.config.base import require
 from moetrain.config.dp import check_grad_compression
 from moetrain.config.job import JobConfig
 from moetrain.config.parallel import ParallelConfig
@@ -308,9 +309,13 @@ def apply_data_parallel(model: nn.Module, dims: ParallelDims, *, bucket_cap_mb: 
         return TensorParallelDataParallel(model, dims)
     if dims.dp == 1:
         return model
-    if grad_compression == "none" and not any(p.requires_grad and not is_expert_shard(p) for p in model.parameters()):
+    if not any(p.requires_grad and not is_expert_shard(p) for p in model.parameters()):
         # Only expert shards train (LoRA on the routed experts alone): DDP refuses a module with no
         # trainable parameter of its own, and finalize_grads reduces the shards after the backward.
+        # JobConfig refuses compression here; this is for models built outside it.
+        require(grad_compression == "none", "dp.grad_compression", grad_compression,
+                'must be "none" when only expert shards train (LoRA on the routed experts only at ep > 1): '
+                "no replicated gradient is left to compress")
         return model
     return MoEDataParallel(model, dims, bucket_cap_mb=bucket_cap_mb, grad_compression=grad_compression)
 
