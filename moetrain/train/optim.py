@@ -86,3 +86,40 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 def build_scheduler(optimizer: torch.optim.Optimizer, **kwargs) -> torch.optim.lr_scheduler.LambdaLR:
     base = kwargs["lr"]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_at(step, **kwargs) / base)
+
+
+def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                       o: OptimConfig) -> list[str]:
+    """After a checkpoint load: put ``o``'s hyper-parameters back into every param group, which
+    ``load_state_dict`` (and ZeRO-1's ``load_consolidated``) replaced with the saved ones, and the
+    scheduler's base learning rates with them. A resume may change every ``optim`` field but the
+    name (docs/checkpoints.md); the optimizer *state* (moments, step counts) stays the checkpoint's.
+    The current lr is the schedule's at the resumed step, through the scheduler's own multiplier,
+    so an unchanged config gives the saved values bit for bit. Returns one line per field whose
+    saved value differs, e.g. ``"optim.lr: 0.001 in the checkpoint, 0.0001 now"``."""
+    changes: dict[str, str] = {}
+
+    def note(field: str, saved, now) -> None:
+        if saved != now and field not in changes:
+            changes[field] = f"optim.{field}: {saved} in the checkpoint, {now} now"
+
+    wanted = {"betas": tuple(o.betas), "eps": o.eps, "momentum": o.muon_momentum, "nesterov": o.muon_nesterov,
+              "ns_steps": o.muon_ns_steps}
+    names = {"momentum": "muon_momentum", "nesterov": "muon_nesterov", "ns_steps": "muon_ns_steps"}
+    for i, group in enumerate(optimizer.param_groups):
+        note("lr", scheduler.base_lrs[i], o.lr)
+        scheduler.base_lrs[i] = group["initial_lr"] = o.lr
+        group["lr"] = o.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        # The no-decay group (norms, biases) never decays, whatever optim.weight_decay says.
+        decay = 0.0 if group.get("name") == "no_decay" else o.weight_decay
+        if group.get("name") != "no_decay":
+            note("weight_decay", group["weight_decay"], decay)
+        group["weight_decay"] = decay
+        for key, value in wanted.items():
+            if key not in group:
+                continue
+            if key not in names or group.get("muon"):  # Muon's fields act in its Muon groups only
+                note(names.get(key, key), tuple(group[key]) if key == "betas" else group[key], value)
+            group[key] = value
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports
+    return list(changes.values())

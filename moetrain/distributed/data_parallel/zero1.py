@@ -244,7 +244,8 @@ class ZeroShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def load_consolidated(self, full: torch.optim.Optimizer) -> None:
         """Take this rank's slices of the state, and the hyper-parameters, of ``full`` (an
-        optimizer like ``consolidated()``'s, e.g. loaded from a checkpoint)."""
+        optimizer like ``consolidated()``'s, e.g. loaded from a checkpoint); a resume then puts the
+        config's hyper-parameters back (``moetrain.train.optim.apply_optim_config``)."""
         if len(full.param_groups) != len(self.inner.param_groups):
             raise ValueError(f"optimizer state with {len(full.param_groups)} parameter groups cannot be loaded "
                              f"into one with {len(self.inner.param_groups)}")

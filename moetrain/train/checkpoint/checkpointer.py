@@ -45,6 +45,7 @@ from moetrain.train.checkpoint.index import read_trainer_state
 from moetrain.train.checkpoint.same_model import check_same_model
 from moetrain.train.checkpoint.state import begin_save, load_checkpoint, save_checkpoint
 from moetrain.train.faults import Phase
+from moetrain.train.optim import apply_optim_config
 from moetrain.train.rng_state import capture_rng_state
 from moetrain.train.weight_average import WeightAverage
 
@@ -164,6 +165,10 @@ class Checkpointer:
         state = loaded.trainer_state
         o.train_loader.load_state_dict(state["data"])
         o.scheduler.load_state_dict(state["scheduler"])
+        if isinstance(o.scheduler, torch.optim.lr_scheduler.LambdaLR):
+            # The loads restored the saved hyper-parameters; a resume runs with the config's.
+            for change in apply_optim_config(o.optimizer, o.scheduler, self.cfg.optim):
+                log.info("%s (the resumed run uses the config's value)", change)
         o.scaler.load_state_dict(state["scaler"])
         if o.balancer is not None and "balancer" in state:
             self._load_balancer_state(o.balancer, state["balancer"])
