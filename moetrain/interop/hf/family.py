@@ -124,12 +124,14 @@ _HF_ROPE_FIELDS = {"factor": "factor", "original_max_position_embeddings": "orig
 
 
 def rope_fields(hf: dict, default_theta: float = 10000.0, *, softmax_mscale: bool = False) -> dict:
-    """``rope_theta`` and ``rope_scaling`` of ``config.json`` (``rope_parameters``, transformers 5,
-    or ``rope_scaling``, transformers 4), and ``max_seq_len`` with "dynamic" scaling
-    (``_dynamic_fields``). ValueError for a rope type moetrain does not implement.
+    """``rope_theta`` and ``rope_scaling`` of ``config.json`` (``rope_scaling``, transformers 4, when
+    present, else ``rope_parameters``, transformers 5, as transformers picks), and ``max_seq_len``
+    with "dynamic" scaling (``_dynamic_fields``). ValueError for a rope type moetrain does not implement.
     ``softmax_mscale``: the family's attention scales the softmax by yarn's ``mscale_all_dim``
     (DeepSeek's MLA); the others only use it in cos and sin, so it is folded into ``attention_factor``."""
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    # transformers reads ``rope_scaling or rope_parameters``: a rope_scaling added by hand to a
+    # transformers-5 config.json (long-context instructions do) overrides its default rope_parameters.
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
     params = dict(hf.get(key) or {})
     kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
