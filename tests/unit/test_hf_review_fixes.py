@@ -7,6 +7,7 @@ reference."""
 import json
 import warnings
 
+import pytest
 import torch
 import transformers
 
@@ -47,3 +48,36 @@ def test_a_rope_scaling_beside_rope_parameters_is_the_one_read_as_in_transformer
     _assert_imports_to_transformers_logits(tmp_path, seq=48)  # past the original 16 positions
     cfg, _, _ = read_export(tmp_path / "mt")
     assert cfg["model"]["rope_scaling"]["rope_type"] == "yarn"
+
+
+# Each model sets the dropped key to transformers' default, so the weights fit what both read.
+@pytest.mark.parametrize(("family", "key", "overrides"), [
+    ("mixtral", "num_local_experts", {"num_local_experts": 8}),
+    ("mixtral", "intermediate_size", {"intermediate_size": 14336, "hidden_size": 16}),
+    ("olmoe", "num_experts", {"num_experts": 64}),
+    ("olmoe", "intermediate_size", {"intermediate_size": 2048}),
+    ("qwen2_moe", "num_experts", {"num_experts": 60}),
+    ("qwen2_moe", "intermediate_size", {"intermediate_size": 5632}),
+    ("qwen2_moe", "moe_intermediate_size", {"moe_intermediate_size": 1408}),
+    ("qwen2_moe", "shared_expert_intermediate_size", {"shared_expert_intermediate_size": 5632}),
+    ("qwen3_moe", "num_experts", {"num_experts": 128}),
+    ("qwen3_moe", "intermediate_size", {"intermediate_size": 6144}),
+    ("qwen3_moe", "moe_intermediate_size", {"moe_intermediate_size": 768}),
+    ("deepseek_v3", "n_routed_experts", {"n_routed_experts": 256}),
+    ("deepseek_v3", "n_shared_experts", {"n_shared_experts": 1}),
+    ("deepseek_v3", "first_k_dense_replace", {"first_k_dense_replace": 3, "num_hidden_layers": 4}),
+    ("deepseek_v3", "intermediate_size", {"intermediate_size": 18432}),
+    ("deepseek_v3", "moe_intermediate_size", {"moe_intermediate_size": 2048}),
+    ("deepseek_v3", "q_lora_rank", {"q_lora_rank": 1536}),
+    ("deepseek_v3", "kv_lora_rank", {"kv_lora_rank": 512}),
+    ("deepseek_v3", "qk_nope_head_dim", {"qk_nope_head_dim": 128}),
+    ("deepseek_v3", "qk_rope_head_dim", {"qk_rope_head_dim": 64}),
+    ("deepseek_v3", "v_head_dim", {"v_head_dim": 128}),
+])
+def test_a_config_json_without_a_size_key_imports_with_transformers_default(tmp_path, family, key, overrides):
+    # These raised a bare KeyError (or refused Qwen2-MoE's shared expert, or read DeepSeek's
+    # q_lora_rank / shared experts / dense blocks as none), where transformers fills in its default.
+    tiny_model(family, **overrides).save_pretrained(tmp_path / "hf")
+    dropped = {key, "num_local_experts"} if key == "num_experts" else {key}  # Qwen3-MoE's alias
+    _edit_config(tmp_path / "hf", lambda c: [c.pop(k, None) for k in dropped])
+    _assert_imports_to_transformers_logits(tmp_path)

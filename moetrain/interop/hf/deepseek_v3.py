@@ -62,7 +62,10 @@ class DeepseekV3(Family):
     architecture = "DeepseekV3ForCausalLM"
     hf_defaults = {"rms_norm_eps": 1e-6, "num_experts_per_tok": 8, "norm_topk_prob": True, "n_group": 8,
                    "topk_group": 4, "routed_scaling_factor": 2.5, "rope_interleave": True,
-                   "max_position_embeddings": 4096}
+                   "max_position_embeddings": 4096, "n_routed_experts": 256, "n_shared_experts": 1,
+                   "first_k_dense_replace": 3, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                   "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                   "v_head_dim": 128}
     title = "DeepSeek-V3"
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:

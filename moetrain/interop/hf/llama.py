@@ -88,7 +88,7 @@ class DenseFamily(Family):
 class Llama(DenseFamily):
     model_type = "llama"
     architecture = "LlamaForCausalLM"
-    hf_defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048}
+    hf_defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048, "intermediate_size": 11008}
     title = "Llama"
 
     def _attention_fields(self, hf: dict, fields: dict) -> dict:

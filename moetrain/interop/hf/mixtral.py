@@ -37,7 +37,8 @@ from moetrain.interop.hf.family import (
 class Mixtral(Family):
     model_type = "mixtral"
     architecture = "MixtralForCausalLM"
-    hf_defaults = {"rms_norm_eps": 1e-5, "num_experts_per_tok": 2, "max_position_embeddings": 131072}
+    hf_defaults = {"rms_norm_eps": 1e-5, "num_experts_per_tok": 2, "max_position_embeddings": 131072,
+                   "num_local_experts": 8, "intermediate_size": 14336}
     title = "Mixtral"
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:

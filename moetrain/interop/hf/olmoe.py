@@ -35,7 +35,7 @@ class Olmoe(Family):
     model_type = "olmoe"
     architecture = "OlmoeForCausalLM"
     hf_defaults = {"rms_norm_eps": 1e-5, "num_experts_per_tok": 8, "norm_topk_prob": False,
-                   "max_position_embeddings": 4096}
+                   "max_position_embeddings": 4096, "num_experts": 64, "intermediate_size": 2048}
     title = "OLMoE"
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:

@@ -18,7 +18,7 @@ from moetrain.interop.hf.llama import DenseFamily
 class Qwen3(DenseFamily):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
-    hf_defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768}
+    hf_defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "intermediate_size": 22016}
     title = "Qwen3"
     qk_norm = "head"
 

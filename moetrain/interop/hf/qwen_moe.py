@@ -141,7 +141,8 @@ class Qwen2Moe(_QwenMoe):
     model_type = "qwen2_moe"
     architecture = "Qwen2MoeForCausalLM"
     hf_defaults = {"rms_norm_eps": 1e-6, "num_experts_per_tok": 4, "norm_topk_prob": False, "qkv_bias": True,
-                   "decoder_sparse_step": 1, "max_position_embeddings": 32768}
+                   "decoder_sparse_step": 1, "max_position_embeddings": 32768, "num_experts": 60,
+                   "intermediate_size": 5632, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}
     title = "Qwen2-MoE"
     shared_expert = True
 
@@ -155,7 +156,8 @@ class Qwen3Moe(_QwenMoe):
     model_type = "qwen3_moe"
     architecture = "Qwen3MoeForCausalLM"
     hf_defaults = {"rms_norm_eps": 1e-6, "num_experts_per_tok": 8, "norm_topk_prob": False,
-                   "decoder_sparse_step": 1, "max_position_embeddings": 32768}
+                   "decoder_sparse_step": 1, "max_position_embeddings": 32768, "num_local_experts": 128,
+                   "intermediate_size": 6144, "moe_intermediate_size": 768}
     title = "Qwen3-MoE"
     qk_norm = "head"
 
