@@ -4,6 +4,7 @@ default, a Mixtral head_dim other than hidden / heads, and linear rope with an
 original_max_position_embeddings key (which transformers ignores). transformers' logits are the
 reference."""
 
+import dataclasses
 import json
 import warnings
 
@@ -12,7 +13,10 @@ import torch
 import transformers
 
 from moetrain.cli import main
-from moetrain.interop.export import build_model, read_export
+from moetrain.config.model import ModelConfig
+from moetrain.config.moe import MoEConfig
+from moetrain.interop.export import build_model, read_export, write_export
+from moetrain.models.transformer import Transformer
 from tests.helpers.hf_tiny_models import input_ids, tiny_model
 
 
@@ -81,3 +85,24 @@ def test_a_config_json_without_a_size_key_imports_with_transformers_default(tmp_
     dropped = {key, "num_local_experts"} if key == "num_experts" else {key}  # Qwen3-MoE's alias
     _edit_config(tmp_path / "hf", lambda c: [c.pop(k, None) for k in dropped])
     _assert_imports_to_transformers_logits(tmp_path)
+
+
+def test_a_mixtral_with_its_own_head_dim_goes_to_hugging_face_and_back(tmp_path):
+    # --to-hf wrote head_dim 12 (dim 32, 4 heads) and transformers ran it; --from-hf refused it.
+    model_cfg = ModelConfig(vocab_size=96, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=12,
+                            activation="swiglu", max_seq_len=64)
+    moe_cfg = MoEConfig(num_experts=4, top_k=2, expert_hidden_dim=16, activation="swiglu", capacity_factor=None)
+    model = Transformer(model_cfg, moe=moe_cfg, seed=3).eval()
+    config = {"model": json.loads(json.dumps(dataclasses.asdict(model_cfg), default=list)),
+              "moe": dataclasses.asdict(moe_cfg)}
+    write_export(tmp_path / "mt", config=config, state_dict=model.state_dict())
+    assert main(["convert", str(tmp_path / "mt"), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["head_dim"] == 12
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "back")]) == 0
+    cfg, sd, _ = read_export(tmp_path / "back")
+    assert cfg["model"]["head_dim"] == 12
+    ids = input_ids()
+    with torch.no_grad():
+        expected = model(ids).logits
+        assert torch.equal(build_model(cfg, sd).eval()(ids).logits, expected)
+        torch.testing.assert_close(_reference(tmp_path / "hf")(ids).logits, expected, atol=1e-5, rtol=0)

@@ -43,9 +43,9 @@ class Mixtral(Family):
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
         fields = backbone_fields(hf, default_theta=1e6)
-        head_dim = hf.get("head_dim")
-        hf_require(head_dim in (None, fields["dim"] // fields["num_heads"]), hf, "head_dim",
-                   f"must be hidden_size / num_attention_heads = {fields['dim'] // fields['num_heads']}")
+        head_dim = hf.get("head_dim")  # transformers' Mixtral projects to heads x head_dim, as moetrain does
+        if head_dim not in (None, fields["dim"] // fields["num_heads"]):
+            fields["head_dim"] = int(head_dim)
         top_k = int(hf.get("num_experts_per_tok", 2))
         hf_require(top_k >= 2, hf, "num_experts_per_tok", "must be >= 2 (Mixtral renormalises top-1 to weight 1)")
         window = hf.get("sliding_window")
