@@ -1,11 +1,13 @@
 """A resume runs with the config's optimizer hyper-parameters (lr through the schedule, weight
 decay, betas, eps, Muon's momentum, nesterov and ns_steps), not the checkpoint's, and keeps the
 checkpoint's optimizer state. Real saves and loads through the trainer's ``Checkpointer``, for
-AdamW, Muon, 1-bit Adam and ZeRO-1 (one rank: its consolidated save and sliced load run)."""
+AdamW, Muon, 1-bit Adam and ZeRO-1 (on one rank its consolidated save and sliced load run; one
+two-rank check against a plain AdamW reference)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ from moetrain.train.checkpoint.checkpointer import Checkpointer, TrainingObjects
 from moetrain.train.faults import Phase
 from moetrain.train.optim import build_optimizer, build_scheduler, lr_at, optimizer_settings, param_groups
 from moetrain.train.precision import DynamicLossScaler
+from tests.helpers.dist_launcher import run_ranks
 
 STEPS = 8
 SAVED_AT = 3
@@ -93,7 +96,8 @@ def _build(kind: str, cfg: JobConfig, dims: ParallelDims, tmp_path):
                               scaler=DynamicLossScaler(enabled=False), train_loader=_Position(), balancer=None,
                               ema=None)
     ckpt = Checkpointer(cfg, folder=tmp_path / "ckpt", objects=objects, dims=dims,
-                        phase=Phase(rank=0, timeout_s=60), vocab_size=64, is_main=True)
+                        phase=Phase(rank=dist.get_rank(), timeout_s=60), vocab_size=64,
+                        is_main=dist.get_rank() == 0)
     return model, opt, sched, ckpt
 
 
@@ -161,10 +165,10 @@ def test_an_unchanged_config_resumes_bit_identically(kind, dims, tmp_path):
     assert all(torch.equal(p, want[n]) for n, p in resumed.named_parameters())
 
 
-def test_a_lower_lr_on_resume_takes_the_smaller_step(dims, tmp_path):
-    """The resumed step moves the weights as the uninterrupted optimizer does once its
-    hyper-parameters are set to the new config's by hand (the reference)."""
-    model, opt, sched, _ = _build("adamw", _job("adamw", OLD), dims, tmp_path / "ref")
+def _hand_edited_reference(dims: ParallelDims, folder: Path) -> dict[str, torch.Tensor]:
+    """The weights after step SAVED_AT + 1 of the uninterrupted AdamW run whose hyper-parameters are
+    set to the new config's by hand before that step."""
+    model, opt, sched, _ = _build("adamw", _job("adamw", OLD), dims, folder)
     for s in range(SAVED_AT):
         _step(model, opt, sched, s)
     sched.base_lrs = [NEW["lr"]] * len(opt.param_groups)
@@ -173,13 +177,45 @@ def test_a_lower_lr_on_resume_takes_the_smaller_step(dims, tmp_path):
                         schedule="cosine")
         g.update(betas=NEW["betas"], eps=NEW["eps"], weight_decay=0.0)
     _step(model, opt, sched, SAVED_AT)
-    path = _save_at("adamw", dims, tmp_path / "first")
-    resumed, opt2, sched2, ckpt = _build("adamw", _job("adamw", NEW), dims, tmp_path / "second")
+    return _params(model)
+
+
+def _resumed_step(kind: str, dims: ParallelDims, folder: Path) -> dict[str, torch.Tensor]:
+    """The weights after step SAVED_AT + 1 of a run resumed from SAVED_AT with the new config."""
+    path = _save_at(kind, dims, folder / "first")
+    resumed, opt, sched, ckpt = _build(kind, _job(kind, NEW), dims, folder / "second")
     ckpt.load(path)
-    _step(resumed, opt2, sched2, SAVED_AT)
-    want = _params(model)
-    for n, p in resumed.named_parameters():
+    _step(resumed, opt, sched, SAVED_AT)
+    return _params(resumed)
+
+
+def _assert_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for n, p in got.items():
         torch.testing.assert_close(p, want[n], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["adamw", "zero1"])
+def test_a_lower_lr_on_resume_takes_the_smaller_step(kind, dims, tmp_path):
+    """The resumed step moves the weights as the uninterrupted optimizer does once its
+    hyper-parameters are set to the new config's by hand (the reference)."""
+    _assert_close(_resumed_step(kind, dims, tmp_path), _hand_edited_reference(dims, tmp_path / "ref"))
+
+
+def _zero1_ranks(rank: int, world_size: int, folder: str) -> dict:
+    dims = ParallelDims(world_size=world_size)
+    dims.build_mesh("cpu")
+    # Every rank steps the same batch, so the gradients are the all-reduced ones without DDP.
+    return {"resumed": _resumed_step("zero1", dims, Path(folder)),
+            "reference": _hand_edited_reference(dims, Path(folder) / f"ref{rank}")}
+
+
+@pytest.mark.slow
+def test_a_two_rank_zero1_resume_takes_the_new_hyperparameters(tmp_path):
+    ranks = run_ranks(_zero1_ranks, 2, str(tmp_path), timeout_s=120)
+    for r in ranks:
+        _assert_close(r["resumed"], r["reference"])
+    _assert_close(ranks[1]["resumed"], ranks[0]["resumed"])
 
 
 def test_another_weight_decay_leaves_the_no_decay_group_at_zero(dims, tmp_path):
