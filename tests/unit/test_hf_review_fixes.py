@@ -17,6 +17,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import build_model, read_export, write_export
 from moetrain.models.transformer import Transformer
+from tests.helpers.hf_tiny_dense import tiny_dense
 from tests.helpers.hf_tiny_models import input_ids, tiny_model
 
 
@@ -106,3 +107,15 @@ def test_a_mixtral_with_its_own_head_dim_goes_to_hugging_face_and_back(tmp_path)
         expected = model(ids).logits
         assert torch.equal(build_model(cfg, sd).eval()(ids).logits, expected)
         torch.testing.assert_close(_reference(tmp_path / "hf")(ids).logits, expected, atol=1e-5, rtol=0)
+
+
+def test_linear_rope_with_an_original_max_position_embeddings_key_imports_as_transformers_runs_it(tmp_path):
+    # transformers ignores the key for linear scaling; the import refused it (moetrain's linear
+    # scaling has no original length).
+    tiny_dense("llama").save_pretrained(tmp_path / "hf")
+    linear = {"rope_type": "linear", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 500.0}
+    _edit_config(tmp_path / "hf", lambda c: c.update(rope_parameters=linear, rope_scaling=None))
+    with pytest.warns(UserWarning, match=r"original_max_position_embeddings \(16\) is ignored"):
+        _assert_imports_to_transformers_logits(tmp_path, seq=48)
+    cfg, _, _ = read_export(tmp_path / "mt")
+    assert cfg["model"]["rope_scaling"]["rope_type"] == "linear" and cfg["model"]["rope_scaling"]["factor"] == 4.0

@@ -152,6 +152,9 @@ def rope_fields(hf: dict, default_theta: float = 10000.0, *, softmax_mscale: boo
         values.pop("mscale", None)  # transformers reads it only beside mscale_all_dim, with no attention_factor
     if kind == "dynamic":
         return _dynamic_fields(hf, key, theta, values)
+    if kind == "linear" and "original_max_seq_len" in values:  # transformers' linear scaling ignores it too
+        warnings.warn(f"config.json {key}.original_max_position_embeddings ({values.pop('original_max_seq_len')}) "
+                      "is ignored: linear rope scaling does not read it", stacklevel=3)
     if kind in ("llama3", "yarn") and "original_max_seq_len" not in values:
         values["original_max_seq_len"] = int(hf.get("original_max_position_embeddings")
                                              or hf.get("max_position_embeddings", 4096))
