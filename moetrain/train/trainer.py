@@ -391,15 +391,16 @@ class Trainer:
             while self.step < t.steps:
                 self.checkpointer.poll()  # a checkpoint that failed in the background stops the run here
                 self.train_step()
-                is_last = self.step == t.steps
-                if self.step % lc.every == 0 or is_last or self.interrupted or self.skips.halt:
+                is_last, saves = self.step == t.steps, c.every > 0 and self.step % c.every == 0
+                # A checkpoint step closes the metrics window too: a resume never starts mid-window.
+                if self.step % lc.every == 0 or saves or is_last or self.interrupted or self.skips.halt:
                     last = self.log_step(evaluate=t.eval_every > 0 and (self.step % t.eval_every == 0 or is_last),
                                          test=is_last and self.classifier and t.eval_every > 0)
                     bar.show(last)
                 bar.update()
                 if self.skips.halt:
                     self._halt_nonfinite()
-                if (c.every and self.step % c.every == 0) or (is_last and c.save_final) or self.interrupted:
+                if saves or (is_last and c.save_final) or self.interrupted:
                     self.checkpointer.save(self.snapshot())
                 if self.window.steps == 0:
                     # Evaluation and checkpointing ran after the window was closed: start the
