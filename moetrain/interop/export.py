@@ -74,6 +74,20 @@ def source_folder(source: str | os.PathLike) -> Path | None:
     return next((p for p in (path, path.parent, path.parent.parent) if (p / CONFIG).is_file()), None)
 
 
+def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag: str) -> None:
+    """ValueError naming ``flag`` when writing ``out`` could destroy what is read or trained: ``out``
+    is ``source``, contains it or lies inside it, or is a run or checkpoint folder (an export written
+    there replaces the run's config.yaml: the run resumes, and exports, from the wrong config)."""
+    src, dst = Path(source).resolve(), Path(out).resolve()
+    if dst == src or dst in src.parents or src in dst.parents:
+        raise ValueError(f"{flag} {str(out)!r} would overwrite the source {str(source)!r} (it is, contains or lies "
+                         "inside it): pick a folder apart from it")
+    checkpoint = (dst / MANIFEST).is_file() or (dst / ".metadata").is_file()
+    if checkpoint or ((dst / CONFIG).is_file() and not is_export(dst)) or (dst / "checkpoints").is_dir():
+        raise ValueError(f"{flag} {str(out)!r} is a moetrain {'checkpoint' if checkpoint else 'run'} folder: "
+                         "pick a new or export folder")
+
+
 def open_source(source: str | os.PathLike) -> tuple[dict, ExportTensors | CheckpointTensors, dict]:
     """``(config, tensors, info)`` of ``source``: the config as nested plain values, a lazy
     source of full tensors by moetrain name, and ``info`` (``source``, ``step``)."""
@@ -218,6 +232,7 @@ def export_model(source: str | os.PathLike, out_dir: str | os.PathLike, *,
     """``moetrain export``: the model of ``source`` (a run folder, a checkpoint, ...) as full
     tensors in ``out_dir``, streamed one tensor at a time."""
     config, tensors, info = open_source(source)
+    check_output_folder(source, out_dir, "--to")
     names = tensors.names()
     specs = [TensorSpec(n, tensors.shape(n), tensors.dtype(n)) for n in names]
     out = Path(out_dir)

@@ -38,6 +38,7 @@ from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.data.tokenizer import SAVED_TOKENIZER, PretrainedTokenizer, load_saved_tokenizer, save_tokenizer
 from moetrain.interop.export import (
+    check_output_folder,
     export_metadata,
     model_configs,
     open_source,
@@ -223,6 +224,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     with them where there is a tokenizer.json (``_import_tokenizer``)."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
+    check_output_folder(hf_dir, out_dir, "--to")
     family = family_of(hf)
     model, moe = family.configs_from_hf(hf)
     src = ExportTensors(hf_dir)
@@ -312,6 +314,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: 
     casts every tensor except the fp32 buffers (the router's selection bias, which bf16 would
     round: DeepSeek-V3 keeps it fp32 too); None keeps the source dtypes."""
     config, src, _ = open_source(source)
+    check_output_folder(source, out_dir, "--to-hf")
     model, moe = model_configs(config)
     fam = choose_family(model, moe, family)
     hf_config = fam.hf_config_from(model, moe)

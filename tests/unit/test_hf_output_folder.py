@@ -1,0 +1,56 @@
+"""An output folder that is the source, holds it, lies inside it or is a run/checkpoint folder is
+refused (exit 2, the source untouched): before, `convert --from-hf HF --to HF`, `convert MT --to-hf MT`
+and `export RUN --to RUN` overwrote the source with the converted model and exited 0."""
+
+from __future__ import annotations
+
+import pytest
+
+from moetrain.cli import main
+from tests.helpers.hf_tiny_models import tiny_model
+
+
+def _snapshot(folder) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def folders(tmp_path):
+    tiny_model("mixtral").save_pretrained(tmp_path / "hf")
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "mt")]) == 0
+    return tmp_path
+
+
+@pytest.mark.parametrize(("source", "argv"), [
+    ("hf", ["convert", "--from-hf", "{hf}", "--to", "{hf}"]),
+    ("mt", ["convert", "{mt}", "--to-hf", "{mt}"]),
+    ("mt", ["export", "{mt}", "--to", "{mt}"]),
+    ("mt", ["export", "{mt}", "--to", "{mt}/inner"]),
+    ("mt", ["convert", "{mt}", "--to-hf", "{mt}/.."]),
+    ("hf", ["convert", "--from-hf", "{hf}", "--to", "{hf}/inner"]),
+])
+def test_an_output_folder_on_the_source_is_refused_and_the_source_kept(folders, capsys, source, argv):
+    before = _snapshot(folders / source)
+    argv = [a.format(hf=folders / "hf", mt=folders / "mt") for a in argv]
+    assert main(argv) == 2
+    flag = argv[-2]
+    assert f"{flag} " in capsys.readouterr().err
+    assert _snapshot(folders / source) == before
+
+
+@pytest.mark.parametrize("kind", ["run", "checkpoint"])
+def test_an_output_folder_that_is_a_run_or_a_checkpoint_is_refused(folders, capsys, kind):
+    target = folders / "target"
+    if kind == "run":
+        (target / "checkpoints").mkdir(parents=True)
+        (target / "config.yaml").write_text("model: {}\n")
+    else:
+        target.mkdir()
+        (target / ".metadata").write_bytes(b"dcp")
+    before = _snapshot(target)
+    for argv in (["export", str(folders / "mt"), "--to", str(target)],
+                 ["convert", str(folders / "mt"), "--to-hf", str(target)],
+                 ["convert", "--from-hf", str(folders / "hf"), "--to", str(target)]):
+        assert main(argv) == 2
+        assert f"is a moetrain {kind} folder" in capsys.readouterr().err
+        assert _snapshot(target) == before
