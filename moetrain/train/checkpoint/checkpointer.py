@@ -40,6 +40,7 @@ from moetrain.train.checkpoint.files import (
     rank_world,
     resolve_checkpoint,
     step_dir_name,
+    warn_of_higher_steps,
 )
 from moetrain.train.checkpoint.index import read_trainer_state
 from moetrain.train.checkpoint.same_model import check_same_model
@@ -143,6 +144,7 @@ class Checkpointer:
         for p in clean_stale_tmp(self.folder):
             log.warning("removed %s, left by a checkpoint save that did not finish", p)
         resume = self.cfg.checkpoint.resume
+        start = 0
         try:
             found = latest_checkpoint(self.folder) if resume == "auto" else (
                 None if resume == "never" else resolve_checkpoint(resume))
@@ -150,8 +152,11 @@ class Checkpointer:
                 saved = read_trainer_state(found)
                 check_same_model(found, saved.get("config") if isinstance(saved, dict) else None,
                                  self._config(), moe=self.cfg.model.is_moe)
+                step = saved.get("step") if isinstance(saved, dict) else None
+                start = step if isinstance(step, int) else 0  # the load refuses a malformed one
         except CheckpointError as e:
             return e
+        warn_of_higher_steps(self.folder, start)  # a fresh start or a rollback leaves them
         return str(found) if found is not None else None
 
     def load(self, path: Path) -> Resumed:

@@ -189,16 +189,30 @@ def commit_checkpoint(tmp: Path, final: Path, *, step: int, world_size: int, lay
     atomic_write_text(folder / LATEST, final.name + "\n", durable=True)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-    _prune(folder, keep_last=keep_last, keep=final)
+    _prune(folder, keep_last=keep_last, step=step)
 
 
-def _prune(folder: Path, *, keep_last: int, keep: Path) -> None:
+def _prune(folder: Path, *, keep_last: int, step: int) -> None:
+    """Keep the newest ``keep_last`` checkpoints up to ``step``, the one just saved. A higher step is
+    not this run's (it started over, or resumed from an older checkpoint): ranking by step number
+    would keep that one and delete this run's own (``warn_of_higher_steps``)."""
     if keep_last <= 0:
         return
-    checkpoints = list_checkpoints(folder)
-    for _, path in checkpoints[:-keep_last]:
-        if path != keep:
-            shutil.rmtree(path, ignore_errors=True)
+    for _, path in [c for c in list_checkpoints(folder) if c[0] <= step][:-keep_last]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def warn_of_higher_steps(folder: Path, step: int) -> list[Path]:
+    """Warn of (and return) the checkpoints in ``folder`` past ``step``, where a run starts: another
+    run's, which this one's rotation leaves alone and nothing deletes unasked."""
+    higher = [path for s, path in list_checkpoints(folder) if s > step]
+    if higher:
+        log.warning("%s holds checkpoints past step %d, where this run starts: %s. They are not this run's "
+                    "(checkpoint.resume=never, or a resume from an older checkpoint): checkpoint.keep_last "
+                    "leaves them, a save of the same step replaces one, and a resume without `latest` would "
+                    "pick the newest. Delete them, or give each run its own log.run_dir", folder, step,
+                    ", ".join(p.name for p in higher))
+    return higher
 
 
 # --- verifying -------------------------------------------------------------------------------------
