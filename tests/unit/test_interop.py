@@ -102,12 +102,13 @@ def test_bf16_export_keeps_the_fp32_router_bias_and_says_what_it_cast(tmp_path, 
     assert cli_main(["convert", str(tmp_path / "mt"), "--to-hf", str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
     printed = capsys.readouterr().out
     folder = SafetensorsFolder(tmp_path / "bf16")
-    biases = [n for n in folder.names() if n.endswith("e_score_correction_bias")]
-    assert len(biases) == 2 and all(folder.info(n).dtype == torch.float32 for n in biases)
-    assert all(folder.info(n).dtype == torch.bfloat16 for n in folder.names() if n not in biases)
+    # The router (selection bias and gate) stays fp32, as transformers keeps it.
+    router = [n for n in folder.names() if n.endswith(("e_score_correction_bias", "mlp.gate.weight"))]
+    assert len(router) == 4 and all(folder.info(n).dtype == torch.float32 for n in router)
+    assert all(folder.info(n).dtype == torch.bfloat16 for n in folder.names() if n not in router)
     record = json.loads((tmp_path / "bf16" / "moetrain_conversion.json").read_text())
-    assert record["dtype"] == "bfloat16" and len(record["kept_fp32"]) == 2
-    assert len(record["cast"]) == len(SafetensorsFolder(tmp_path / "mt").names()) - 2  # moetrain names
+    assert record["dtype"] == "bfloat16" and len(record["kept_fp32"]) == 4
+    assert len(record["cast"]) == len(SafetensorsFolder(tmp_path / "mt").names()) - 4  # moetrain names
     assert "kept in fp32: layers.1.feed_forward.router.expert_bias" in printed
     # The bias went through unrounded (it is not a bf16 number).
     want = hf.model.layers[1].mlp.gate.e_score_correction_bias

@@ -70,7 +70,8 @@ class ConversionReport:
     cast: list[str] = field(default_factory=list)
     """Tensors written in another dtype than their source's."""
     kept_fp32: list[str] = field(default_factory=list)
-    """fp32 buffers (router selection bias) left in fp32 by a lower-precision export."""
+    """fp32 tensors a lower-precision conversion left in fp32: buffers (the router's selection
+    bias) and what the family keeps in fp32 (``Family.keep_fp32``)."""
     tokenizer_files: list[str] = field(default_factory=list)
     """The tokenizer files a conversion wrote (also in ``files``)."""
     no_tokenizer: str = ""
@@ -220,7 +221,8 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
               max_shard_bytes: int | None = None) -> ConversionReport:
     """``moetrain convert --from-hf HF_DIR --to OUT``: the family comes from config.json's
     ``model_type``. Parameters are written in ``dtype`` (fp32 by default: moetrain trains fp32
-    master weights); buffers keep the model's dtype (the fp32 selection bias). The tokenizer goes
+    master weights), except fp32 ones the family keeps in fp32 (``Family.keep_fp32``); buffers keep
+    the model's dtype (the fp32 selection bias). The tokenizer goes
     with them where there is a tokenizer.json (``_import_tokenizer``)."""
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
@@ -233,7 +235,8 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     entries = family.tensor_map(model, moe, fused=fused)
     _check_hf_names(family, hf, src, entries, model)
     shapes, buffers = model_state_specs(model, moe)
-    jobs = _import_jobs(entries, src, lambda name: buffers.get(name, dtype))
+    fp32 = _kept_in_fp32(family, entries, lambda e: src.dtype(e.hf))
+    jobs = _import_jobs(entries, src, lambda name: torch.float32 if name in fp32 else buffers.get(name, dtype))
     _check_against_model(jobs, shapes, f"{str(hf_dir)!r}")
     out = Path(out_dir)
     info = {"source": str(hf_dir), "hf_family": family.model_type}
@@ -244,7 +247,16 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     return ConversionReport(out=out, family=family.title, layout="fused" if fused else "per-expert",
                             num_tensors=len(jobs), num_bytes=sum(s.nbytes for s, _ in jobs),
                             files=[p.name for p in files] + tokenizer_files, tokenizer_files=tokenizer_files,
-                            no_tokenizer=no_tokenizer)
+                            no_tokenizer=no_tokenizer,
+                            kept_fp32=[] if dtype == torch.float32 else sorted(
+                                s.name for s, _ in jobs if s.dtype == torch.float32))
+
+
+def _kept_in_fp32(family: Family, entries: list[Entry], source_dtype: Callable[[Copy], torch.dtype]) -> set[str]:
+    """moetrain names of the tensors ``family`` keeps in fp32 (``Family.keep_fp32``) that are fp32
+    in the source (``source_dtype`` of their entry)."""
+    return {e.mt for e in entries if isinstance(e, Copy) and e.hf.endswith(family.keep_fp32)
+            and source_dtype(e) == torch.float32}
 
 
 def _import_tokenizer(hf_dir: Path, out: Path) -> tuple[list[str], str]:
@@ -312,7 +324,8 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: 
     """``moetrain convert SRC --to-hf OUT``: the family the run's config can be expressed in
     (``family`` names one where several could), per-expert tensors unless ``fused``. ``dtype``
     casts every tensor except the fp32 buffers (the router's selection bias, which bf16 would
-    round: DeepSeek-V3 keeps it fp32 too); None keeps the source dtypes."""
+    round) and the fp32 tensors the family keeps in fp32 (DeepSeek-V3's router, as transformers
+    does); None keeps the source dtypes."""
     config, src, _ = open_source(source)
     check_output_folder(source, out_dir, "--to-hf")
     model, moe = model_configs(config)
@@ -325,13 +338,14 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: 
     if problems:
         raise ValueError(f"{str(source)!r} cannot be written as {fam.title}: " + "; ".join(problems))
     _, buffers = model_state_specs(model, moe)
+    fp32 = set(buffers) | _kept_in_fp32(fam, entries, lambda e: src.dtype(e.mt))
     cast, kept = [], []
 
     def dtype_of(name: str) -> torch.dtype:
         have = src.dtype(name)
         if dtype is None or not have.is_floating_point or have == dtype:
             return have
-        if name in buffers and have == torch.float32:
+        if name in fp32 and have == torch.float32:
             kept.append(name)
             return have
         cast.append(name)

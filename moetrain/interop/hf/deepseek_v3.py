@@ -66,6 +66,7 @@ class DeepseekV3(Family):
                    "first_k_dense_replace": 3, "intermediate_size": 18432, "moe_intermediate_size": 2048,
                    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
                    "v_head_dim": 128}
+    keep_fp32 = ("mlp.gate.weight", "e_score_correction_bias")  # the router: bf16 would re-route tokens
     title = "DeepSeek-V3"
 
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:

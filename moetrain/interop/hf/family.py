@@ -75,6 +75,9 @@ class Family(ABC):
     """What transformers' config class of the family (5.25) reads for a ``config.json`` key it
     lacks, for the keys whose value changes the model: ``registry.read_hf_config`` fills them in,
     so that a hand-written config.json converts to the model transformers loads from it."""
+    keep_fp32: tuple[str, ...] = ()
+    """Ends of the HF names of the tensors transformers keeps in fp32 whatever the model's dtype
+    (``_keep_in_fp32_modules_strict``): a cast to bf16 leaves them fp32, both ways."""
 
     @abstractmethod
     def configs_from_hf(self, hf: dict) -> tuple[ModelConfig, MoEConfig]:
