@@ -46,7 +46,7 @@ from moetrain.interop.export import (
     write_config_yaml,
 )
 from moetrain.interop.hf.family import Copy, Entry, Family, has_fused_experts
-from moetrain.interop.hf.registry import choose_family, family_of, read_hf_config
+from moetrain.interop.hf.registry import choose_family, family_of, hf_fingerprint, read_hf_config
 from moetrain.interop.sources import CheckpointTensors, ExportTensors
 from moetrain.utils.files import atomic_path, atomic_write_text
 from moetrain.utils.safetensors_io import ShardedWriter, TensorSpec
@@ -239,7 +239,7 @@ def import_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: t
     jobs = _import_jobs(entries, src, lambda name: torch.float32 if name in fp32 else buffers.get(name, dtype))
     _check_against_model(jobs, shapes, f"{str(hf_dir)!r}")
     out = Path(out_dir)
-    info = {"source": str(hf_dir), "hf_family": family.model_type}
+    info = {"source": str(hf_dir), "hf_family": family.model_type, "source_fingerprint": hf_fingerprint(hf_dir)}
     files = _write(out, jobs, metadata=export_metadata(info), max_shard_bytes=max_shard_bytes)
     tokenizer_files, no_tokenizer = _import_tokenizer(hf_dir, out)
     # config.yaml last: an export folder with one is complete.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -63,3 +64,18 @@ def choose_family(model: ModelConfig, moe: MoEConfig, name: str | None = None) -
     detail = "; ".join(f"{k}: {p[0]}" + (f" (and {len(p) - 1} more)" if len(p) > 1 else "")
                        for k, p in problems.items())
     raise ValueError(f"no Hugging Face family can express this model ({detail})")
+
+
+def hf_fingerprint(hf_dir: str | Path) -> str:
+    """sha256 of what identifies the model in ``hf_dir``: config.json and the weight index bytes,
+    and each weight file's name, size and modification time (a model saved again at the same path
+    changes them; hashing the weights themselves would read the whole checkpoint)."""
+    folder = Path(hf_dir)
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors.index.json"):
+        if (folder / name).is_file():
+            digest.update(name.encode() + b"\0" + (folder / name).read_bytes() + b"\0")
+    for path in sorted(folder.glob("*.safetensors")):
+        stat = path.stat()
+        digest.update(f"{path.name}\0{stat.st_size}\0{stat.st_mtime_ns}\0".encode())
+    return digest.hexdigest()

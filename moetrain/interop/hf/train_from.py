@@ -2,9 +2,9 @@
 Face model, at any parallel layout.
 
 1. HF_DIR is converted once into a moetrain export cached under the run folder
-   (``<log.run_dir>/hf_init``; reused while it was made from the same folder, so a resumed run
-   does not convert again). Under torchrun the first process of each node converts, the others
-   of that node wait for it.
+   (``<log.run_dir>/hf_init``; reused while it was made from the same folder holding the same
+   model, by ``hf_fingerprint``, so a resumed run does not convert again). Under torchrun the
+   first process of each node converts, the others of that node wait for it.
 2. The run's ``model`` and ``moe`` sections become the checkpoint's: every field of them, so the
    ``--config`` file's own model/moe values do not apply. Command-line overrides of those
    sections are allowed for training settings (``TRAINING_FIELDS``: capacity, balancing losses
@@ -34,7 +34,7 @@ import yaml
 from moetrain.config.loader import load_config, parse_overrides
 from moetrain.interop.export import CONFIG, is_export
 from moetrain.interop.hf.convert import import_hf
-from moetrain.interop.hf.registry import read_hf_config
+from moetrain.interop.hf.registry import hf_fingerprint, read_hf_config
 from moetrain.interop.sources import ExportTensors
 
 CACHE = "hf_init"
@@ -63,8 +63,12 @@ def _run_dir(config: str | None, items: list) -> Path:
 
 
 def _converted(export: Path, hf_dir: Path) -> bool:
-    # config.yaml is written last: an export with one is complete.
-    return is_export(export) and ExportTensors(export).metadata.get("source") == str(hf_dir)
+    # config.yaml is written last: an export with one is complete. The fingerprint tells another
+    # model saved at the same path since (whose old conversion would be trained from) from the same one.
+    if not is_export(export):
+        return False
+    meta = ExportTensors(export).metadata
+    return meta.get("source") == str(hf_dir) and meta.get("source_fingerprint") == hf_fingerprint(hf_dir)
 
 
 def convert_once(hf_dir: Path, export: Path) -> None:
@@ -79,6 +83,7 @@ def convert_once(hf_dir: Path, export: Path) -> None:
                 raise TimeoutError(f"waited {_WAIT_S:.0f} s for local rank 0 to convert {hf_dir} into {export}")
             time.sleep(1.0)
         return
+    (export / CONFIG).unlink(missing_ok=True)  # a stale conversion is incomplete until rewritten
     import_hf(hf_dir, export)
 
 
