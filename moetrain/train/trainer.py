@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from moetrain.config import JobConfig
-from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.convert import config_to_dict
 from moetrain.distributed import runtime
 from moetrain.distributed.comm.collectives import mean_over_dp
@@ -40,6 +39,7 @@ from moetrain.distributed.parallel_dims import ParallelDims
 from moetrain.distributed.parallelize import collect_comm_times, enable_comm_timing, parallelize
 from moetrain.train.balancing import install_balancing
 from moetrain.train.checkpoint.checkpointer import Checkpointer, Resumed, TrainingObjects
+from moetrain.train.checkpoint.files import prepare_checkpoint_folder
 from moetrain.train.classification import classification_loss, describe_classes
 from moetrain.train.evaluate import evaluate_classifier, evaluate_lm
 from moetrain.train.faults import Phase, SkipCounter, StopRequest, agree_on_step
@@ -173,7 +173,7 @@ class Trainer:
         objects = TrainingObjects(model=self.model, optimizer=self.optimizer, parallel_model=self.parallel_model,
                                   scheduler=self.scheduler, scaler=self.scaler, train_loader=self.train_loader,
                                   balancer=self.balancer, ema=self.ema, rebalancer=self.rebalancer)
-        folder = checkpoint_folder(self.run_dir, c.dir)
+        folder = prepare_checkpoint_folder(self.run_dir, c.dir)  # an unusable one stops the run before step 1
         self.checkpointer = Checkpointer(self.cfg, folder=folder, objects=objects, dims=self.dims, phase=self.phase,
                                          vocab_size=self.model_config.vocab_size, is_main=self.is_main)
         self.step = 0

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
+from moetrain.config.checkpoint import checkpoint_folder
+from moetrain.distributed import runtime
 from moetrain.utils.files import atomic_write_text, fsync_dir
 
 log = logging.getLogger("moetrain")
@@ -153,6 +155,34 @@ def dcp_write_error(e: BaseException, folder: Path) -> str:
         free = "free space unknown"
     return f"DCP's write failed ({free} on the filesystem of {folder}): {what}"
 
+
+
+# --- the folder a run saves into -------------------------------------------------------------------
+
+
+def checkpoint_dir_error(folder: str | os.PathLike) -> str | None:
+    """Why the run cannot save into ``folder`` (created if missing, then a probe file written and
+    removed there), as the ``checkpoint.dir`` error; None when it can."""
+    folder = Path(folder)
+    probe = folder / f".write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as e:
+        return f"checkpoint.dir ({str(folder)!r}) cannot be written: {e}"
+    return None
+
+
+def prepare_checkpoint_folder(run_dir: str | Path, checkpoint_dir: str | None) -> Path:
+    """The run's checkpoint folder (``checkpoint_folder``), written once by rank 0 before step 1: an
+    unusable ``checkpoint.dir`` would otherwise be found by the first save, after ``checkpoint.every``
+    steps that are then lost. Collective: every rank raises the same ValueError."""
+    folder = checkpoint_folder(run_dir, checkpoint_dir)
+    error = runtime.broadcast_from_main(checkpoint_dir_error(folder) if rank_world()[0] == 0 else None)
+    if error is not None:
+        raise ValueError(error)
+    return folder
 
 
 # --- committing a save -----------------------------------------------------------------------------

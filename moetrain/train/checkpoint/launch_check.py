@@ -1,7 +1,8 @@
-"""The checkpoints a job names, checked once by the launcher before ``--nproc N`` starts its ranks:
-a path that does not exist, or a checkpoint of another model, is then one line of the command
-rather than the same error raised by every rank under torchrun's traceback. The ranks check again
-(``Checkpointer.resume``, ``load_initial_weights``): a job started by torchrun itself has no
+"""The checkpoint folder and the checkpoints a job names, checked once by the launcher before
+``--nproc N`` starts its ranks: a folder that cannot be written, a path that does not exist, or a
+checkpoint of another model is then one line of the command rather than the same error raised by
+every rank under torchrun's traceback. The ranks check again (``prepare_checkpoint_folder``,
+``Checkpointer.resume``, ``load_initial_weights``): a job started by torchrun itself has no
 launcher, and the folder may change in between."""
 
 from __future__ import annotations
@@ -11,17 +12,20 @@ from pathlib import Path
 from moetrain.config import JobConfig
 from moetrain.config.checkpoint import checkpoint_folder
 from moetrain.config.loader import config_to_dict
-from moetrain.train.checkpoint.files import latest_checkpoint, resolve_checkpoint
+from moetrain.train.checkpoint.files import checkpoint_dir_error, latest_checkpoint, resolve_checkpoint
 from moetrain.train.checkpoint.index import read_trainer_state
 from moetrain.train.checkpoint.same_model import check_same_model
 from moetrain.utils.safetensors_io import SafetensorsFolder
 
 
 def check_job_checkpoints(cfg: JobConfig) -> None:
-    """Raise a ValueError when ``checkpoint.init_from`` is not an export folder, when
-    ``checkpoint.resume`` names a path that holds no checkpoint, or when the checkpoint the run would
-    resume from holds another model (``same_model``)."""
+    """Raise a ValueError when the checkpoint folder cannot be written, when ``checkpoint.init_from``
+    is not an export folder, when ``checkpoint.resume`` names a path that holds no checkpoint, or
+    when the checkpoint the run would resume from holds another model (``same_model``)."""
     c = cfg.checkpoint
+    error = checkpoint_dir_error(checkpoint_folder(cfg.log.run_dir, c.dir))
+    if error is not None:
+        raise ValueError(error)
     if c.init_from is not None:
         if not Path(c.init_from).is_dir():
             raise ValueError(f"checkpoint.init_from ({c.init_from!r}) must be a moetrain export folder "
