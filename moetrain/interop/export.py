@@ -76,10 +76,14 @@ def source_folder(source: str | os.PathLike) -> Path | None:
 
 def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag: str) -> None:
     """ValueError naming ``flag`` when writing ``out`` could destroy what is read or trained: ``out``
-    is ``source``, contains it or lies inside it, or is a run or checkpoint folder (an export written
-    there replaces the run's config.yaml: the run resumes, and exports, from the wrong config)."""
+    is ``source``, contains it or lies inside it (inside a run folder only under its checkpoints/:
+    RUN/export is the documented place of a run's export), or is a run or checkpoint folder (an
+    export written there replaces the run's config.yaml: the run resumes, and exports, from the
+    wrong config)."""
     src, dst = Path(source).resolve(), Path(out).resolve()
-    if dst == src or dst in src.parents or src in dst.parents:
+    run = (src / CONFIG).is_file() and not is_export(src)
+    inside = src in dst.parents and (not run or dst.relative_to(src).parts[0] == "checkpoints")
+    if dst == src or dst in src.parents or inside:
         raise ValueError(f"{flag} {str(out)!r} would overwrite the source {str(source)!r} (it is, contains or lies "
                          "inside it): pick a folder apart from it")
     checkpoint = (dst / MANIFEST).is_file() or (dst / ".metadata").is_file()

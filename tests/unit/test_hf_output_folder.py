@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from moetrain.cli import main
+from moetrain.interop.export import check_output_folder
 from tests.helpers.hf_tiny_models import tiny_model
 
 
@@ -54,3 +55,15 @@ def test_an_output_folder_that_is_a_run_or_a_checkpoint_is_refused(folders, caps
         assert main(argv) == 2
         assert f"is a moetrain {kind} folder" in capsys.readouterr().err
         assert _snapshot(target) == before
+
+
+def test_an_export_inside_a_run_folder_is_allowed_outside_its_checkpoints(tmp_path):
+    # `moetrain export RUN --to RUN/export` is the documented recipe (docs/classification.md).
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000000002").mkdir(parents=True)
+    (run / "config.yaml").write_text("model: {}\n")
+    check_output_folder(run, run / "export", "--to")
+    with pytest.raises(ValueError, match="--to .* would overwrite the source"):
+        check_output_folder(run, run / "checkpoints" / "export", "--to")
+    with pytest.raises(ValueError, match="--to .* would overwrite the source"):
+        check_output_folder(run, run, "--to")
