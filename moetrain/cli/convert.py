@@ -44,7 +44,8 @@ def add_parsers(sub) -> None:
                       help="with --to-hf: experts as transformers-5 fused gate_up_proj/down_proj tensors "
                            "(default: per-expert tensors, what save_pretrained writes)")
     conv.add_argument("--dtype", default=None, choices=CONVERT_DTYPES,
-                      help="cast the weights (fp32 buffers such as the router bias stay fp32); default: "
+                      help="cast the weights (what transformers keeps fp32 stays fp32: the router bias, and "
+                           "DeepSeek-V3's router weight when its source is fp32); default: "
                            "fp32 on import, the source's dtypes on export")
     _add_max_shard_size(conv)
     conv.set_defaults(func=run_convert, parser=conv)
