@@ -27,18 +27,10 @@ thousands of steps, where both corrections are 1.) A checkpoint of an uncompress
 the warmup freezes v at its saved step, later than ``warmup_steps``: dividing by 1 - b2^warmup_steps
 then over-corrects v slightly, which only shortens the steps.
 
-Unset variance: a coordinate whose gradient was exactly zero throughout the warmup (an expert that
-got no token, an embedding row not yet seen) has v = 0, and 1-bit compression cannot send an exact
-zero (every element becomes +- its chunk's scale): its update would be m / eps. At the first
-compressed step where its averaged momentum m is not 0, its Adam starts: its momentum was 0, so
-m = (1 - b1) g with g the averaged gradient it just received, and v is set once to AdamW's first
-v_hat, g^2 (stored as g^2 (1 - b2^t_v), the frozen bias correction), then frozen like the rest.
-Its steps then grow to lr for a steady gradient, as AdamW's; where the m was only the
-compression's +- scale (the chunk's other coordinates moved), g overestimates the gradient and its
-later steps are shorter, never longer. m and v are the same on every replica, so is the fill; a
-coordinate whose chunk is all zeros keeps m = 0 and does not move. DeepSpeed instead asks the user
-for an ``exp_avg_mask`` that zeroes such momenta, which freezes the coordinate for the rest of the
-run (as the v > 0 mask once did here).
+Momentum mask: a coordinate whose gradient was exactly zero throughout the warmup has v = 0, and
+1-bit compression cannot send an exact zero (every element becomes +- its chunk's scale): its
+update would be scale / eps. DeepSpeed asks the user for an ``exp_avg_mask``; here the mask is
+v > 0, derived from the frozen variance itself and the same on every replica.
 
 Parameters without replicas (expert shards at edp = 1: the all-to-all already summed every rank's
 contribution into the one copy) have their exact gradient and nothing to average: they keep plain
@@ -163,25 +155,12 @@ class OneBitAdam(torch.optim.AdamW):
             self.data_parallel.onebit_average_(averaged_params, averaged_m)
         for (index, t, frozen_v), members in buckets.items():
             ps, ms, vs = (list(x) for x in zip(*members, strict=True))
-            group = self.param_groups[index]
             if frozen_v:
-                self._fill_unset_variance(ms, vs, group["betas"], t=t, t_v=self.warmup_steps)
-            self._update(ps, ms, vs, group, t=t, t_v=self.warmup_steps if frozen_v else t)
+                # The momentum mask (module docstring): sign(v) is 1 where v > 0 and 0 where v == 0.
+                torch._foreach_mul_(ms, torch._foreach_sign(vs))
+            self._update(ps, ms, vs, self.param_groups[index], t=t, t_v=self.warmup_steps if frozen_v else t)
         self._follow_stage()
         return loss
-
-    @staticmethod
-    def _fill_unset_variance(ms: list[torch.Tensor], vs: list[torch.Tensor], betas: tuple[float, float], *,
-                             t: float, t_v: float) -> None:
-        """Where the frozen v is 0 (no gradient in the whole warmup) and the averaged momentum m is
-        not, set v once, to v_hat = g^2 with g = m / (1 - b1) (module docstring). m and v are the
-        same on every replica, so is the fill."""
-        beta1, beta2 = betas
-        unset = torch._foreach_sign(vs)  # v >= 0: 1 where set, 0 where unset
-        torch._foreach_neg_(unset)
-        torch._foreach_add_(unset, 1)
-        torch._foreach_mul_(unset, ms)  # m where unset, else 0
-        torch._foreach_addcmul_(vs, unset, ms, value=(1 - beta2 ** t_v) / (1 - beta1) ** 2)
 
     @staticmethod
     def _update(ps: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor], group: dict, *, t: float,
