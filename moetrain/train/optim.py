@@ -96,17 +96,25 @@ def apply_optim_config(optimizer: torch.optim.Optimizer, scheduler: torch.optim.
     name (docs/checkpoints.md); the optimizer *state* (moments, step counts) stays the checkpoint's.
     The current lr is the schedule's at the resumed step, through the scheduler's own multiplier,
     so an unchanged config gives the saved values bit for bit. Returns one line per field whose
-    saved value differs, e.g. ``"optim.lr: 0.001 in the checkpoint, 0.0001 now"``."""
+    saved value differs, e.g. ``"optim.lr: 0.001 in the checkpoint, 0.0001 now (...)"``."""
     changes: dict[str, str] = {}
 
     def note(field: str, saved, now) -> None:
         if saved != now and field not in changes:
-            changes[field] = f"optim.{field}: {saved} in the checkpoint, {now} now"
+            changes[field] = (f"optim.{field}: {saved} in the checkpoint, {now} now "
+                              "(the resumed run uses the config's value)")
 
     wanted = {"betas": tuple(o.betas), "eps": o.eps, "momentum": o.muon_momentum, "nesterov": o.muon_nesterov,
               "ns_steps": o.muon_ns_steps}
     names = {"momentum": "muon_momentum", "nesterov": "muon_nesterov", "ns_steps": "muon_ns_steps"}
+    # 1-bit Adam past its warmup divides a variance that froze under the saved b2 by that b2's bias
+    # correction: another b2 would only mis-correct it, so b2 stays the checkpoint's.
+    frozen_b2 = bool(getattr(optimizer, "compressing", False))
     for i, group in enumerate(optimizer.param_groups):
+        if frozen_b2 and "betas" in group and group["betas"][1] != o.betas[1]:
+            changes.setdefault("betas[1]", f"optim.betas[1]: {group['betas'][1]} in the checkpoint, {o.betas[1]} "
+                                           "asked, kept: 1-bit Adam's variance froze with it")
+            wanted["betas"] = (o.betas[0], group["betas"][1])
         note("lr", scheduler.base_lrs[i], o.lr)
         scheduler.base_lrs[i] = group["initial_lr"] = o.lr
         group["lr"] = o.lr * scheduler.lr_lambdas[i](scheduler.last_epoch)

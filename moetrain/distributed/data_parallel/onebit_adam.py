@@ -30,7 +30,11 @@ then over-corrects v slightly, which only shortens the steps.
 Momentum mask: a coordinate whose gradient was exactly zero throughout the warmup has v = 0, and
 1-bit compression cannot send an exact zero (every element becomes +- its chunk's scale): its
 update would be scale / eps. DeepSpeed asks the user for an ``exp_avg_mask``; here the mask is
-v > 0, derived from the frozen variance itself and the same on every replica.
+v > 0, derived from the frozen variance itself and the same on every replica. Such a coordinate
+(an expert that got no token, an embedding row not seen in the warmup) then stays where it is for
+the rest of the run, as with DeepSpeed's mask: the freeze logs a warning with their count. Giving
+them a variance later would need their exact averaged gradient (the compressed momentum carries
+only its chunk's +- scale), an exchange the compression is there to avoid.
 
 Parameters without replicas (expert shards at edp = 1: the all-to-all already summed every rank's
 contribution into the one copy) have their exact gradient and nothing to average: they keep plain
@@ -97,7 +101,24 @@ class OneBitAdam(torch.optim.AdamW):
         if compressing and not self.data_parallel.local_gradients:
             log.info("1-bit Adam: variance frozen after %d steps; momenta are 1-bit compressed from here on",
                      self.warmup_steps)
+            self._warn_unset_variance()
         self.data_parallel.set_local_gradients(compressing)
+
+    def _warn_unset_variance(self) -> None:
+        """Warn about the coordinates the momentum mask holds still (module docstring): replicated
+        ones whose frozen variance is 0. One host sync, once per run."""
+        vs = [local_tensor(self.state[p]["exp_avg_sq"]) for g in self.param_groups for p in g["params"]
+              if self.state.get(p) and self.data_parallel.has_replicas(p)]
+        if not vs:
+            return
+        counts = torch.stack([(v == 0).sum() for v in vs]).tolist()
+        unset, tensors = sum(counts), sum(1 for c in counts if c)
+        if unset:
+            total = sum(v.numel() for v in vs)
+            log.warning("1-bit Adam: %d of %d replicated coordinates (in %d tensors) had no gradient during the "
+                        "%d warmup steps (experts without tokens, embedding rows not seen): their momentum is "
+                        "masked and they stay as they are for the rest of the run; a longer dp.onebit_warmup_steps "
+                        "trains them", unset, total, tensors, self.warmup_steps)
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]

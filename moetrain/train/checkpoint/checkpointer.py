@@ -173,7 +173,7 @@ class Checkpointer:
         if isinstance(o.scheduler, torch.optim.lr_scheduler.LambdaLR):
             # The loads restored the saved hyper-parameters; a resume runs with the config's.
             for change in apply_optim_config(o.optimizer, o.scheduler, self.cfg.optim):
-                log.info("%s (the resumed run uses the config's value)", change)
+                log.info("%s", change)
         o.scaler.load_state_dict(state["scaler"])
         if o.balancer is not None and "balancer" in state:
             self._load_balancer_state(o.balancer, state["balancer"])

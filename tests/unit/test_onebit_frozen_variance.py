@@ -1,0 +1,85 @@
+"""1-bit Adam's frozen variance: a resume keeps the b2 it froze under, and the freeze names the
+coordinates its momentum mask holds still.
+
+The averaging is a one-replica stand-in (world 1: the mean over one replica is the tensor itself);
+the collectives are tested in tests/distributed/test_onebit_adam.py."""
+
+import logging
+
+import pytest
+import torch
+
+from moetrain.config.optim import OptimConfig
+from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
+from moetrain.train.optim import apply_optim_config, build_scheduler
+
+LR = 1e-3
+
+
+class OneReplica:
+    local_gradients = False
+
+    def has_replicas(self, p) -> bool:
+        return True
+
+    def set_local_gradients(self, on: bool) -> None:
+        self.local_gradients = on
+
+    def onebit_average_(self, params, tensors) -> None:
+        pass
+
+
+def _trained(warmup: int, steps: int, grad: torch.Tensor):
+    w = torch.nn.Parameter(torch.zeros_like(grad))
+    opt = OneBitAdam([{"params": [w], "weight_decay": 0.0, "name": "decay"}], data_parallel=OneReplica(),
+                     warmup_steps=warmup, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    sch = build_scheduler(opt, lr=LR, min_lr=LR, warmup_steps=0, total_steps=1000, schedule="constant")
+    for _ in range(steps):
+        w.grad = grad.clone()
+        opt.step()
+        sch.step()
+    return w, opt, sch
+
+
+def _next_step(w, opt, grad: torch.Tensor) -> torch.Tensor:
+    before = w.detach().clone()
+    w.grad = grad.clone()
+    opt.step()
+    return (before - w.detach()) / LR
+
+
+@pytest.mark.parametrize("warmup", [2, 50])
+def test_resume_past_the_freeze_keeps_the_saved_b2(warmup):
+    ones = torch.ones(4)
+    w, opt, sch = _trained(warmup, warmup + 5, ones)
+    lines = apply_optim_config(opt, sch, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0, betas=(0.9, 0.999),
+                                                     schedule="constant"))
+    assert opt.param_groups[0]["betas"] == (0.9, 0.95)
+    assert any("optim.betas[1]: 0.95 in the checkpoint, 0.999 asked, kept" in line for line in lines)
+    # A steady gradient: AdamW steps by lr whatever b2 is; a b2 that the frozen variance was not
+    # accumulated under would divide it by the wrong bias correction (0.14 lr at warmup 2).
+    torch.testing.assert_close(_next_step(w, opt, ones), ones, rtol=1e-4, atol=0)
+
+
+def test_resume_in_the_warmup_takes_the_new_b2():
+    w, opt, sch = _trained(10, 3, torch.ones(4))
+    lines = apply_optim_config(opt, sch, OptimConfig(lr=LR, warmup_steps=0, weight_decay=0.0, betas=(0.9, 0.999),
+                                                     schedule="constant"))
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999)
+    assert any(line.startswith("optim.betas: (0.9, 0.95) in the checkpoint, (0.9, 0.999) now") for line in lines)
+
+
+def test_the_freeze_warns_about_coordinates_without_gradient(caplog):
+    grad = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0])  # three coordinates never get a gradient in the warmup
+    with caplog.at_level(logging.WARNING, logger="moetrain"):
+        w, opt, _ = _trained(3, 3, grad)
+    assert "3 of 5 replicated coordinates (in 1 tensors) had no gradient during the 3 warmup steps" in caplog.text
+    # The mask holds them still, gradient or not, as the warning says.
+    step = _next_step(w, opt, torch.ones(5))
+    assert step[[1, 3, 4]].eq(0).all() and step[[0, 2]].ne(0).all()
+
+
+def test_no_warning_when_every_coordinate_had_a_gradient(caplog):
+    with caplog.at_level(logging.WARNING, logger="moetrain"):
+        _trained(3, 5, torch.ones(4))
+    assert "had no gradient during the" not in caplog.text
