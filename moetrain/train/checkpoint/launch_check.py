@@ -22,10 +22,15 @@ def check_job_checkpoints(cfg: JobConfig) -> None:
     """Raise a ValueError when the checkpoint folder cannot be written, when ``checkpoint.init_from``
     is not an export folder, when ``checkpoint.resume`` names a path that holds no checkpoint, or
     when the checkpoint the run would resume from holds another model (``same_model``)."""
-    c = cfg.checkpoint
-    error = checkpoint_dir_error(checkpoint_folder(cfg.log.run_dir, c.dir))
+    _check_named_checkpoints(cfg)
+    # Last: it creates the folder, which a job refused for another reason should not leave behind.
+    error = checkpoint_dir_error(checkpoint_folder(cfg.log.run_dir, cfg.checkpoint.dir))
     if error is not None:
         raise ValueError(error)
+
+
+def _check_named_checkpoints(cfg: JobConfig) -> None:
+    c = cfg.checkpoint
     if c.init_from is not None:
         if not Path(c.init_from).is_dir():
             raise ValueError(f"checkpoint.init_from ({c.init_from!r}) must be a moetrain export folder "
