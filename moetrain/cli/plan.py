@@ -76,8 +76,9 @@ def add_parsers(sub) -> None:
                    help="as --skew, with the per-expert loads a run recorded (log.routing_trace)")
     p.add_argument("--capacity-factors", default="1.0,1.25,1.5,2.0",
                    help="with --skew/--routing-trace: the capacity factors to plan (comma-separated)")
-    p.add_argument("--spare-slots", default="1,2",
-                   help="with --skew/--routing-trace: spare expert slots per rank to plan (comma-separated)")
+    p.add_argument("--spare-slots", default=None,
+                   help="with --skew/--routing-trace: spare expert slots per rank to plan (comma-separated; "
+                        "each at most num_experts - num_experts / ep; default 1,2 where they fit)")
     p.set_defaults(func=run_plan, takes_overrides=True)
 
 
@@ -149,7 +150,8 @@ def _run_skew(args, cfg) -> int:
     plan = make_skew_plan(cfg, nproc=args.nproc, nodes=args.nodes, skew=args.skew, routing_trace=args.routing_trace,
                           device_memory=device_memory, profile=_profile(args),
                           capacity_factors=_numbers(args.capacity_factors, "--capacity-factors", float),
-                          spare_slots=_numbers(args.spare_slots, "--spare-slots", int))
+                          spare_slots=None if args.spare_slots is None
+                          else _numbers(args.spare_slots, "--spare-slots", int))
     checks = confirm_buffers(cfg, plan) if args.dry_run else []
     if args.json:
         json.dump({**plan.to_dict(), "buffer_checks": [{**c.__dict__, "confirmed": c.confirmed} for c in checks]},

@@ -210,9 +210,24 @@ class SkewPlan:
                 "recommendation": self.recommendation}
 
 
+def _spare_slots(spare_slots, *, num_experts: int, ep: int) -> tuple[int, ...]:
+    """The spare-slot counts to plan: those given, each within the trainer's rule on
+    parallel.expert_slots_per_rank (num_experts / ep + spare <= num_experts), or by default the
+    ``SPARE_SLOTS`` that meet it (none at ep = 1)."""
+    home = num_experts // ep
+    if spare_slots is None:
+        return tuple(r for r in SPARE_SLOTS if home + r <= num_experts)
+    for r in spare_slots:
+        if home + r > num_experts:
+            raise ValueError(f"--spare-slots ({r}) must be <= moe.num_experts - moe.num_experts / parallel.ep "
+                             f"({num_experts - home}): parallel.expert_slots_per_rank = {home} + {r} must be <= "
+                             f"moe.num_experts ({num_experts}), a rank holds each expert at most once")
+    return tuple(spare_slots)
+
+
 def make_skew_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, skew: str | None = None,
                    routing_trace: str | None = None, device_memory: int | None = None, profile=None,
-                   capacity_factors=CAPACITY_FACTORS, spare_slots=SPARE_SLOTS) -> SkewPlan:
+                   capacity_factors=CAPACITY_FACTORS, spare_slots=None) -> SkewPlan:
     """The rows of the module docstring for ``cfg``'s layout on ``nproc`` ranks over ``nodes`` nodes
     under one skew source (``skew``: a moe.force_skew spec; ``routing_trace``: a run or trace folder)."""
     from moetrain.plan.planner import planned_micro_batch, resolve_vocab
@@ -231,6 +246,7 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, skew: str | No
             raise ValueError(f"parallel.{name} ({getattr(cfg.parallel, name)}) must be 1 for a skew plan: it plans "
                              "the dp x ep layouts")
     E, K = moe.num_experts, moe.top_k
+    spare_slots = _spare_slots(spare_slots, num_experts=E, ep=ep)
     vectors = spec_shares(skew, num_experts=E, top_k=K) if skew is not None else trace_shares(routing_trace or "")
     if not vectors:
         raise ValueError(f"--routing-trace ({routing_trace!r}) holds no complete step (every step lacks the file "

@@ -147,3 +147,23 @@ def test_a_counts_trace_is_planned_from_its_recorded_loads(tmp_path, capsys):
     (folder / step_file(1, 1)).unlink()
     with pytest.warns(UserWarning), pytest.raises(ValueError, match="holds no complete step"):
         make_skew_plan(load_config(None, overrides), nproc=2, routing_trace=str(tmp_path))
+
+
+def test_spare_slots_beyond_the_trainers_slot_rule_are_refused(capsys):
+    """tiny has 8 experts: at ep = 2 a rank holds 4 home experts, so at most 4 spare slots (8 per rank, the
+    trainer's bound on parallel.expert_slots_per_rank); 5 would recommend a setting the trainer refuses."""
+    from moetrain.cli import main
+
+    cfg = load_config("tiny", ["--parallel.ep=2"])
+    assert cfg.moe.num_experts == 8
+    with pytest.raises(ValueError, match=r"--spare-slots \(5\) must be <= .*\(4\).*moe.num_experts \(8\)"):
+        make_skew_plan(cfg, nproc=2, skew="hot:1:0.9", spare_slots=(5,))
+    rows = make_skew_plan(cfg, nproc=2, skew="hot:1:0.9", capacity_factors=(), spare_slots=(4,)).rows
+    assert [r.spare_slots for r in rows] == [0, 4] and all(len(p) <= 8 for p in rows[1].placement)
+    # The default 1,2 keeps those that fit: none at ep = 1 (the trainer needs ep > 1 for spare slots).
+    one = make_skew_plan(load_config("tiny", ["--parallel.ep=1"]), nproc=2, skew="hot:1:0.9", capacity_factors=())
+    assert [r.spare_slots for r in one.rows] == [0]
+    assert main(["plan", "--config", "tiny", "--nproc", "2", "--parallel.ep=2", "--skew", "hot:1:0.9",
+                 "--spare-slots", "5", "--device-memory", "265MiB"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "--spare-slots (5)" in err
