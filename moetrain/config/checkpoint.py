@@ -27,8 +27,8 @@ class CheckpointConfig:
 
     resume: str = "auto"
     """"auto": continue from the newest checkpoint in `dir` if there is one, else start fresh;
-    "never": always start fresh (existing checkpoints may be overwritten); or the path of one
-    checkpoint to load."""
+    "never": always start fresh (a checkpoint of the same step is overwritten; higher steps left
+    in `dir` are named in a warning, never pruned by this run); or the path of one checkpoint to load."""
 
     save_final: bool = True
     """Save a checkpoint after the last step."""
