@@ -248,11 +248,13 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, skew: str | No
     E, K = moe.num_experts, moe.top_k
     spare_slots = _spare_slots(spare_slots, num_experts=E, ep=ep)
     vectors = spec_shares(skew, num_experts=E, top_k=K) if skew is not None else trace_shares(routing_trace or "")
+    flag, value = ("--skew", skew) if skew is not None else ("--routing-trace", routing_trace)
     if not vectors:
-        raise ValueError(f"--routing-trace ({routing_trace!r}) holds no complete step (every step lacks the file "
-                         "of some rank): nothing to plan from")
+        raise ValueError(f"{flag} ({value!r}) holds no complete step (every step lacks the file of some rank): "
+                         "nothing to plan from")
     if any(v.numel() != E for v in vectors):
-        raise ValueError(f"--routing-trace ({routing_trace!r}): its experts do not match moe.num_experts ({E})")
+        raise ValueError(f"{flag} ({value!r}): the trace's experts ({vectors[0].numel()}) do not match "
+                         f"moe.num_experts ({E})")
     micro, accum, _ = planned_micro_batch(cfg.train, nproc)
     t = cfg.train
     specs = param_specs(model, moe, finetune=cfg.finetune)

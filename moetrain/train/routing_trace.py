@@ -204,15 +204,16 @@ class RoutingRecorder:
 
 
 class RoutingReplay:
-    """Feeds the recorded ids of each step to the routers (``moe.routing_replay``)."""
+    """Feeds the recorded ids of each step to the routers (``moe.routing_replay``, or ``moe.force_skew``
+    "trace:PATH": ``field`` is the one the errors name)."""
 
     def __init__(self, path: str | os.PathLike, model: nn.Module, *, geometry: Geometry, first_step: int,
-                 last_step: int) -> None:
+                 last_step: int, field: str = "moe.routing_replay") -> None:
         self.folder, self.index = read_index(path)
         self.geometry = geometry
         self.layers = moe_layers(model)
         check_trace(self.folder, self.index, layer_names=[n for n, _ in self.layers], geometry=geometry,
-                    steps=range(first_step, last_step + 1))
+                    steps=range(first_step, last_step + 1), field=field)
         self._ids: dict[str, torch.Tensor] = {}
 
     def start_step(self, step: int) -> None:
@@ -231,8 +232,10 @@ class RoutingReplay:
         self._ids = {}
 
 
-def check_trace(folder: Path, index: dict, *, layer_names: list[str], geometry: Geometry, steps: range) -> None:
-    """Every mismatch between a trace and the run replaying it, as one ValueError naming the file."""
+def check_trace(folder: Path, index: dict, *, layer_names: list[str], geometry: Geometry, steps: range,
+                field: str = "moe.routing_replay") -> None:
+    """Every mismatch between a trace and the run replaying it, as one ValueError naming ``field`` (the
+    setting that gave the trace) and the file."""
     where = str(folder / INDEX)
     problems = []
     if index["mode"] != "full":
@@ -247,17 +250,17 @@ def check_trace(folder: Path, index: dict, *, layer_names: list[str], geometry: 
     if missing:
         problems.append(f"steps {missing[:5]}{'...' if len(missing) > 5 else ''} not recorded")
     if problems:
-        raise ValueError(f"moe.routing_replay: trace {where!r} does not fit this run: {'; '.join(problems)}")
+        raise ValueError(f"{field}: trace {where!r} does not fit this run: {'; '.join(problems)}")
     for step in steps:
         for rank in range(step_layout(index, step)["world_size"]):
-            _check_file(folder / step_file(step, rank), index)
+            _check_file(folder / step_file(step, rank), index, field=field)
 
 
-def _check_file(path: Path, index: dict) -> None:
+def _check_file(path: Path, index: dict, *, field: str) -> None:
     try:
         tensors, _ = read_header(path)
     except (OSError, ValueError) as e:
-        raise ValueError(f"moe.routing_replay: trace file {str(path)!r} is missing or corrupt ({e})") from e
+        raise ValueError(f"{field}: trace file {str(path)!r} is missing or corrupt ({e})") from e
     bad = []
     if "blocks" not in tensors or tensors["blocks"].dtype != torch.int64 or len(tensors["blocks"].shape) != 2:
         bad.append("no int64 [A, 2] 'blocks'")
@@ -266,7 +269,7 @@ def _check_file(path: Path, index: dict) -> None:
         if info is None or info.dtype != torch.int16 or len(info.shape) != 2 or info.shape[1] != index["top_k"]:
             bad.append(f"no int16 [T, {index['top_k']}] 'ids.{name}'")
     if bad:
-        raise ValueError(f"moe.routing_replay: trace file {str(path)!r} is corrupt: {'; '.join(bad)}")
+        raise ValueError(f"{field}: trace file {str(path)!r} is corrupt: {'; '.join(bad)}")
 
 
 class ForcedSkew(RoutingReplay):
@@ -320,7 +323,8 @@ def build_routing_hooks(cfg, model: nn.Module, *, run_dir: Path, rank: int, worl
     replay = m.routing_replay if kind != "trace" else params[0]
     if replay is not None:
         parts.append(RoutingReplay(replay, model, geometry=geometry, first_step=start_step + 1,
-                                   last_step=cfg.train.steps))
+                                   last_step=cfg.train.steps,
+                                   field="moe.force_skew" if kind == "trace" else "moe.routing_replay"))
     elif kind != "none":
         parts.append(ForcedSkew(kind, params, model, geometry=geometry))
     if cfg.log.routing_trace != "off":

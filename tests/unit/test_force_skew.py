@@ -81,3 +81,37 @@ def test_forced_skew_hands_each_rank_its_slice_of_one_global_routing():
     ranks = [routed(r, 2, 2) for r in range(2)]
     two = torch.cat([ranks[r][m] for m in range(2) for r in range(2)], dim=1)
     assert torch.equal(one, two)
+
+
+def test_trace_errors_name_the_setting_that_gave_the_trace(tmp_path):
+    """A trace that does not fit is reported under moe.force_skew when "trace:PATH" gave it, and under
+    moe.routing_replay when that did: the index's checks and each step file's."""
+    import json
+
+    from torch import nn
+
+    from moetrain.config.loader import load_config
+    from moetrain.models.moe.layer import MoELayer
+    from moetrain.train.routing_trace import INDEX, TRACE_DIR, build_routing_hooks
+
+    model = nn.Sequential(*(MoELayer(16, MoEConfig(num_experts=E, top_k=2, expert_hidden_dim=16)) for _ in range(2)))
+    folder = tmp_path / TRACE_DIR
+    folder.mkdir()
+
+    def error(mode: str, setting: str) -> str:
+        (folder / INDEX).write_text(json.dumps({
+            "format": 1, "mode": mode, "layers": ["0", "1"], "num_experts": E, "top_k": 2,
+            "tokens_per_step": 8 * 64, "world_size": 1, "ep": 1, "steps": [1, 2]}))
+        cfg = load_config("tiny", ["--model.num_layers=2", f"--moe.num_experts={E}", "--moe.top_k=2",
+                                   "--train.global_batch_size=8", "--data.seq_len=64", "--train.steps=2",
+                                   "--parallel.ep=1", setting])
+        with pytest.raises(ValueError) as e:
+            build_routing_hooks(cfg, model, run_dir=tmp_path / "run", rank=0, world_size=1, dp_rank=0, dp_size=1,
+                                ep=1, grad_accum=1, is_main=True, start_step=0)
+        return str(e.value)
+
+    for setting, field in ((f"--moe.force_skew=trace:{tmp_path}", "moe.force_skew"),
+                           (f"--moe.routing_replay={tmp_path}", "moe.routing_replay")):
+        assert error("counts", setting).startswith(f"{field}: trace ") and "does not fit" in error("counts", setting)
+        # The index fits; the step files are missing.
+        assert error("full", setting).startswith(f"{field}: trace file ")

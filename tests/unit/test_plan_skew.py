@@ -143,10 +143,16 @@ def test_a_counts_trace_is_planned_from_its_recorded_loads(tmp_path, capsys):
     checks = json.loads(capsys.readouterr().out)["buffer_checks"]
     # The recorded counts scaled to one micro-batch (1024 copies): 768 and 256; planned = mean + 3 sigma, capped.
     assert [(c["drawn_copies"], c["planned_copies"]) for c in checks] == [(1024, 1120), (512, 512), (512, 580)]
+    # The same trace as --skew trace:PATH: its errors name --skew, the flag that gave it.
+    with pytest.raises(ValueError, match=r"^--skew \('trace:.*'\): the trace's experts \(4\) do not match "
+                                         r"moe.num_experts \(8\)"):
+        make_skew_plan(load_config(None, [*TINY, "--parallel.ep=2"]), nproc=2, skew=f"trace:{tmp_path}")
     # Rank 1's file gone (a rank that died): no step is complete, and the error says so.
     (folder / step_file(1, 1)).unlink()
-    with pytest.warns(UserWarning), pytest.raises(ValueError, match="holds no complete step"):
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"^--routing-trace .*holds no complete step"):
         make_skew_plan(load_config(None, overrides), nproc=2, routing_trace=str(tmp_path))
+    with pytest.warns(UserWarning), pytest.raises(ValueError, match=r"^--skew \('trace:.*holds no complete step"):
+        make_skew_plan(load_config(None, overrides), nproc=2, skew=f"trace:{tmp_path}")
 
 
 def test_spare_slots_beyond_the_trainers_slot_rule_are_refused(capsys):
