@@ -15,8 +15,9 @@ home experts.
                                  home's weights (the step changed them), which travel while the
                                  next step loads its batch and runs up to the first MoE layer's
                                  experts (``wait_refresh``, called by the dispatcher)
-    after a checkpoint load      ``load_state_dict``: the saved placements (``state_dict``, in the
-                                 checkpoint's trainer state), then ``refresh_replicas``
+    after a checkpoint load      ``load_state_dict``: the saved placements and load since the last
+                                 plan (``state_dict``, in the checkpoint's trainer state), then
+                                 ``refresh_replicas``
 
 Each of these moves every layer's rows in one collective (``_exchange_layers``): one all-to-all
 for the weights, one all-reduce over edp and one all-to-all for the gradients per step, however
@@ -140,14 +141,21 @@ class Rebalancer:
     # ----- checkpoints ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Every layer's placement (JSON, the same on every rank: no communication)."""
-        return {"placements": [d.placement.to_json() for _, d in self.layers]}
+        """Every layer's placement (JSON, the same on every rank), its load since the last plan
+        summed over dp x tp (``load``, one list per layer) and whether a re-plan waits for a step
+        taken (``replan_due``): a resume between re-plans plans as the run that never stopped.
+        Collective over dp x tp (one all-reduce of L x E numbers)."""
+        if not self.layers:
+            return {"placements": []}
+        return {"placements": [d.placement.to_json() for _, d in self.layers],
+                "load": self._global_load().to(torch.int64).tolist(), "replan_due": self._replan_due}
 
     def load_state_dict(self, state: dict | None, *, step: int) -> None:
         """A resumed run's placements (a checkpoint's ``state_dict``), where they fit these layers,
-        ranks and slots; else the home layout stays until the first re-plan. The replicas then take
-        the loaded homes' weights, and rebalance.jsonl keeps the records up to ``step``. Collective
-        over ep. The load since the last plan is not saved: the next plan sees the load from here."""
+        ranks and slots, with the load since the last plan and a re-plan due; else the home layout
+        and a fresh load history until the first re-plan (the next plan sees the load from here).
+        The replicas then take the loaded homes' weights, and rebalance.jsonl keeps the records up
+        to ``step``. Collective over ep."""
         self._keep_until = step
         saved = (state or {}).get("placements") or []
         if not self.layers:
@@ -157,10 +165,32 @@ class Rebalancer:
                 [(d.ep_size, d.slots_per_rank, d.num_logical) for _, d in self.layers]:
             for p, (_, d) in zip(placements, self.layers, strict=True):
                 d.set_placement(p)
+            self._load_history(state or {})
         elif saved:
             log.info("the checkpoint's expert placement is for another layout: replicas start from the home "
-                     "layout and follow the first re-plan")
+                     "layout and follow the first re-plan, planned from the load since this resume")
         self.refresh_replicas()
+
+    def _load_history(self, state: dict) -> None:
+        """The saved load since the last plan (global: on the first rank of dp x tp, zeros on the
+        others, so the next plan's all-reduce sums it in once) and a re-plan due. A checkpoint
+        saved without them leaves a fresh history."""
+        if "load" not in state:
+            return
+        first = self.dims.dp_tp == 1 or dist.get_rank(self.dims.group("dp_tp")) == 0
+        for (_, d), load_E in zip(self.layers, state["load"], strict=True):
+            saved_E = torch.tensor(load_E, dtype=torch.int64, device=_device(d))
+            d.load_E = saved_E if first else torch.zeros_like(saved_E)
+        self._load_at_step_start = [d.load_E for _, d in self.layers]
+        self._replan_due = bool(state.get("replan_due", False))
+
+    def _global_load(self) -> torch.Tensor:
+        """``[layers, E]`` float64: every layer's load since the last plan summed over dp x tp
+        (integers: exact in float64, in any order of summation). Collective over dp x tp."""
+        load_YE = torch.stack([d.load_E.to(_device(d), torch.float64) for _, d in self.layers])  # nccl: on the device
+        if self.dims.dp_tp > 1:
+            dist.all_reduce(load_YE, group=self.dims.group("dp_tp"))
+        return load_YE
 
     # ----- weights out, gradients home -------------------------------------------------------------
 
@@ -288,10 +318,7 @@ class Rebalancer:
 
     def _replan(self) -> None:
         """A placement per layer from its global load since the last plan (one all-reduce)."""
-        load_YE = torch.stack([d.load_E.to(torch.float64) for _, d in self.layers])  # on the device: nccl
-        if self.dims.dp_tp > 1:
-            dist.all_reduce(load_YE, group=self.dims.group("dp_tp"))
-        for (_, d), load_E in zip(self.layers, load_YE.tolist(), strict=True):
+        for (_, d), load_E in zip(self.layers, self._global_load().tolist(), strict=True):
             d.set_placement(plan_placement(load_E, num_ranks=d.ep_size, slots_per_rank=d.slots_per_rank))
             d.load_E = torch.zeros_like(d.load_E)
 
