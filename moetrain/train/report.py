@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # headless: report runs on training nodes without a display
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
 
 from moetrain.train.metrics import read_class_names, read_metrics
 from moetrain.train.routing_trace_read import INDEX, TRACE_DIR, rank_loads, straggler_factors
@@ -191,26 +192,100 @@ def plot_confusion(records, out: Path, class_names: list[str] | None) -> Path | 
 
 
 def plot_rank_load(run_dir: Path, out: Path) -> list[Path]:
-    """From the routing trace (log.routing_trace): one heat map per MoE layer, expert-parallel rank
+    """The per-rank expert load of a run and ``routing_straggler.json``.
+
+    From the routing trace (log.routing_trace): one heat map per MoE layer, expert-parallel rank
     (rows; each ep group's ranks in turn when there are several) x recorded step (columns), colour =
     the rank's received copies / its group's mean rank's (1 = balanced; a bright row is a straggler),
-    and ``routing_straggler.json``: per layer, the straggler factor (max rank tokens / mean, the worst
-    ep group's) at each recorded step, its mean and its max, and each group's factors (``groups``,
-    [step][group], null for a group the step's layout lacks)."""
-    if not (run_dir / TRACE_DIR / INDEX).is_file():
+    with the experts counted on their home ranks; and in the JSON (``steps``, ``layers``): per layer,
+    the straggler factor (max rank tokens / mean, the worst ep group's) at each recorded step, its mean
+    and its max, and each group's factors (``groups``, [step][group], null for a group the step's
+    layout lacks).
+
+    A rebalanced run (``rebalance.jsonl`` in the run folder) is served by replicas too, so the home
+    layout is not what its ranks received: ``rank_load.png`` then shows the copies each rank's slots
+    received (the records' ``rank_copies``), the trace's figure becomes ``rank_load_home.png``
+    ("home layout (before replicas)"), and the JSON adds ``replicas`` (:func:`_replica_summary`).
+    ``rebalanced`` says which; ``steps`` and ``layers`` stay the trace's home layout."""
+    rebal = _replica_loads(run_dir)
+    made: list[Path] = []
+    summary: dict = {}
+    if (run_dir / TRACE_DIR / INDEX).is_file():
+        steps, layers, load_SLGP = rank_loads(run_dir)
+        if steps:
+            factor_SL, factor_SLG = straggler_factors(load_SLGP), straggler_factors(load_SLGP, per_group=True)
+            per_layer = {name: {"straggler_factor": _rounded(factor_SL[:, i].tolist()),
+                                **_factor_stats(factor_SL[:, i]), "groups": _rounded(factor_SLG[:, i].tolist())}
+                         for i, name in enumerate(layers)}
+            summary = {"steps": steps, "layers": per_layer}
+            name, title = ("rank_load_home.png", "home layout (before replicas)") if rebal else \
+                ("rank_load.png", "routing trace")
+            captions = [f"straggler factor mean {_fmt(per_layer[n]['mean'])}, max {_fmt(per_layer[n]['max'])}"
+                        for n in layers]
+            made.append(_rank_heat_map(steps, layers, load_SLGP, captions, out / name,
+                                       f"Per-rank expert load, {title}"))
+    if rebal is not None:
+        steps, load_SLP, first_plan = rebal
+        layers = list(summary.get("layers", {}))  # the trace's names, when it has as many layers
+        if len(layers) != load_SLP.shape[1]:
+            layers = [f"layer {i}" for i in range(load_SLP.shape[1])]
+        summary["replicas"] = _replica_summary(steps, layers, load_SLP, first_plan)
+        captions = [_replica_caption(summary["replicas"]["layers"][n]) for n in layers]
+        made.insert(0, _rank_heat_map(steps, layers, load_SLP[:, :, None, :], captions, out / "rank_load.png",
+                                      "Per-rank expert load with replicas (rebalance.jsonl: copies each rank's "
+                                      "slots received)", first_plan=first_plan))
+    if not summary:
         return []
-    steps, layers, load_SLGP = rank_loads(run_dir)
-    if not steps:
-        return []
-    factor_SL, factor_SLG = straggler_factors(load_SLGP), straggler_factors(load_SLGP, per_group=True)
-    per_layer = {name: {"straggler_factor": _rounded(factor_SL[:, i].tolist()),
-                        "mean": _rounded(float(factor_SL[:, i].nanmean())),
-                        "max": _rounded(float(factor_SL[:, i].nan_to_num(nan=float("-inf")).max())),
-                        "groups": _rounded(factor_SLG[:, i].tolist())}
-                 for i, name in enumerate(layers)}
-    summary = {"steps": steps, "layers": per_layer}
+    summary["rebalanced"] = rebal is not None
     json_path = out / "routing_straggler.json"
     json_path.write_text(json.dumps(summary, indent=1, allow_nan=False) + "\n")
+    return [*made, json_path]
+
+
+def _replica_loads(run_dir: Path) -> tuple[list[int], torch.Tensor, int | None] | None:
+    """``(steps, load_SLP, first_plan)`` of a rebalanced run's ``rebalance.jsonl``: the copies each
+    rank of rank 0's ep group received per layer at each step (after capacity drops, homes and
+    replicas together), and the step of the first re-plan (None: none yet). None without records."""
+    path = run_dir / "rebalance.jsonl"
+    if not path.is_file():
+        return None
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r.get("rank_copies")]
+    if not records:
+        return None
+    load_SLP = torch.tensor([r["rank_copies"] for r in records], dtype=torch.float64)
+    first_plan = next((r["step"] for r in records if r.get("rebalanced")), None)
+    return [r["step"] for r in records], load_SLP, first_plan
+
+
+def _replica_summary(steps: list[int], layers: list[str], load_SLP: torch.Tensor, first_plan: int | None) -> dict:
+    """``routing_straggler.json``'s ``replicas``: per layer the straggler factor of what each rank
+    received at each step of rebalance.jsonl, its mean and max over all steps (``all_steps``), over
+    the steps that ran the home layout (``before_first_plan``: up to the first re-plan's) and over
+    those that ran with replicas (``after_first_plan``; null without a plan)."""
+    factor_SL = straggler_factors(load_SLP)
+    after = torch.tensor([first_plan is not None and s > first_plan for s in steps], dtype=torch.bool)
+    per_layer = {name: {"straggler_factor": _rounded(factor_SL[:, i].tolist()),
+                        "all_steps": _factor_stats(factor_SL[:, i]),
+                        "before_first_plan": _factor_stats(factor_SL[~after, i]),
+                        "after_first_plan": _factor_stats(factor_SL[after, i])}
+                 for i, name in enumerate(layers)}
+    return {"source": "rebalance.jsonl rank_copies", "steps": steps, "first_plan_step": first_plan,
+            "layers": per_layer}
+
+
+def _factor_stats(factor_S: torch.Tensor) -> dict:
+    """Mean and max of a layer's straggler factors (NaN steps left out; null when there are none)."""
+    present = factor_S[~factor_S.isnan()]
+    if present.numel() == 0:
+        return {"mean": None, "max": None}
+    return {"mean": _rounded(float(present.mean())), "max": _rounded(float(present.max()))}
+
+
+def _rank_heat_map(steps: list[int], layers: list[str], load_SLGP: torch.Tensor, captions: list[str], path: Path,
+                   title: str, *, first_plan: int | None = None) -> Path:
+    """One heat map per layer: rank (rows, ep groups in turn) x step, colour = load / group mean;
+    a dashed line after the first re-plan's step (the steps right of it ran with replicas)."""
     num_steps, _, num_groups, ep = load_SLGP.shape
     mean_SLG1 = load_SLGP.nanmean(-1, keepdim=True).clamp(min=1e-12)
     rel_SLR = (load_SLGP / mean_SLG1).reshape(num_steps, len(layers), num_groups * ep).numpy()
@@ -222,12 +297,26 @@ def plot_rank_load(run_dir: Path, out: Path) -> list[Path]:
                            np.ma.masked_invalid(rel_SLR[:, i, :].T), cmap="magma", vmin=0.0, vmax=vmax)
         ax.set_ylim(num_groups * ep - 0.5, -0.5)
         ax.set_ylabel(f"{name}\n" + ("ep rank" if num_groups == 1 else f"ep group x rank ({ep} each)"))
-        ax.set_title(f"straggler factor mean {per_layer[name]['mean']:.3f}, "
-                     f"max {per_layer[name]['max']:.3f}", fontsize=8)
+        ax.set_yticks(range(num_groups * ep))
+        ax.set_title(captions[i], fontsize=8)
+        if first_plan is not None:
+            ax.axvline(first_plan + 0.5, color="cyan", ls="--", lw=1.0, label=f"first plan (after step {first_plan})")
+            ax.legend(fontsize=7, loc="upper right")
         fig.colorbar(im, ax=ax, label="load / group mean")
     axes[-1][0].set_xlabel("step")
-    fig.suptitle("Per-rank expert load (routing trace)")
-    return [_save(fig, out / "rank_load.png"), json_path]
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _replica_caption(stats: dict) -> str:
+    before, after = stats["before_first_plan"], stats["after_first_plan"]
+    text = f"straggler factor before the first plan: mean {_fmt(before['mean'])}"
+    return text + (f"; after it: mean {_fmt(after['mean'])}, max {_fmt(after['max'])}" if after["mean"] is not None
+                   else "; no plan yet")
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _rounded(value):

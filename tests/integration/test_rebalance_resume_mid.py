@@ -2,7 +2,9 @@
 (docs/routing.md#expert-rebalancing): re-planned every 3 steps under a drifting forced skew (the
 load moves every step), resumed from its step-2 checkpoint in another folder, its step-3 plan comes
 from the load of steps 1-3, not only step 3's, so rebalance.jsonl's placements and received copies
-match those of the uninterrupted run. One launch of 2 gloo processes."""
+match those of the uninterrupted run. In the same launch of 2 gloo processes, ``moetrain report`` on
+a run re-planned every step under zipf:1.2 with a routing trace: the ranks' straggler factor after
+the first plan, from what their slots received, is near 1, while the home layout's stays above it."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ from pathlib import Path
 import pytest
 
 from moetrain.train.checkpoint.files import step_dir_name
+from moetrain.train.report import write_report
 from tests.helpers.dist_launcher import run_ranks
 from tests.integration.conftest import job_overrides, read_losses
 
 pytestmark = pytest.mark.timeout(240)
-JOB = ("--moe.force_skew=drift:1.2:1", "--train.deterministic=true", "--log.memory=false",
-       "--parallel.expert_slots_per_rank=3", "--moe.rebalance_every=3")
+COMMON = ("--train.deterministic=true", "--log.memory=false", "--parallel.expert_slots_per_rank=3")
+JOB = ("--moe.force_skew=drift:1.2:1", "--moe.rebalance_every=3", *COMMON)
 
 
 def _runs(rank: int, world_size: int, runs: list[list[str]]) -> None:
@@ -36,11 +39,13 @@ def _records(run_dir: Path) -> dict[int, dict]:
 
 
 def test_resume_between_replans_plans_as_the_uninterrupted_run(tmp_path, shakespeare_cached):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full, resumed, zipf = tmp_path / "full", tmp_path / "resumed", tmp_path / "zipf"
     ckpt = full / "checkpoints" / step_dir_name(2)
     run_ranks(_runs, 2, [
         job_overrides(full, steps=4, ep=2, extra=(*JOB, "--checkpoint.every=2", "--checkpoint.keep_last=0")),
         job_overrides(resumed, steps=4, ep=2, extra=(*JOB, f"--checkpoint.resume={ckpt}")),
+        job_overrides(zipf, steps=3, ep=2, extra=(*COMMON, "--moe.force_skew=zipf:1.2", "--moe.rebalance_every=1",
+                                                    "--log.routing_trace=counts")),
     ], timeout_s=200)
 
     want, got = _records(full), _records(resumed)
@@ -52,3 +57,13 @@ def test_resume_between_replans_plans_as_the_uninterrupted_run(tmp_path, shakesp
     for s in (3, 4):
         assert got[s]["rank_copies"] == want[s]["rank_copies"], s
     assert read_losses(resumed) == read_losses(full)[2:]
+
+    write_report(zipf)
+    report = json.loads((zipf / "report" / "routing_straggler.json").read_text())
+    assert report["rebalanced"] and report["replicas"]["first_plan_step"] == 1
+    for name, home in report["layers"].items():
+        assert home["mean"] > 1.2, (name, home)  # zipf:1.2 on the experts' home ranks
+        assert report["replicas"]["layers"][name]["after_first_plan"]["max"] < 1.1, (name, report["replicas"])
+        # Step 1 ran the home layout, dropless: the copies the ranks received are the trace's by home rank.
+        assert report["replicas"]["layers"][name]["straggler_factor"][0] == home["straggler_factor"][0]
+    assert (zipf / "report" / "rank_load_home.png").is_file()
