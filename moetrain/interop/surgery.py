@@ -55,6 +55,7 @@ from moetrain.config.convert import build_section
 from moetrain.config.finetune import FinetuneConfig
 from moetrain.config.moe import MoEConfig
 from moetrain.interop.export import (
+    check_output_folder,
     copy_classes,
     fresh_run_config,
     load_source,
@@ -205,6 +206,7 @@ def grow_source(source: str | os.PathLike, out_dir: str | os.PathLike, *, num_ex
     """``moetrain experts grow``: read ``source`` (a run folder, checkpoint or export, saved at any
     layout), grow its experts and write the export ``out_dir``, whose config.yaml starts a fresh
     run from it (``_fresh_run``)."""
+    check_output_folder(source, out_dir, "--to")
     config, state_dict, info = load_source(source)
     new_config, grown = grow_experts(config, state_dict, num_experts=num_experts, top_k=top_k, noise=noise, seed=seed)
     _, notes = grown_config(config, num_experts=num_experts, top_k=top_k)

@@ -56,7 +56,7 @@ import torch
 
 from moetrain.config.model import ModelConfig
 from moetrain.config.moe import MoEConfig
-from moetrain.interop.export import export_metadata, write_config_yaml
+from moetrain.interop.export import check_output_folder, export_metadata, write_config_yaml
 from moetrain.interop.hf.convert import (
     Job,
     _check_against_model,
@@ -201,6 +201,7 @@ def upcycle_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, num_exp
                          "expert tensor's std)")
     hf_dir = Path(hf_dir)
     hf = read_hf_config(hf_dir)
+    check_output_folder(hf_dir, out_dir, "--to")
     family = family_of(hf)
     dense, neutral = family.configs_from_hf(hf)
     if dense.is_moe:
