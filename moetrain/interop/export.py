@@ -74,12 +74,14 @@ def source_folder(source: str | os.PathLike) -> Path | None:
     return next((p for p in (path, path.parent, path.parent.parent) if (p / CONFIG).is_file()), None)
 
 
-def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag: str) -> None:
+def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag: str, *,
+                        writes: str = "export") -> None:
     """ValueError naming ``flag`` when writing ``out`` could destroy what is read or trained: ``out``
     is ``source``, contains it or lies inside it (inside a run folder only under its checkpoints/:
-    RUN/export is the documented place of a run's export), or is a run or checkpoint folder (an
+    RUN/export is the documented place of a run's export), is a run or checkpoint folder (an
     export written there replaces the run's config.yaml: the run resumes, and exports, from the
-    wrong config)."""
+    wrong config), or holds a model of the other format than the one ``writes`` ("export" or
+    "hf"), which the new files would overwrite in part."""
     src, dst = Path(source).resolve(), Path(out).resolve()
     run = (src / CONFIG).is_file() and not is_export(src)
     inside = src in dst.parents and (not run or dst.relative_to(src).parts[0] == "checkpoints")
@@ -90,6 +92,11 @@ def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag:
     if checkpoint or ((dst / CONFIG).is_file() and not is_export(dst)) or (dst / "checkpoints").is_dir():
         raise ValueError(f"{flag} {str(out)!r} is a moetrain {'checkpoint' if checkpoint else 'run'} folder: "
                          "pick a new or export folder")
+    if writes == "hf" and is_export(dst):
+        raise ValueError(f"{flag} {str(out)!r} is a moetrain export: pick a new or Hugging Face folder")
+    if writes == "export" and (dst / "config.json").is_file() and not (dst / CONFIG).is_file():
+        raise ValueError(f"{flag} {str(out)!r} is a Hugging Face model folder (config.json): pick a new or "
+                         "export folder")
 
 
 def open_source(source: str | os.PathLike) -> tuple[dict, ExportTensors | CheckpointTensors, dict]:

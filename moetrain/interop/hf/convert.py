@@ -327,7 +327,7 @@ def export_hf(source: str | os.PathLike, out_dir: str | os.PathLike, *, family: 
     round) and the fp32 tensors the family keeps in fp32 (DeepSeek-V3's router, as transformers
     does); None keeps the source dtypes."""
     config, src, _ = open_source(source)
-    check_output_folder(source, out_dir, "--to-hf")
+    check_output_folder(source, out_dir, "--to-hf", writes="hf")
     model, moe = model_configs(config)
     fam = choose_family(model, moe, family)
     hf_config = fam.hf_config_from(model, moe)
