@@ -11,7 +11,8 @@ ZeRO stage x expert-parallel degree x offload x activation-checkpointing choice 
 ``--skew`` / ``--routing-trace`` plan the config's own layout under that routing skew (``plan.skew``):
 each rank's routed copies, the hottest rank's memory and the step time, dropless, under capacity
 factors and with spare expert slots, and the setting to use; with ``--dry-run`` the receive rows
-the plan assumed are checked against the trainer's own forced draw.
+the plan assumed are checked against the trainer's own forced draw (the micro-batches of its first
+steps up to a bound on the uniforms drawn, ``plan.skew_check``).
 
 ``--dry-run`` builds one rank for real on the meta device under a fake process group of world
 ``--nproc`` and prints its counted model-state bytes next to the planner's (``dry_run``).
@@ -144,7 +145,8 @@ def _run_dry_run(args, cfg) -> int:
 
 
 def _run_skew(args, cfg) -> int:
-    from moetrain.plan.skew import confirm_buffers, format_buffer_checks, format_skew_plan, make_skew_plan
+    from moetrain.plan.skew import format_skew_plan, make_skew_plan
+    from moetrain.plan.skew_check import confirm_buffers, format_buffer_checks
 
     device_memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     plan = make_skew_plan(cfg, nproc=args.nproc, nodes=args.nodes, skew=args.skew, routing_trace=args.routing_trace,
@@ -160,5 +162,5 @@ def _run_skew(args, cfg) -> int:
     else:
         print(format_skew_plan(plan))
         if checks:
-            print(format_buffer_checks(checks, steps=4))
+            print(format_buffer_checks(checks))
     return 0 if all(c.confirmed for c in checks) else 1

@@ -273,19 +273,28 @@ def _check_file(path: Path, index: dict, *, field: str) -> None:
 
 
 class ForcedSkew(RoutingReplay):
-    """``moe.force_skew`` (zipf, hot, drift): ids drawn for the whole global batch of each step and
-    MoE layer from a generator seeded by (step, layer), then handed out like a replayed trace."""
+    """``moe.force_skew`` (zipf, hot, drift): each rank draws the ids of the tokens it routes in each
+    micro-batch (``Geometry.runs``), per MoE layer, from generators seeded by (step, layer, token
+    block) alone (``skewed_assignment``), so a token gets the same experts at every layout. The draw
+    is O(tokens of this rank x E) per layer and micro-batch, on the host, inside the timed step."""
 
     def __init__(self, kind: str, params: tuple, model: nn.Module, *, geometry: Geometry) -> None:
         self.kind, self.params, self.geometry = kind, params, geometry
         self.layers = moe_layers(model)
         self._ids = {}
+        self._step, self._w_E = 0, torch.empty(0)
 
     def start_step(self, step: int) -> None:
+        self._step = step
+        self._w_E = skew_weights(self.kind, self.params, step=step, num_experts=self.geometry.num_experts)
+
+    def before_micro(self, micro: int) -> None:
         g = self.geometry
-        w_E = skew_weights(self.kind, self.params, step=step, num_experts=g.num_experts)
-        self._ids = {name: skewed_assignment(w_E, num_tokens=g.tokens_per_step, top_k=g.top_k,
-                                             seed=skew_seed(step, i)) for i, (name, _) in enumerate(self.layers)}
+        for i, (_, layer) in enumerate(self.layers):
+            seed = skew_seed(self._step, i)
+            ids_TK = torch.cat([skewed_assignment(self._w_E, num_tokens=length, top_k=g.top_k, seed=seed,
+                                                  start=start) for start, length in g.runs(micro)])
+            layer.router.replay_idx_TK = ids_TK.to(layer.tokens_per_expert.device)
 
 
 class RoutingHooks:

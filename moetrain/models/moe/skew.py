@@ -1,10 +1,12 @@
-"""Forced skewed routing for benchmarks (``moe.force_skew``): expert ids for every token of a step's
-global batch, the same whatever the parallel layout.
+"""Forced skewed routing for benchmarks (``moe.force_skew``): expert ids for any range of a step's
+global tokens, the same for a token whatever the parallel layout and whichever range it is drawn in.
 
 Shape legend: T tokens of the global batch, E experts, K experts per token.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
@@ -26,14 +28,38 @@ def skew_weights(kind: str, params: tuple, *, step: int, num_experts: int) -> to
     return w_E / w_E.sum()
 
 
-def skewed_assignment(weights_E: torch.Tensor, *, num_tokens: int, top_k: int, seed: int) -> torch.Tensor:
-    """``idx_TK`` int64: each token's K distinct experts, drawn without replacement with probabilities
-    proportional to ``weights_E`` (the Gumbel top-k trick), from a CPU generator seeded by ``seed``
-    alone: the same ids on every rank and at every layout."""
-    gen = torch.Generator().manual_seed(seed)
-    u_TE = torch.rand(num_tokens, weights_E.numel(), generator=gen, dtype=torch.float64).clamp_(min=1e-300)
-    keys_TE = weights_E.log() - (-u_TE.log()).log()
+SKEW_BLOCK = 256
+"""Tokens per generator: token t's uniforms come from block ``t // SKEW_BLOCK``'s generator, seeded by
+(seed, block) alone, so a rank draws the blocks its tokens lie in and no others."""
+
+
+def skewed_assignment(weights_E: torch.Tensor, *, num_tokens: int, top_k: int, seed: int,
+                      start: int = 0) -> torch.Tensor:
+    """``idx_TK`` int64 of global tokens ``start .. start + num_tokens - 1``: each token's K distinct
+    experts, drawn without replacement with probabilities proportional to ``weights_E`` (the Gumbel
+    top-k trick) from CPU generators seeded by ``seed`` and the token's block (``SKEW_BLOCK``): the
+    same ids for a token on every rank and at every layout, whatever range it is drawn in. Draws
+    fp32 uniforms for the blocks the range touches (at most ``num_tokens + 2 * SKEW_BLOCK`` rows of E)
+    and works in place on them: the only buffer of E per token."""
+    E = weights_E.numel()
+    if num_tokens <= 0:
+        return torch.empty(0, top_k, dtype=torch.int64)
+    first, last = start // SKEW_BLOCK, (start + num_tokens - 1) // SKEW_BLOCK
+    u_TE = torch.empty((last - first + 1) * SKEW_BLOCK, E, dtype=torch.float32)
+    for i, block in enumerate(range(first, last + 1)):
+        gen = torch.Generator().manual_seed(_block_seed(seed, block))
+        torch.rand(SKEW_BLOCK, E, generator=gen, dtype=torch.float32, out=u_TE[i * SKEW_BLOCK:(i + 1) * SKEW_BLOCK])
+    offset = start - first * SKEW_BLOCK
+    u_TE = u_TE[offset:offset + num_tokens]
+    # Gumbel keys log w - log(-log u); u = 0 clamped so that no key is -inf twice over.
+    keys_TE = u_TE.clamp_(min=1e-38).log_().neg_().log_().neg_().add_(weights_E.log().float())
     return keys_TE.topk(top_k, dim=-1).indices
+
+
+def _block_seed(seed: int, block: int) -> int:
+    """A generator seed per (seed, block), hashed so that no two (step, layer, block) share one."""
+    digest = hashlib.blake2b(f"{seed}:{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def skew_seed(step: int, layer: int) -> int:
