@@ -76,18 +76,17 @@ def source_folder(source: str | os.PathLike) -> Path | None:
 
 def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag: str, *,
                         writes: str = "export") -> None:
-    """ValueError naming ``flag`` when writing ``out`` could destroy what is read or trained: ``out``
-    is ``source``, contains it or lies inside it (inside a run folder only under its checkpoints/:
-    RUN/export is the documented place of a run's export), is a run or checkpoint folder (an
-    export written there replaces the run's config.yaml: the run resumes, and exports, from the
-    wrong config), or holds a model of the other format than the one ``writes`` ("export" or
-    "hf"), which the new files would overwrite in part."""
+    """ValueError naming ``flag`` when writing ``out`` could destroy what is read, trained or saved:
+    ``out`` is ``source`` or contains it; lies inside a run's checkpoints/ or inside a checkpoint
+    (a folder inside a run, an export or a Hugging Face folder is harmless: their readers look at
+    top-level files only, and RUN/export is the documented place of a run's export); is a run or
+    checkpoint folder (an export written there replaces the run's config.yaml: the run resumes, and
+    exports, from the wrong config); or holds a model of the other format than the one ``writes``
+    ("export" or "hf"), which the new files would overwrite in part."""
     src, dst = Path(source).resolve(), Path(out).resolve()
-    run = (src / CONFIG).is_file() and not is_export(src)
-    inside = src in dst.parents and (not run or dst.relative_to(src).parts[0] == "checkpoints")
-    if dst == src or dst in src.parents or inside:
-        raise ValueError(f"{flag} {str(out)!r} would overwrite the source {str(source)!r} (it is, contains or lies "
-                         "inside it): pick a folder apart from it")
+    if dst == src or dst in src.parents or (src in dst.parents and _inside_checkpoints(src, dst)):
+        raise ValueError(f"{flag} {str(out)!r} would overwrite the source {str(source)!r} (it is or contains it, "
+                         "or lies inside its checkpoints): pick a folder apart from it")
     checkpoint = (dst / MANIFEST).is_file() or (dst / ".metadata").is_file()
     if checkpoint or ((dst / CONFIG).is_file() and not is_export(dst)) or (dst / "checkpoints").is_dir():
         raise ValueError(f"{flag} {str(out)!r} is a moetrain {'checkpoint' if checkpoint else 'run'} folder: "
@@ -97,6 +96,17 @@ def check_output_folder(source: str | os.PathLike, out: str | os.PathLike, flag:
     if writes == "export" and (dst / "config.json").is_file() and not (dst / CONFIG).is_file():
         raise ValueError(f"{flag} {str(out)!r} is a Hugging Face model folder (config.json): pick a new or "
                          "export folder")
+
+
+def _inside_checkpoints(src: Path, dst: Path) -> bool:
+    """Whether ``dst``, inside ``src``, is where checkpoints are: under a run's checkpoints/, or
+    anywhere inside a source that is neither a run, an export nor a Hugging Face folder (a
+    checkpoint or a folder of them)."""
+    if is_export(src) or ((src / "config.json").is_file() and not (src / CONFIG).is_file()):
+        return False
+    if (src / CONFIG).is_file():
+        return dst.relative_to(src).parts[0] == "checkpoints"
+    return True
 
 
 def open_source(source: str | os.PathLike) -> tuple[dict, ExportTensors | CheckpointTensors, dict]:

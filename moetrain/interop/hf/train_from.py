@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from moetrain.config.loader import load_config, parse_overrides
-from moetrain.interop.export import CONFIG, is_export
+from moetrain.interop.export import CONFIG, check_output_folder, is_export
 from moetrain.interop.hf.convert import import_hf
 from moetrain.interop.hf.registry import hf_fingerprint, read_hf_config
 from moetrain.interop.sources import ExportTensors
@@ -83,6 +83,7 @@ def convert_once(hf_dir: Path, export: Path) -> None:
                 raise TimeoutError(f"waited {_WAIT_S:.0f} s for local rank 0 to convert {hf_dir} into {export}")
             time.sleep(1.0)
         return
+    check_output_folder(hf_dir, export, f"the --init-from-hf conversion (log.run_dir/{CACHE})")
     (export / CONFIG).unlink(missing_ok=True)  # a stale conversion is incomplete until rewritten
     import_hf(hf_dir, export)
 
