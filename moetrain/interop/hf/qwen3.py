@@ -18,7 +18,9 @@ from moetrain.interop.hf.llama import DenseFamily
 class Qwen3(DenseFamily):
     model_type = "qwen3"
     architecture = "Qwen3ForCausalLM"
-    hf_defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "intermediate_size": 22016}
+    # transformers' Qwen3Config defaults head_dim to 128, not hidden_size / num_attention_heads.
+    hf_defaults = {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768, "intermediate_size": 22016,
+                   "head_dim": 128}
     title = "Qwen3"
     qk_norm = "head"
 
