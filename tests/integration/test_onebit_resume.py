@@ -98,7 +98,7 @@ def test_onebit_resume_is_exact(tmp_path, shakespeare_cached, ep):
             residuals = [k for k in saved if k.startswith("residual/") and k != "residual/layout"]
             assert any(saved[k].any() for k in residuals) == (stop > WARMUP)
             # And ends where the run that never stopped ended, bit for bit.
-            assert _differ(got["final"], ref[r]["final"]) == []
+            assert _differ(got["final"], ref[r]["final"]) == [], stop
         got = resumed[0]["records"]
         assert [r["step"] for r in got] == list(range(stop + 1, STEPS + 1))
         for key in ("loss", "grad_norm", "grad_bytes"):

@@ -83,3 +83,33 @@ def test_no_warning_when_every_coordinate_had_a_gradient(caplog):
     with caplog.at_level(logging.WARNING, logger="moetrain"):
         _trained(3, 5, torch.ones(4))
     assert "had no gradient during the" not in caplog.text
+
+
+@pytest.mark.parametrize("new_warmup", [5, 10, 12, 100])
+def test_a_resume_with_another_warmup_keeps_the_correction_the_variance_froze_under(new_warmup):
+    """The variance froze after 10 steps; the resumed run's warmup (dp.onebit_warmup_steps, or 20%
+    of train.steps by default) may differ: a steady gradient still steps by lr, and the run stays
+    compressing (the frozen step is saved in the param groups)."""
+    ones = torch.ones(4)
+    w, opt, _ = _trained(10, 12, ones)
+    assert opt.param_groups[0]["onebit_frozen_at"] == 10
+    state = opt.state_dict()
+    w2 = torch.nn.Parameter(w.detach().clone())
+    resumed = OneBitAdam([{"params": [w2], "weight_decay": 0.0, "name": "decay"}], data_parallel=OneReplica(),
+                         warmup_steps=new_warmup, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    resumed.load_state_dict(state)
+    assert resumed.compressing and resumed.param_groups[0]["onebit_frozen_at"] == 10
+    torch.testing.assert_close(_next_step(w2, resumed, ones), ones, rtol=1e-4, atol=0)
+
+
+def test_masked_coordinates_get_weight_decay_only():
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = OneBitAdam([{"params": [w], "weight_decay": 0.1, "name": "decay"}], data_parallel=OneReplica(),
+                     warmup_steps=2, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(2):
+        w.grad = torch.tensor([1.0, 0.0, 0.0])
+        opt.step()
+    before = w.detach().clone()
+    w.grad = torch.ones(3)
+    opt.step()
+    torch.testing.assert_close(w.detach()[1:], before[1:] * (1 - 1e-2 * 0.1), rtol=0, atol=0)

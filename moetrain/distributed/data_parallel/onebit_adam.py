@@ -22,17 +22,20 @@ the averaged gradient, up to the compression error that the residuals feed back.
 
 Bias correction: AdamW's, so that the warmup equals torch's per-tensor AdamW bit for bit and the first compressed step
 continues it: m_hat = m / (1 - b1^t) at the current step t, v_hat = v / (1 - b2^t_v) with t_v the
-step v froze at, ``warmup_steps``. (DeepSpeed applies none, in either stage; its freeze_step is
-thousands of steps, where both corrections are 1.) A checkpoint of an uncompressed run resumed past
-the warmup freezes v at its saved step, later than ``warmup_steps``: dividing by 1 - b2^warmup_steps
-then over-corrects v slightly, which only shortens the steps.
+step v froze at. (DeepSpeed applies none, in either stage; its freeze_step is thousands of steps,
+where both corrections are 1.) t_v is recorded in each param group (``onebit_frozen_at``) when v
+freezes, so it is saved with the optimizer's state: a resume with another ``warmup_steps`` (or
+another ``train.steps``, which sets its default) keeps dividing by the correction v froze under and
+stays compressing, and a checkpoint of an uncompressed run resumed past the warmup freezes v at its
+saved step.
 
 Momentum mask: a coordinate whose gradient was exactly zero throughout the warmup has v = 0, and
 1-bit compression cannot send an exact zero (every element becomes +- its chunk's scale): its
 update would be scale / eps. DeepSpeed asks the user for an ``exp_avg_mask``; here the mask is
 v > 0, derived from the frozen variance itself and the same on every replica. Such a coordinate
-(an expert that got no token, an embedding row not seen in the warmup) then stays where it is for
-the rest of the run, as with DeepSpeed's mask: the freeze logs a warning with their count. Giving
+(an expert that got no token, an embedding row not seen in the warmup) then gets no update but
+weight decay for the rest of the run, as with DeepSpeed's mask: the freeze logs a warning with their
+count. Giving
 them a variance later would need their exact averaged gradient (the compressed momentum carries
 only its chunk's +- scale), an exchange the compression is there to avoid.
 
@@ -57,6 +60,9 @@ from moetrain.distributed.data_parallel.ddp import MoEDataParallel
 from moetrain.utils.tensors import local_tensor
 
 log = logging.getLogger("moetrain")
+
+FROZEN_AT = "onebit_frozen_at"
+"""Param-group key: the step count the variance froze at (saved with the optimizer's state)."""
 
 
 class OneBitAdam(torch.optim.AdamW):
@@ -93,14 +99,19 @@ class OneBitAdam(torch.optim.AdamW):
 
     @property
     def compressing(self) -> bool:
-        """Whether the next step is a compression-stage step."""
-        return self.num_steps() >= self.warmup_steps
+        """Whether the next step is a compression-stage step: the variance froze (in this run or in
+        the checkpoint it resumed), or the warmup is over."""
+        return any(FROZEN_AT in g for g in self.param_groups) or self.num_steps() >= self.warmup_steps
 
     def _follow_stage(self) -> None:
         compressing = self.compressing
+        if compressing:
+            frozen_at = self.num_steps()
+            for group in self.param_groups:
+                group.setdefault(FROZEN_AT, frozen_at)
         if compressing and not self.data_parallel.local_gradients:
             log.info("1-bit Adam: variance frozen after %d steps; momenta are 1-bit compressed from here on",
-                     self.warmup_steps)
+                     self.param_groups[0][FROZEN_AT])
             self._warn_unset_variance()
         self.data_parallel.set_local_gradients(compressing)
 
@@ -117,8 +128,8 @@ class OneBitAdam(torch.optim.AdamW):
             total = sum(v.numel() for v in vs)
             log.warning("1-bit Adam: %d of %d replicated coordinates (in %d tensors) had no gradient during the "
                         "%d warmup steps (experts without tokens, embedding rows not seen): their momentum is "
-                        "masked and they stay as they are for the rest of the run; a longer dp.onebit_warmup_steps "
-                        "trains them", unset, total, tensors, self.warmup_steps)
+                        "masked and they get no update but weight decay for the rest of the run; a longer "
+                        "dp.onebit_warmup_steps trains them", unset, total, tensors, self.param_groups[0][FROZEN_AT])
 
     def _state_of(self, p: torch.Tensor) -> dict:
         state = self.state[p]
@@ -179,7 +190,8 @@ class OneBitAdam(torch.optim.AdamW):
             if frozen_v:
                 # The momentum mask (module docstring): sign(v) is 1 where v > 0 and 0 where v == 0.
                 torch._foreach_mul_(ms, torch._foreach_sign(vs))
-            self._update(ps, ms, vs, self.param_groups[index], t=t, t_v=self.warmup_steps if frozen_v else t)
+            group = self.param_groups[index]
+            self._update(ps, ms, vs, group, t=t, t_v=group[FROZEN_AT] if frozen_v else t)
         self._follow_stage()
         return loss
 

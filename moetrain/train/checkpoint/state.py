@@ -326,7 +326,8 @@ def _check_against_metadata(path: Path, expected: dict[str, torch.Tensor], metad
 
 def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
     """The saved param groups in the live groups' shape: every live key from the checkpoint,
-    tuples (betas) as tuples, since JSON returns them as lists."""
+    tuples (betas) as tuples, since JSON returns them as lists, and the saved keys the live groups
+    lack (what an optimizer records as it trains, e.g. 1-bit Adam's ``onebit_frozen_at``)."""
     if not isinstance(saved, list) or len(saved) != len(live) or not all(isinstance(g, dict) for g in saved):
         count = len(saved) if isinstance(saved, list) else type(saved).__name__
         raise _mismatch(path, [f"optim.param_groups holds {count} groups, this optimizer {len(live)}"])
@@ -337,7 +338,7 @@ def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
         # model's); the saved values are its hyperparameters.
         groups.append({k: v if k == "params" else tuple(theirs[k])
                        if isinstance(v, tuple) and isinstance(theirs.get(k), list) else theirs.get(k)
-                       for k, v in mine.items()})
+                       for k, v in mine.items()} | {k: v for k, v in theirs.items() if k not in mine})
     if missing:
         raise _mismatch(path, _listed(missing, "missing entries"))
     return groups

@@ -101,7 +101,9 @@ def momentum_worker(rank: int, world_size: int, case: dict) -> dict:
         module.w.copy_(case["p"])
     opt.load_state_dict({"state": {0: {"step": torch.tensor(float(case["step"])), "exp_avg": case["m"].clone(),
                                        "exp_avg_sq": case["v"].clone()}},
-                         "param_groups": opt.state_dict()["param_groups"]})
+                         # A checkpoint of a run whose variance froze after its warmup records so.
+                         "param_groups": [g | {"onebit_frozen_at": case["warmup"]}
+                                          for g in opt.state_dict()["param_groups"]]})
     local_mode = ddp.local_gradients  # the load put the wrapper in the compression stage
     module.w.grad = case["grads"][rank].clone()
     opt.step()
