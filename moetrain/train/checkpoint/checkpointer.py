@@ -208,8 +208,7 @@ class Checkpointer:
         o = self.objects
         return {"step": step, "scheduler": copy.deepcopy(o.scheduler.state_dict()),
                 "scaler": o.scaler.state_dict(), "data": o.train_loader.state_dict(),
-                "skipped_total": skipped_total, "rng": capture_rng_state(),
-                **({"rebalance": o.rebalancer.state_dict()} if o.rebalancer is not None else {})}
+                "skipped_total": skipped_total, "rng": capture_rng_state()}
 
     def save(self, snapshot: dict, *, wait: bool = False) -> Path:
         """Save ``snapshot``'s step, data position, schedule and RNG with the current weights (after
@@ -226,6 +225,9 @@ class Checkpointer:
             # Taken now, not in the snapshot: skipped steps do not change it, and reading it is a
             # collective (the snapshot is taken after every step).
             trainer_state["balancer"] = self._balancer_state(o.balancer)
+        if o.rebalancer is not None:
+            # Likewise (a skipped step restores the load history and never re-plans).
+            trainer_state["rebalance"] = o.rebalancer.state_dict()
         layout = {"world_size": dims.world_size, "dp": dims.dp, "ep": dims.ep, "etp": dims.etp,
                   "tp": dims.tp, "pp": dims.pp, "zero_stage": self.cfg.parallel.zero_stage}
         args = dict(model=o.model, optimizer=o.optimizer, trainer_state=trainer_state, rng_state=rng,
