@@ -233,12 +233,13 @@ def _prune(folder: Path, *, keep_last: int, step: int) -> None:
 
 
 def warn_of_higher_steps(folder: Path, step: int) -> list[Path]:
-    """Warn of (and return) the checkpoints in ``folder`` past ``step``, where a run starts: another
-    run's, which this one's rotation leaves alone and nothing deletes unasked."""
+    """Warn of (and return) the checkpoints in ``folder`` past ``step``, where a run starts: saved by
+    a run that went further, which this one's rotation leaves alone and nothing deletes unasked."""
     higher = [path for s, path in list_checkpoints(folder) if s > step]
     if higher:
-        log.warning("%s holds checkpoints past step %d, where this run starts: %s. They are not this run's "
-                    "(checkpoint.resume=never, or a resume from an older checkpoint): checkpoint.keep_last "
+        log.warning("%s holds checkpoints past step %d, where this run starts: %s, saved by a run that "
+                    "went further (before checkpoint.resume=never, a resume from an older checkpoint, or a "
+                    "halt on non-finite steps, which resumes from the last good one): checkpoint.keep_last "
                     "leaves them, a save of the same step replaces one, and a resume without `latest` would "
                     "pick the newest. Delete them, or give each run its own log.run_dir", folder, step,
                     ", ".join(p.name for p in higher))
