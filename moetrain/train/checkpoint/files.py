@@ -162,13 +162,18 @@ def dcp_write_error(e: BaseException, folder: Path) -> str:
 
 def checkpoint_dir_error(folder: str | os.PathLike) -> str | None:
     """Why the run cannot save into ``folder`` (created if missing, then a probe file written and
-    removed there), as the ``checkpoint.dir`` error; None when it can."""
+    removed there), as the ``checkpoint.dir`` error; None when it can. A folder created here is
+    removed again (its parents stay): a run that never saves leaves no empty checkpoint folder, which
+    `moetrain export` would take for one whose saves were interrupted."""
     folder = Path(folder)
     probe = folder / f".write-probe-{os.getpid()}"
+    created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
         probe.write_bytes(b"probe")
         probe.unlink()
+        if created:
+            folder.rmdir()
     except OSError as e:
         return f"checkpoint.dir ({str(folder)!r}) cannot be written: {e}"
     return None
