@@ -13,20 +13,12 @@ import torch
 
 from moetrain.config.loader import load_config
 from moetrain.train.trainer import Trainer
+from tests.helpers.compile_calls import count_compiled_calls
 
 
 def test_compiled_blocks_run_on_every_logged_step(tmp_path, monkeypatch):
     calls: list[int] = []
-
-    def counting(gm, example_inputs):
-        def run(*args):
-            calls.append(1)
-            return gm.forward(*args)
-        return run
-
-    compile_module = torch.nn.Module.compile
-    monkeypatch.setattr(torch.nn.Module, "compile",
-                        lambda self, **kw: compile_module(self, **{**kw, "backend": counting}))
+    count_compiled_calls(monkeypatch, calls)
     torch._dynamo.reset()
     cfg = load_config("tiny", [
         "--parallel.ep=1", "--model.num_layers=2", "--model.dim=32", "--model.num_heads=2",

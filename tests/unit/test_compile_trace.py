@@ -16,6 +16,7 @@ from moetrain.train.routing_trace import RoutingRecorder
 from moetrain.train.routing_trace_read import TRACE_DIR, read_tensor, step_file
 from moetrain.train.trainer import Trainer
 from moetrain.utils.safetensors_io import read_header
+from tests.helpers.compile_calls import count_compiled_calls
 
 STEPS = 3
 
@@ -56,16 +57,8 @@ def _read(run_dir, step: int, prefix: str) -> dict[str, torch.Tensor]:
 
 def _compiled_run(run_dir, monkeypatch, trace: str) -> list[int]:
     calls: list[int] = []
-
-    def counting(gm, example_inputs):
-        def run(*args):
-            calls.append(1)
-            return gm.forward(*args)
-        return run
-
-    compile_module = torch.nn.Module.compile
     with monkeypatch.context() as m:
-        m.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_module(self, **{**kw, "backend": counting}))
+        count_compiled_calls(m, calls)
         torch._dynamo.reset()
         try:
             return _fit(Trainer(_config(run_dir, "--train.compile=true", f"--log.routing_trace={trace}",

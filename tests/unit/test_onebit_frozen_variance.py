@@ -1,8 +1,7 @@
 """1-bit Adam's frozen variance: a resume keeps the b2 it froze under, and the freeze names the
 coordinates its momentum mask holds still.
 
-The averaging is a one-replica stand-in (world 1: the mean over one replica is the tensor itself);
-the collectives are tested in tests/distributed/test_onebit_adam.py."""
+The averaging is a one-replica stand-in (tests/helpers/onebit.py)."""
 
 import logging
 
@@ -12,21 +11,9 @@ import torch
 from moetrain.config.optim import OptimConfig
 from moetrain.distributed.data_parallel.onebit_adam import OneBitAdam
 from moetrain.train.optim import apply_optim_config, build_scheduler
+from tests.helpers.onebit import OneReplica
 
 LR = 1e-3
-
-
-class OneReplica:
-    local_gradients = False
-
-    def has_replicas(self, p) -> bool:
-        return True
-
-    def set_local_gradients(self, on: bool) -> None:
-        self.local_gradients = on
-
-    def onebit_average_(self, params, tensors) -> None:
-        pass
 
 
 def _trained(warmup: int, steps: int, grad: torch.Tensor):

@@ -27,6 +27,7 @@ from moetrain.train.faults import Phase
 from moetrain.train.optim import build_optimizer, build_scheduler, lr_at, optimizer_settings, param_groups
 from moetrain.train.precision import DynamicLossScaler
 from tests.helpers.dist_launcher import run_ranks
+from tests.helpers.onebit import OneReplica
 
 STEPS = 8
 SAVED_AT = 3
@@ -34,21 +35,6 @@ OLD = dict(lr=1e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, muon_momentum
            muon_ns_steps=5, warmup_steps=2, schedule="cosine")
 NEW = dict(OLD, lr=1e-4, weight_decay=0.0, betas=(0.8, 0.99), eps=1e-6, muon_momentum=0.5, muon_nesterov=False,
            muon_ns_steps=3)
-
-
-class _OneReplica:
-    """1-bit Adam's data-parallel side with one replica (the momentum average is the identity)."""
-
-    local_gradients = False
-
-    def has_replicas(self, p) -> bool:
-        return True
-
-    def set_local_gradients(self, on: bool) -> None:
-        self.local_gradients = on
-
-    def onebit_average_(self, params, tensors) -> None:
-        pass
 
 
 class _Position:
@@ -84,7 +70,7 @@ def _build(kind: str, cfg: JobConfig, dims: ParallelDims, tmp_path):
     o = cfg.optim
     if kind == "onebit":
         opt: torch.optim.Optimizer = OneBitAdam(
-            param_groups(model, weight_decay=o.weight_decay), data_parallel=_OneReplica(), warmup_steps=2,
+            param_groups(model, weight_decay=o.weight_decay), data_parallel=OneReplica(), warmup_steps=2,
             lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)  # type: ignore[arg-type]
     else:
         opt = build_optimizer(model, **optimizer_settings(o))

@@ -1,0 +1,22 @@
+"""Count the compiled-graph calls of ``nn.Module.compile``'d blocks: a dynamo backend that runs each
+graph it is given and appends 1 to ``calls`` per call (graph breaks show as more calls a step, an
+eager fallback as none)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def count_compiled_calls(monkeypatch, calls: list[int]) -> None:
+    """Make every ``nn.Module.compile`` in the test use the counting backend (undone by
+    ``monkeypatch``; reset dynamo around the run)."""
+
+    def counting(gm, example_inputs):
+        def run(*args):
+            calls.append(1)
+            return gm.forward(*args)
+        return run
+
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile",
+                        lambda self, **kw: compile_module(self, **{**kw, "backend": counting}))
