@@ -100,3 +100,45 @@ def test_masked_coordinates_get_weight_decay_only():
     w.grad = torch.ones(3)
     opt.step()
     torch.testing.assert_close(w.detach()[1:], before[1:] * (1 - 1e-2 * 0.1), rtol=0, atol=0)
+
+
+def test_another_optimizer_drops_the_freeze_step_of_a_one_bit_checkpoint(tmp_path):
+    """1-bit Adam -> a resume with plain AdamW -> 1-bit Adam again: AdamW's checkpoint must not
+    carry the first stage's freeze step (its variance kept moving), so the second 1-bit stage
+    freezes at its own resumed step and steps by lr; with a longer warmup it is not compressing."""
+    from moetrain.train.checkpoint.state import load_checkpoint, save_checkpoint
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 1, bias=False)
+
+    def onebit(m, warmup):
+        return OneBitAdam([{"params": list(m.parameters()), "weight_decay": 0.0}], data_parallel=OneReplica(),
+                          warmup_steps=warmup, lr=LR, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+    def run(m, opt, n):
+        for _ in range(n):
+            m.weight.grad = torch.ones_like(m.weight)
+            opt.step()
+
+    m = model()
+    o = onebit(m, 2)
+    run(m, o, 5)
+    first = save_checkpoint(tmp_path / "ck", 5, model=m, optimizer=o, trainer_state={"step": 5})
+    m = model()
+    o = torch.optim.AdamW([{"params": list(m.parameters()), "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
+    load_checkpoint(first, model=m, optimizer=o)
+    assert "onebit_frozen_at" not in o.param_groups[0]
+    run(m, o, 20)
+    second = save_checkpoint(tmp_path / "ck", 25, model=m, optimizer=o, trainer_state={"step": 25})
+    m = model()
+    o = onebit(m, 2)
+    load_checkpoint(second, model=m, optimizer=o)
+    assert o.param_groups[0]["onebit_frozen_at"] == 25
+    # About lr (the first stage's three frozen steps left v a little off AdamW's): the stale freeze
+    # step 2 would divide by 1 - b2^2 and step 0.3 lr.
+    torch.testing.assert_close(_next_step(m.weight, o, torch.ones(1, 4)), torch.ones(1, 4), rtol=0.05, atol=0)
+    m = model()
+    o = onebit(m, 1000)
+    load_checkpoint(second, model=m, optimizer=o)
+    assert not o.compressing

@@ -74,6 +74,9 @@ class OneBitAdam(torch.optim.AdamW):
     the step count of the state, the same on every rank.
     """
 
+    carried_group_keys = frozenset({FROZEN_AT})
+    """Param-group keys a checkpoint load keeps though a fresh optimizer lacks them."""
+
     def __init__(self, params, *, data_parallel: MoEDataParallel, warmup_steps: int, lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float) -> None:
         if not isinstance(warmup_steps, int) or isinstance(warmup_steps, bool) or warmup_steps < 1:

@@ -324,10 +324,11 @@ def _check_against_metadata(path: Path, expected: dict[str, torch.Tensor], metad
         raise _mismatch(path, problems)
 
 
-def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
+def _param_groups(path: Path, live: list[dict], saved: Any, carried: frozenset[str] = frozenset()) -> list[dict]:
     """The saved param groups in the live groups' shape: every live key from the checkpoint,
-    tuples (betas) as tuples, since JSON returns them as lists, and the saved keys the live groups
-    lack (what an optimizer records as it trains, e.g. 1-bit Adam's ``onebit_frozen_at``)."""
+    tuples (betas) as tuples, since JSON returns them as lists, and of the saved keys the live
+    groups lack those in ``carried`` (what the live optimizer records as it trains and declares in
+    ``carried_group_keys``, e.g. 1-bit Adam's ``onebit_frozen_at``; another optimizer drops them)."""
     if not isinstance(saved, list) or len(saved) != len(live) or not all(isinstance(g, dict) for g in saved):
         count = len(saved) if isinstance(saved, list) else type(saved).__name__
         raise _mismatch(path, [f"optim.param_groups holds {count} groups, this optimizer {len(live)}"])
@@ -338,7 +339,7 @@ def _param_groups(path: Path, live: list[dict], saved: Any) -> list[dict]:
         # model's); the saved values are its hyperparameters.
         groups.append({k: v if k == "params" else tuple(theirs[k])
                        if isinstance(v, tuple) and isinstance(theirs.get(k), list) else theirs.get(k)
-                       for k, v in mine.items()} | {k: v for k, v in theirs.items() if k not in mine})
+                       for k, v in mine.items()} | {k: v for k, v in theirs.items() if k not in mine and k in carried})
     if missing:
         raise _mismatch(path, _listed(missing, "missing entries"))
     return groups
@@ -421,7 +422,8 @@ def load_checkpoint(path: str | os.PathLike, *, model: nn.Module, optimizer: tor
     try:
         state, live_groups = _read_state(path, reader, metadata, model, optimizer, rank, pipeline_group, ema_like)
         # 3. The JSON and RNG entries must decode before anything goes live.
-        groups = _param_groups(path, live_groups, json_entry(path, state, "optim.param_groups"))
+        groups = _param_groups(path, live_groups, json_entry(path, state, "optim.param_groups"),
+                               getattr(optimizer, "carried_group_keys", frozenset()))
         trainer_state = json_entry(path, state, "trainer")
         rng_state = state["rng"][f"rank{rank}"] if "rng" in state else None
         if not isinstance(trainer_state, dict) or "step" not in trainer_state:
