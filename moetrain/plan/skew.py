@@ -44,6 +44,7 @@ import torch
 
 from moetrain.config.force_skew import parse_force_skew
 from moetrain.config.job import JobConfig
+from moetrain.config.parallel import check_rebalancing
 from moetrain.models.moe.dispatcher import expert_capacity
 from moetrain.models.moe.skew import skew_seed, skew_weights, skewed_assignment
 from moetrain.plan.activations import estimate_activations
@@ -210,18 +211,32 @@ class SkewPlan:
                 "recommendation": self.recommendation}
 
 
-def _spare_slots(spare_slots, *, num_experts: int, ep: int) -> tuple[int, ...]:
-    """The spare-slot counts to plan: those given, each within the trainer's rule on
-    parallel.expert_slots_per_rank (num_experts / ep + spare <= num_experts), or by default the
-    ``SPARE_SLOTS`` that meet it (none at ep = 1)."""
-    home = num_experts // ep
+def _spare_slots(spare_slots, cfg: JobConfig, *, ep: int) -> tuple[int, ...]:
+    """The spare-slot counts to plan: those given, each under the trainer's rules for expert
+    rebalancing (``check_rebalancing``: num_experts / ep + spare <= num_experts, ep > 1, ZeRO 0/1,
+    no 1-bit Adam, ...), or by default the ``SPARE_SLOTS`` that meet them (none at ep = 1)."""
+    E = cfg.moe.num_experts
+    home = E // ep
+
+    def problem(r: int) -> str | None:
+        if home + r > E:
+            return (f"must be <= moe.num_experts - moe.num_experts / parallel.ep ({E - home}): "
+                    f"parallel.expert_slots_per_rank = {home} + {r} must be <= moe.num_experts ({E}), a rank "
+                    "holds each expert at most once")
+        par = replace(cfg.parallel, ep=ep, expert_slots_per_rank=home + r)
+        try:
+            check_rebalancing(par, num_experts=E, rebalance_every=max(1, cfg.moe.rebalance_every), is_moe=True,
+                              expert_choice=cfg.moe.is_expert_choice, grad_compression=cfg.dp.grad_compression)
+        except ValueError as e:
+            return f"this job cannot rebalance experts: {e}"
+        return None
+
     if spare_slots is None:
-        return tuple(r for r in SPARE_SLOTS if home + r <= num_experts)
+        return tuple(r for r in SPARE_SLOTS if problem(r) is None)
     for r in spare_slots:
-        if home + r > num_experts:
-            raise ValueError(f"--spare-slots ({r}) must be <= moe.num_experts - moe.num_experts / parallel.ep "
-                             f"({num_experts - home}): parallel.expert_slots_per_rank = {home} + {r} must be <= "
-                             f"moe.num_experts ({num_experts}), a rank holds each expert at most once")
+        why = problem(r)
+        if why is not None:
+            raise ValueError(f"--spare-slots ({r}) {why}")
     return tuple(spare_slots)
 
 
@@ -246,9 +261,12 @@ def make_skew_plan(cfg: JobConfig, *, nproc: int, nodes: int = 1, skew: str | No
             raise ValueError(f"parallel.{name} ({getattr(cfg.parallel, name)}) must be 1 for a skew plan: it plans "
                              "the dp x ep layouts")
     E, K = moe.num_experts, moe.top_k
-    spare_slots = _spare_slots(spare_slots, num_experts=E, ep=ep)
-    vectors = spec_shares(skew, num_experts=E, top_k=K) if skew is not None else trace_shares(routing_trace or "")
+    spare_slots = _spare_slots(spare_slots, cfg, ep=ep)
     flag, value = ("--skew", skew) if skew is not None else ("--routing-trace", routing_trace)
+    try:
+        vectors = spec_shares(skew, num_experts=E, top_k=K) if skew is not None else trace_shares(routing_trace or "")
+    except ValueError as e:
+        raise ValueError(f"{flag} ({value!r}): {e}") from e
     if not vectors:
         raise ValueError(f"{flag} ({value!r}) holds no complete step (every step lacks the file of some rank): "
                          "nothing to plan from")

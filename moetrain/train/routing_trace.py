@@ -209,7 +209,10 @@ class RoutingReplay:
 
     def __init__(self, path: str | os.PathLike, model: nn.Module, *, geometry: Geometry, first_step: int,
                  last_step: int, field: str = "moe.routing_replay") -> None:
-        self.folder, self.index = read_index(path)
+        try:
+            self.folder, self.index = read_index(path)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from e
         self.geometry = geometry
         self.layers = moe_layers(model)
         check_trace(self.folder, self.index, layer_names=[n for n, _ in self.layers], geometry=geometry,

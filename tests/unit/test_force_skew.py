@@ -115,3 +115,16 @@ def test_trace_errors_name_the_setting_that_gave_the_trace(tmp_path):
         assert error("counts", setting).startswith(f"{field}: trace ") and "does not fit" in error("counts", setting)
         # The index fits; the step files are missing.
         assert error("full", setting).startswith(f"{field}: trace file ")
+
+
+def test_a_missing_trace_is_named_by_the_setting_it_came_from(tmp_path):
+    from moetrain.config.loader import load_config
+    from moetrain.plan.skew import make_skew_plan
+    from moetrain.train.routing_trace import RoutingReplay
+
+    missing = tmp_path / "no_such_run"
+    cfg = load_config("tiny", ["--parallel.ep=2"])
+    with pytest.raises(ValueError, match=r"^--skew \('trace:"):
+        make_skew_plan(cfg, nproc=2, skew=f"trace:{missing}")
+    with pytest.raises(ValueError, match=r"^moe\.force_skew: routing trace"):
+        RoutingReplay(missing, None, geometry=None, first_step=1, last_step=2, field="moe.force_skew")

@@ -173,3 +173,15 @@ def test_spare_slots_beyond_the_trainers_slot_rule_are_refused(capsys):
                  "--spare-slots", "5", "--device-memory", "265MiB"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "--spare-slots (5)" in err
+
+
+@pytest.mark.parametrize("override, field", [("--dp.grad_compression=onebit", "dp.grad_compression"),
+                                              ("--parallel.zero_stage=2", "parallel.zero_stage")])
+def test_no_spare_slots_for_a_job_the_trainer_will_not_rebalance(override, field):
+    """Expert rebalancing is refused with 1-bit Adam and with ZeRO-2/3 (config.parallel.check_rebalancing):
+    the plan drops its default spare-slot rows there, and names the rule for an explicit --spare-slots."""
+    cfg = load_config("tiny", ["--parallel.ep=2", override])
+    rows = make_skew_plan(cfg, nproc=2, skew="hot:1:0.9", capacity_factors=()).rows
+    assert [r.spare_slots for r in rows] == [0]
+    with pytest.raises(ValueError, match=rf"--spare-slots \(1\) this job cannot rebalance experts: {field}"):
+        make_skew_plan(cfg, nproc=2, skew="hot:1:0.9", spare_slots=(1,))
