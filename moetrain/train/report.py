@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from pathlib import Path
@@ -16,6 +17,8 @@ import torch
 
 from moetrain.train.metrics import read_class_names, read_metrics
 from moetrain.train.routing_trace_read import INDEX, TRACE_DIR, rank_loads, straggler_factors
+
+log = logging.getLogger("moetrain")
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list]:
@@ -253,6 +256,14 @@ def _replica_loads(run_dir: Path) -> tuple[list[int], torch.Tensor, int | None] 
     records = [r for r in records if r.get("rank_copies")]
     if not records:
         return None
+    # A resume at another ep writes records of another width: the last layout's steps (from the
+    # resume on, when it restarted from the home layout) are the ones shown.
+    width = len(records[-1]["rank_copies"][0])
+    start = max((i + 1 for i, r in enumerate(records) if len(r["rank_copies"][0]) != width), default=0)
+    if start:
+        log.warning("%s: steps %d-%d ran at another ep; the replica load figure shows steps %d-%d only",
+                    path, records[0]["step"], records[start - 1]["step"], records[start]["step"], records[-1]["step"])
+        records = records[start:]
     load_SLP = torch.tensor([r["rank_copies"] for r in records], dtype=torch.float64)
     first_plan = next((r["step"] for r in records if r.get("rebalanced")), None)
     return [r["step"] for r in records], load_SLP, first_plan

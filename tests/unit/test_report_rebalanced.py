@@ -81,3 +81,18 @@ def test_run_without_rebalancing_keeps_the_trace_figure(tmp_path):
     got = json.loads(made[-1].read_text())
     assert got["rebalanced"] is False and "replicas" not in got
     assert got["layers"]["L"]["straggler_factor"] == [round(8 / 6, 5)] * 2
+
+
+def test_a_resume_at_another_ep_reports_the_last_layout(tmp_path, caplog):
+    """Steps 1-2 ran at ep = 2 and steps 3-4 at ep = 4 (a resume at another layout appends records of
+    another width): the replica figure keeps the last layout's steps and says which it left out."""
+    widths = {1: [8, 4], 2: [8, 4], 3: [3, 3, 3, 3], 4: [4, 3, 3, 2]}
+    with open(tmp_path / "rebalance.jsonl", "w") as f:
+        for step, copies in widths.items():
+            f.write(json.dumps({"step": step, "rank_copies": [copies], "replica_bytes": 0, "after_step_s": 0.0,
+                                "rebalanced": step == 4}) + "\n")
+    with caplog.at_level("WARNING", logger="moetrain"):
+        made = plot_rank_load(tmp_path, tmp_path)
+    rep = json.loads(made[-1].read_text())["replicas"]
+    assert rep["steps"] == [3, 4] and rep["layers"]["layer 0"]["straggler_factor"] == [1.0, round(4 / 3, 5)]
+    assert "steps 1-2 ran at another ep" in caplog.text
