@@ -58,7 +58,8 @@ class LogConfig:
     default) the checkpoints. `moetrain train --config <run_dir>/config.yaml` reproduces the run."""
 
     every: int = 10
-    """Log training metrics every n steps and at each checkpoint save (reading the loss is a host sync)."""
+    """Log training metrics every n steps, at each checkpoint save and at each evaluation
+    (train.eval_every) (reading the loss is a host sync)."""
 
     tensorboard: bool = True
     """Write TensorBoard event files to <run_dir>/tensorboard."""

@@ -392,10 +392,11 @@ class Trainer:
                 self.checkpointer.poll()  # a checkpoint that failed in the background stops the run here
                 self.train_step()
                 is_last, saves = self.step == t.steps, c.every > 0 and self.step % c.every == 0
-                # A checkpoint step closes the metrics window too: a resume never starts mid-window.
-                if self.step % lc.every == 0 or saves or is_last or self.interrupted or self.skips.halt:
-                    last = self.log_step(evaluate=t.eval_every > 0 and (self.step % t.eval_every == 0 or is_last),
-                                         test=is_last and self.classifier and t.eval_every > 0)
+                evals = t.eval_every > 0 and (self.step % t.eval_every == 0 or is_last)
+                # A checkpoint step closes the metrics window too (a resume never starts mid-window),
+                # and an evaluation step writes its record whatever log.every.
+                if self.step % lc.every == 0 or saves or evals or is_last or self.interrupted or self.skips.halt:
+                    last = self.log_step(evaluate=evals, test=is_last and self.classifier and t.eval_every > 0)
                     bar.show(last)
                 bar.update()
                 if self.skips.halt:
