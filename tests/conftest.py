@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # Tests are timed on a 2-core machine; more threads than cores only adds contention.
 torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -32,3 +33,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = [item for item in items if item.get_closest_marker("cuda") is None]
+
+
+@pytest.fixture
+def ep_mesh(tmp_path):
+    """A one-process gloo group and its 1-rank ``ep`` DeviceMesh, for DTensor expert shards in a
+    unit test; destroyed after it. A group left by an earlier test is that test's bug."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    assert not dist.is_initialized(), "an earlier test left a process group initialised"
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    finally:
+        dist.destroy_process_group()

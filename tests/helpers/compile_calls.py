@@ -20,3 +20,23 @@ def count_compiled_calls(monkeypatch, calls: list[int]) -> None:
     compile_module = torch.nn.Module.compile
     monkeypatch.setattr(torch.nn.Module, "compile",
                         lambda self, **kw: compile_module(self, **{**kw, "backend": counting}))
+
+
+def fit_counting_calls(trainer, calls: list[int] | None = None) -> list[int]:
+    """Run ``trainer.fit()`` (and close it); the compiled-graph calls each training step made, from
+    ``calls`` as ``count_compiled_calls`` fills it (zeros when not counting)."""
+    per_step: list[int] = []
+    step = trainer.train_step
+
+    def counted_step():
+        before = len(calls or [])
+        out = step()
+        per_step.append(len(calls or []) - before)
+        return out
+
+    trainer.train_step = counted_step
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return per_step

@@ -13,7 +13,7 @@ import torch
 
 from moetrain.config.loader import load_config
 from moetrain.train.trainer import Trainer
-from tests.helpers.compile_calls import count_compiled_calls
+from tests.helpers.compile_calls import count_compiled_calls, fit_counting_calls
 
 
 def test_compiled_blocks_run_on_every_logged_step(tmp_path, monkeypatch):
@@ -27,21 +27,9 @@ def test_compiled_blocks_run_on_every_logged_step(tmp_path, monkeypatch):
         "--train.eval_every=0", "--train.compile=true", "--log.every=1", "--log.memory=true",
         "--checkpoint.save_final=false", "--log.report=false", "--log.progress_bar=false", "--log.tensorboard=false",
         f"--log.run_dir={tmp_path}", "--checkpoint.resume=never"])
-    trainer = Trainer(cfg)
-    per_step: list[int] = []
-    step = trainer.train_step
-
-    def counted_step():
-        before = len(calls)
-        out = step()
-        per_step.append(len(calls) - before)
-        return out
-
-    trainer.train_step = counted_step  # type: ignore[method-assign]
     try:
-        trainer.fit()
+        per_step = fit_counting_calls(Trainer(cfg), calls)
     finally:
-        trainer.close()
         torch._dynamo.reset()
     assert len(per_step) == 5 and min(per_step) > 0 and len(set(per_step)) == 1, per_step
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -16,7 +16,7 @@ from moetrain.train.routing_trace import RoutingRecorder
 from moetrain.train.routing_trace_read import TRACE_DIR, read_tensor, step_file
 from moetrain.train.trainer import Trainer
 from moetrain.utils.safetensors_io import read_header
-from tests.helpers.compile_calls import count_compiled_calls
+from tests.helpers.compile_calls import count_compiled_calls, fit_counting_calls
 
 STEPS = 3
 
@@ -28,25 +28,6 @@ def _config(run_dir, *overrides: str):
         "--train.eval_every=0", "--log.every=1", "--log.memory=false", "--train.seed=3",
         "--checkpoint.save_final=false", "--log.report=false", "--log.progress_bar=false", "--log.tensorboard=false",
         f"--log.run_dir={run_dir}", "--checkpoint.resume=never", *overrides])
-
-
-def _fit(trainer: Trainer, calls: list[int] | None = None) -> list[int]:
-    """Runs the trainer; the compiled-graph calls of each step when ``calls`` counts them."""
-    per_step: list[int] = []
-    step = trainer.train_step
-
-    def counted_step():
-        before = len(calls or [])
-        out = step()
-        per_step.append(len(calls or []) - before)
-        return out
-
-    trainer.train_step = counted_step  # type: ignore[method-assign]
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return per_step
 
 
 def _read(run_dir, step: int, prefix: str) -> dict[str, torch.Tensor]:
@@ -61,7 +42,7 @@ def _compiled_run(run_dir, monkeypatch, trace: str) -> list[int]:
         count_compiled_calls(m, calls)
         torch._dynamo.reset()
         try:
-            return _fit(Trainer(_config(run_dir, "--train.compile=true", f"--log.routing_trace={trace}",
+            return fit_counting_calls(Trainer(_config(run_dir, "--train.compile=true", f"--log.routing_trace={trace}",
                                         "--train.micro_batch_size=4")), calls)
         finally:
             torch._dynamo.reset()
@@ -72,7 +53,7 @@ def test_counts_trace_adds_no_compiled_graph_and_records_the_eager_counts(tmp_pa
     counts = _compiled_run(tmp_path / "counts", monkeypatch, "counts")
     assert len(off) == STEPS and min(off) > 0
     assert counts == off, f"compiled-graph calls per step: {counts} with the counts trace, {off} without"
-    _fit(Trainer(_config(tmp_path / "eager", "--log.routing_trace=counts", "--train.micro_batch_size=4")))
+    fit_counting_calls(Trainer(_config(tmp_path / "eager", "--log.routing_trace=counts", "--train.micro_batch_size=4")))
     for step in range(1, STEPS + 1):
         compiled, eager = _read(tmp_path / "counts", step, "counts."), _read(tmp_path / "eager", step, "counts.")
         assert list(eager) == ["layers.0.feed_forward", "layers.1.feed_forward"]
@@ -93,7 +74,7 @@ def test_counts_equal_the_bincount_of_the_full_trace_with_checkpointing_and_accu
                                     geometry=counts_recorder.geometry, num_micro=2, rank=0, world_size=1, ep=1,
                                     is_main=True, start_step=0)
     trainer.routing.parts.append(full_recorder)
-    _fit(trainer)
+    fit_counting_calls(trainer)
     for step in range(1, STEPS + 1):
         counts, ids = _read(tmp_path, step, "counts."), _read(tmp_path / "full", step, "ids.")
         assert list(counts) == list(ids) and len(ids) == 2

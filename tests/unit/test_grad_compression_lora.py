@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from moetrain.config import JobConfig
@@ -39,16 +37,6 @@ def test_config_accepts_the_layouts_that_keep_a_replicated_gradient(mode):
     _job(mode, ep=1)  # the expert adapters are plain replicated parameters
     _job(mode, ep=2, targets=("experts", "attention"))  # the attention adapters are replicated
     _job("none", ep=2)
-
-
-@pytest.fixture
-def ep_mesh(tmp_path):
-    assert not dist.is_initialized(), "an earlier test left a process group initialised"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("mode", ["bf16", "onebit"])

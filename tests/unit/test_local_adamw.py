@@ -8,9 +8,7 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -83,16 +81,6 @@ def test_resumes_from_a_per_tensor_adamw_state():
     assert all(s["step"].item() == 6 for s in opt.state.values())
 
 
-@pytest.fixture
-def mesh(tmp_path):
-    assert not dist.is_initialized(), "an earlier test left a process group initialised"
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
-    finally:
-        dist.destroy_process_group()
-
-
 class _DTensorOps(TorchDispatchMode):
     """The ATen operations called with a DTensor argument (a mode sees them before DTensor does)."""
 
@@ -106,16 +94,16 @@ class _DTensorOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_group_mixing_dtensors_steps_without_dtensor_dispatch(mesh):
+def test_a_group_mixing_dtensors_steps_without_dtensor_dispatch(ep_mesh):
     plain, ref = _params(), _params()
-    mixed = [nn.Parameter(distribute_tensor(p.detach().clone(), mesh, [Shard(0)])) if i == 0 else p
+    mixed = [nn.Parameter(distribute_tensor(p.detach().clone(), ep_mesh, [Shard(0)])) if i == 0 else p
              for i, p in enumerate(plain)]
     opt = LocalAdamW(_groups(mixed), **HYPER)
     g = torch.Generator().manual_seed(1)
     grads = [[torch.randn(p.shape, generator=g) for p in ref] for _ in range(3)]
     for step, step_grads in enumerate(grads):
         for p, grad in zip(mixed, step_grads, strict=True):
-            p.grad = distribute_tensor(grad, mesh, [Shard(0)]) if isinstance(p, DTensor) else grad
+            p.grad = distribute_tensor(grad, ep_mesh, [Shard(0)]) if isinstance(p, DTensor) else grad
         with _DTensorOps() as seen:
             opt.step()
         # The first step creates the DTensor moments; no step touches a DTensor otherwise.
@@ -130,9 +118,9 @@ def test_a_group_mixing_dtensors_steps_without_dtensor_dispatch(mesh):
         assert torch.equal(p.full_tensor() if isinstance(p, DTensor) else p, q)
 
 
-def test_refuses_a_gradient_placed_unlike_its_parameter(mesh):
-    p = nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
-    p.grad = distribute_tensor(torch.ones(4, 2), mesh, [Replicate()])
+def test_refuses_a_gradient_placed_unlike_its_parameter(ep_mesh):
+    p = nn.Parameter(distribute_tensor(torch.ones(4, 2), ep_mesh, [Shard(0)]))
+    p.grad = distribute_tensor(torch.ones(4, 2), ep_mesh, [Replicate()])
     with pytest.raises(ValueError, match=r"gradient placed as \(Replicate\(\),\) for a parameter placed as "
                                          r"\(Shard\(dim=0\),\)"):
         LocalAdamW([p], **HYPER).step()

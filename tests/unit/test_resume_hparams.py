@@ -42,7 +42,7 @@ class _Position:
         return {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        """A loader with no position to restore (these tests read no data)."""
 
 
 @pytest.fixture

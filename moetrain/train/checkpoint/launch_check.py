@@ -23,7 +23,8 @@ def check_job_checkpoints(cfg: JobConfig) -> None:
     is not an export folder, when ``checkpoint.resume`` names a path that holds no checkpoint, or
     when the checkpoint the run would resume from holds another model (``same_model``)."""
     _check_named_checkpoints(cfg)
-    # Last: it creates the folder, which a job refused for another reason should not leave behind.
+    # Last: it creates the folder's parents (the run folder), which a job refused for another reason
+    # should not leave behind.
     error = checkpoint_dir_error(checkpoint_folder(cfg.log.run_dir, cfg.checkpoint.dir))
     if error is not None:
         raise ValueError(error)
